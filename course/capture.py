@@ -1,0 +1,91 @@
+"""Trying a CUDA graph capture safely: warm-up on a side stream, capture, report, recover.
+
+A failed capture must never poison later work: :func:`try_capture` catches the
+error, makes sure no stream is left capturing, synchronizes, and checks that a
+fresh op still runs, so the next cell (or test) starts clean.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .runtime import CourseEnvironmentError, runtime
+
+
+@dataclasses.dataclass
+class CaptureOutcome:
+    """What happened when ``fn`` was captured."""
+
+    ok: bool
+    error_type: str | None = None
+    error: str | None = None  # first line of the root-cause message
+    graph: object = None  # the torch.cuda.CUDAGraph when ok
+    output: object = None  # what fn returned during capture (static output tensors)
+
+    def __str__(self) -> str:
+        return "captured" if self.ok else f"capture failed: {self.error_type}: {self.error}"
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The first error in the chain: what ``fn`` raised, not what ending the capture raised."""
+    seen = exc
+    while seen.__context__ is not None and seen.__context__ is not seen:
+        seen = seen.__context__
+    return seen
+
+
+def require_gpu(what: str) -> None:
+    """Raise a clear error when ``what`` needs the GPU path."""
+    rt = runtime()
+    if not rt.on_gpu:
+        raise CourseEnvironmentError(f"{what} needs a real GPU; this notebook runs on the simulator ({rt.reason}) "
+                                     "so the course shows reference results recorded on a GPU instead.")
+
+
+def recover() -> None:
+    """Leave CUDA usable after a failed capture: no capture in progress, queue drained, ops run."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    torch.cuda.synchronize()
+    probe = torch.ones(4, device="cuda") * 2
+    assert float(probe.sum()) == 8.0, "CUDA did not recover after the failed capture"
+
+
+def warm_up(fn, iters: int = 3):
+    """Run ``fn`` ``iters`` times on a side stream (lazy init, allocator, cuBLAS handles), then join."""
+    import torch
+
+    out = None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    return out
+
+
+def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
+    """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
+
+    Never raises for a capture failure: the outcome carries the root-cause error.
+    Errors during warm-up (the function is broken even eagerly) are raised as is.
+    """
+    require_gpu("capturing a CUDA graph")
+    import torch
+
+    warm_up(fn, warmup)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    except Exception as e:  # noqa: BLE001 - we report every capture failure
+        cause = _root_cause(e)
+        recover()
+        msg = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
+        return CaptureOutcome(False, type(cause).__name__, msg)
+    return CaptureOutcome(True, graph=graph, output=out)

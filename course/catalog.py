@@ -1,0 +1,59 @@
+"""The course map: every notebook, lab and solution, in teaching order."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One notebook of the course."""
+
+    path: str  # relative to the repository root
+    title: str
+    kind: str  # "lesson", "lab" or "solution"
+    summary: str
+
+
+CATALOG = (
+    Entry("notebooks/00_start_here.ipynb", "Start here", "lesson",
+          "what the course is, the doctor's verdict, GPU path vs simulator path, the map"),
+    Entry("notebooks/01_launch_overhead.ipynb", "Launch overhead", "lesson",
+          "why small kernels make the GPU wait for the CPU: measured, swept, profiled"),
+    Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
+          "torch.cuda.CUDAGraph: warm-up, static inputs, replay, what freezes at capture"),
+    Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
+          "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder"),
+    Entry("labs/lab1_embedding_kernel.ipynb", "Lab 1: an embedding kernel in Numba CUDA", "lab",
+          "write the lookup kernel, then a faster one; checked against F.embedding"),
+    Entry("labs/lab2_embedding_swap.ipynb", "Lab 2: swap, capture, replay", "lab",
+          "the CPU-copy embedding cannot be captured; the device kernel can"),
+    Entry("solutions/lab1_embedding_kernel.ipynb", "Lab 1 solution", "solution",
+          "the reference answers for lab 1"),
+    Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",
+          "the reference answers for lab 2"),
+)
+
+
+def entries(kind: str | None = None) -> list:
+    """Catalog entries, optionally of one kind."""
+    return [e for e in CATALOG if kind is None or e.kind == kind]
+
+
+def all_notebooks_on_disk(root: Path = ROOT) -> list:
+    """Every .ipynb under notebooks/, labs/ and solutions/ (what nbval must collect)."""
+    out = []
+    for d in ("notebooks", "labs", "solutions"):
+        out += sorted(p for p in (root / d).glob("*.ipynb"))
+    return out
+
+
+def course_map() -> str:
+    """The map as Markdown-ish text, for notebook 00 and the README."""
+    lines = []
+    for e in CATALOG:
+        if e.kind != "solution":
+            lines.append(f"- {e.path}: {e.title}: {e.summary}")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Plot helpers: every figure carries the provenance of its numbers underneath."""
+from __future__ import annotations
+
+import textwrap
+
+
+def _plt():
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    """A figure with ``ncols`` side-by-side axes; returns (fig, axes list)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def caption(fig, *results, extra: str = "") -> str:
+    """Write each result's provenance under the figure (and return the text)."""
+    lines = []
+    for r in results:
+        c = r.caption()
+        if c not in lines:
+            lines.append(c)
+    if extra:
+        lines.append(extra)
+    text = "\n".join(textwrap.fill(l, 130) for l in lines)
+    fig.text(0.01, -0.02, text, ha="left", va="top", fontsize=7.5, color="0.3")
+    return text
+
+
+def lines(ax, result, x: str, y: str, *, by: str | None = None, label: str | None = None,
+          logx: bool = True, logy: bool = True, **kw) -> None:
+    """Plot column ``y`` against ``x`` (one line per value of ``by``), labelled with units."""
+    groups = [None] if by is None else sorted({r[by] for r in result.rows}, key=str)
+    for g in groups:
+        rows = [r for r in result.rows if by is None or r[by] == g]
+        rows.sort(key=lambda r: r[x])
+        lab = label if g is None else f"{label + ': ' if label else ''}{g}"
+        ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o", ms=3, label=lab, **kw)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ux, uy = result.columns.get(x, ""), result.columns.get(y, "")
+    ax.set_xlabel(f"{x} [{ux}]" if ux else x)
+    ax.set_ylabel(f"{y} [{uy}]" if uy else y)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def bars(ax, labels, values, unit: str, *, errors=None, title: str = "", log: bool = False) -> None:
+    """Horizontal bars with the value written at the end of each bar."""
+    ys = range(len(labels))
+    ax.barh(list(ys), values, xerr=errors, color="tab:blue", alpha=0.8)
+    ax.set_yticks(list(ys), labels)
+    ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
+    for yv, v in zip(ys, values):
+        ax.text(v, yv, f" {v:.3g} {unit}", va="center", fontsize=8)
+    ax.set_xlabel(unit)
+    if title:
+        ax.set_title(title)
+
+
+def timeline(ax, rows, *, lane: str = "lane", start: str = "start_us", dur: str = "dur_us",
+             name: str = "name", title: str = "") -> None:
+    """A Gantt chart: one horizontal lane per value of ``lane`` (e.g. CPU, GPU)."""
+    lanes = []
+    for r in rows:
+        if r[lane] not in lanes:
+            lanes.append(r[lane])
+    colours = {l: c for l, c in zip(lanes, ["tab:orange", "tab:green", "tab:blue", "tab:red", "tab:purple"])}
+    for r in rows:
+        y = lanes.index(r[lane])
+        ax.broken_barh([(r[start], max(r[dur], 0.05))], (y - 0.35, 0.7), color=colours[r[lane]], alpha=0.85)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("time [us]")
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)

@@ -1,0 +1,61 @@
+"""Where a number came from: device, driver, library versions and date."""
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import shutil
+import subprocess
+from importlib import metadata
+
+from .runtime import runtime
+
+
+def package_version(name: str) -> str | None:
+    """Installed version of a distribution, or None if it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version, or None when there is no driver."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return None
+
+
+def provenance() -> dict:
+    """A dict that travels with every result: path, device, driver, versions, date (UTC)."""
+    import torch
+
+    rt = runtime()
+    return {
+        "path": rt.path,
+        "device": rt.device_name,
+        "driver": driver_version() if rt.on_gpu else None,
+        "cuda_runtime": torch.version.cuda,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numba": package_version("numba"),
+        "numba_cuda": package_version("numba-cuda"),
+        "numpy": package_version("numpy"),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def describe(prov: dict) -> str:
+    """One line: device, driver and versions, for captions."""
+    bits = [prov.get("device", "?")]
+    if prov.get("driver"):
+        bits.append(f"driver {prov['driver']}")
+    bits.append(f"torch {prov.get('torch')}")
+    bits.append(f"numba-cuda {prov.get('numba_cuda')}")
+    bits.append(f"numpy {prov.get('numpy')}")
+    return ", ".join(bits)

@@ -1,0 +1,136 @@
+"""Registered experiments and the reference results recorded for them on a real GPU.
+
+An experiment is a function decorated with :func:`experiment` that returns a
+:class:`~course.results.Result`. Notebooks call :func:`run`: on the GPU path a GPU
+experiment runs live; on the simulator path it is loaded from
+``course/reference/<name>.json``. Those files are written only by
+``python -m course bench`` on a GPU (:func:`bench`), never by hand; each carries a
+checksum that :class:`~course.results.Result` verifies when it loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+
+from .results import Result
+from .runtime import runtime
+
+REFERENCE_DIR = Path(__file__).with_name("reference")
+
+# Modules that define experiments; imported by bench() and the tests.
+EXPERIMENT_MODULES = (
+    "course.launch",
+    "course.graphs",
+    "course.hazards",
+    "course.embedding_bench",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A registered experiment."""
+
+    name: str
+    fn: object
+    gpu_only: bool
+    quick: dict  # keyword arguments for a fast live run (used by tests and the CPU path)
+
+
+_REGISTRY: dict = {}
+
+
+def experiment(name: str, *, gpu_only: bool = True, quick: dict | None = None):
+    """Register ``fn(**params) -> Result`` under ``name``.
+
+    ``gpu_only`` experiments need a real GPU; on the simulator path :func:`run` loads
+    their reference result instead. ``quick`` gives small parameters for smoke tests.
+    """
+    def deco(fn):
+        if name in _REGISTRY and _REGISTRY[name].fn.__qualname__ != fn.__qualname__:
+            raise ValueError(f"experiment {name!r} is registered twice")
+        _REGISTRY[name] = Experiment(name, fn, gpu_only, dict(quick or {}))
+        return fn
+    return deco
+
+
+def load_all() -> dict:
+    """Import every experiment module (those that exist) and return the registry."""
+    for mod in EXPERIMENT_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    return dict(_REGISTRY)
+
+
+def get(name: str) -> Experiment:
+    """The registered experiment called ``name``."""
+    if name not in _REGISTRY:
+        load_all()
+    if name not in _REGISTRY:
+        raise KeyError(f"no experiment called {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def reference_path(name: str) -> Path:
+    """Where the reference result for ``name`` lives."""
+    return REFERENCE_DIR / f"{name}.json"
+
+
+def load_reference(name: str) -> Result:
+    """The reference result recorded on a GPU for ``name``; a clear error if there is none."""
+    path = reference_path(name)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"No reference data for {name!r} yet ({path}). It is recorded on a GPU with "
+            "`python -m course bench`; on this machine the experiment cannot run live.")
+    return Result.from_dict(json.loads(path.read_text()))
+
+
+def run(name: str, **params) -> Result:
+    """Run ``name`` live when this machine can, else load the GPU reference result.
+
+    GPU path: always live. Simulator path: live for experiments that are not GPU-only,
+    reference data for GPU-only ones (the returned result says so in ``source`` and
+    in its caption).
+    """
+    exp = get(name)
+    if exp.gpu_only and not runtime().on_gpu:
+        return load_reference(name)
+    res = exp.fn(**params)
+    if not isinstance(res, Result):
+        raise TypeError(f"experiment {name!r} returned {type(res).__name__}, not a Result")
+    return res
+
+
+def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=print) -> list:
+    """Run GPU experiments on a real GPU and write their reference JSON files.
+
+    Refuses on the simulator path: reference data must come from a GPU.
+    Returns the list of files written.
+    """
+    rt = runtime()
+    if not rt.on_gpu:
+        raise RuntimeError(f"`course bench` writes reference data and needs a real GPU. {rt.reason} "
+                           + (f"Fix: {rt.fixes[0]}" if rt.fixes else ""))
+    reg = load_all()
+    names = list(names) if names else sorted(n for n, e in reg.items() if e.gpu_only)
+    unknown = [n for n in names if n not in reg]
+    if unknown:
+        raise KeyError(f"unknown experiments {unknown}; known: {sorted(reg)}")
+    out_dir = Path(out_dir or REFERENCE_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for n in names:
+        exp = reg[n]
+        log(f"bench: {n} ...")
+        res = exp.fn(**(exp.quick if quick else {}))
+        res.params = {**res.params, "quick": quick}
+        path = out_dir / f"{n}.json"
+        path.write_text(json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
+        log(f"bench: wrote {path}")
+        written.append(path)
+    return written

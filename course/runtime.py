@@ -1,0 +1,262 @@
+"""The course's one runtime decision: a real CUDA GPU, or the Numba CUDA simulator.
+
+Everything in the course asks this module which path it is on; nothing else
+detects devices. The decision is made once per process, before numba is first
+imported (the simulator must be switched on with ``NUMBA_ENABLE_CUDASIM=1``
+before that import), and it is passed to child processes (notebook kernels)
+through the environment so they do not probe again.
+
+The CUDA path needs both halves to work: torch must see a GPU *and* numba-cuda
+must compile and launch a trivial kernel there. The second half is checked in a
+subprocess, so that a failure (for example numpy 2.5, which removed
+``np.row_stack`` that numba-cuda 0.30 still calls) cannot leave this process
+with a half-initialised ``numba.cuda``.
+
+Set ``COURSE_PATH=sim`` to force the simulator (also on a GPU machine), or
+``COURSE_PATH=cuda`` to insist on the GPU (the decision then fails loudly
+instead of falling back).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+
+ENV_FORCE = "COURSE_PATH"
+ENV_CACHE = "COURSE_RUNTIME_DECISION"
+
+SIM, CUDA = "sim", "cuda"
+
+# A trivial kernel, compiled and launched in a fresh interpreter.
+_PROBE = r"""
+import json, sys
+out = {}
+try:
+    import numpy as np
+    from numba import cuda
+    @cuda.jit
+    def add_one(a):
+        i = cuda.grid(1)
+        if i < a.size:
+            a[i] += 1
+    a = cuda.to_device(np.zeros(32, dtype=np.float32))
+    add_one[1, 32](a)
+    ok = bool((a.copy_to_host() == 1).all())
+    out = {"ok": ok, "error": None if ok else "kernel ran but gave a wrong result"}
+except BaseException as e:  # report anything, never crash the probe
+    out = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+print("COURSE_PROBE " + json.dumps(out))
+"""
+
+
+class CourseEnvironmentError(RuntimeError):
+    """The environment cannot run the course; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The path the course takes in this process, and why."""
+
+    path: str  # "cuda" or "sim"
+    reason: str  # one sentence: why this path was taken
+    device: str  # torch device string: "cuda:0" or "cpu"
+    device_name: str  # e.g. "NVIDIA H100 80GB HBM3" or "CPU (Numba CUDA simulator)"
+    fixes: tuple = ()  # concrete steps that would enable the GPU path, if any apply
+
+    @property
+    def on_gpu(self) -> bool:
+        """True on the real-GPU path."""
+        return self.path == CUDA
+
+    def describe(self) -> str:
+        """A short human sentence for notebook headers."""
+        where = "a real GPU" if self.on_gpu else "the Numba CUDA simulator (CPU)"
+        return f"Running on {where}: {self.device_name}. {self.reason}"
+
+    def to_json(self) -> str:
+        """Serialise (used to pass the decision to child processes)."""
+        return json.dumps(dataclasses.asdict(self))
+
+
+def _probe_numba_cuda(timeout: float = 180.0) -> tuple[bool, str | None]:
+    """Compile and launch a trivial numba-cuda kernel in a fresh interpreter."""
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return False, f"the numba-cuda probe did not finish in {timeout:.0f} s"
+    for line in proc.stdout.splitlines():
+        if line.startswith("COURSE_PROBE "):
+            res = json.loads(line[len("COURSE_PROBE "):])
+            return res["ok"], res["error"]
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return False, f"the numba-cuda probe crashed (exit {proc.returncode}): {tail[0]}"
+
+
+def explain_numba_failure(error: str) -> tuple[str, tuple[str, ...]]:
+    """Turn a numba-cuda failure message into a reason and concrete fixes."""
+    import numpy as np
+
+    if "row_stack" in error or not hasattr(np, "row_stack"):
+        return (f"numba-cuda cannot compile kernels with numpy {np.__version__} "
+                "(numpy 2.5 removed np.row_stack, which numba-cuda 0.30 uses)",
+                ("pip install 'numpy<2.5'",))
+    if "libcudart" in error or "NVVM" in error or "libnvvm" in error or "cuda_bindings" in error:
+        return (f"numba-cuda cannot find the CUDA libraries it needs ({error})",
+                ("pip install 'numba-cuda[cu12]' (or [cu13], matching your driver)",))
+    return (f"numba-cuda cannot launch a kernel: {error}",
+            ("run `python -m course doctor` and follow its advice",))
+
+
+def _decide() -> Runtime:
+    forced = os.environ.get(ENV_FORCE, "").strip().lower()
+    if forced and forced not in (SIM, CUDA):
+        raise CourseEnvironmentError(
+            f"{ENV_FORCE}={forced!r} is not understood: use {ENV_FORCE}=sim or {ENV_FORCE}=cuda, or unset it.")
+    if forced == SIM or (os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and forced != CUDA):
+        why = (f"forced by {ENV_FORCE}=sim" if forced == SIM
+               else "NUMBA_ENABLE_CUDASIM=1 was set before the course started")
+        return Runtime(SIM, f"Simulator path, {why}.", "cpu", "CPU (Numba CUDA simulator)")
+    try:
+        import torch
+    except ImportError as e:
+        raise CourseEnvironmentError(
+            f"PyTorch is not installed ({e}). Run `make setup` (or `pip install -e .`) and restart the kernel.") from None
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            reason = f"this torch ({torch.__version__}) is a CPU build, so no GPU can be used"
+            fixes = ("on a machine with an NVIDIA GPU, install a CUDA build of torch: https://pytorch.org/get-started/locally/",)
+        else:
+            reason = "torch is a CUDA build but sees no GPU (no NVIDIA driver or device visible)"
+            fixes = ("check `nvidia-smi`; on a laptop without an NVIDIA GPU the simulator path is the right one",)
+        if forced == CUDA:
+            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
+        return Runtime(SIM, f"Simulator path: {reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
+
+    ok, error = _probe_numba_cuda()
+    if not ok:
+        reason, fixes = explain_numba_failure(error or "")
+        if forced == CUDA:
+            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
+        return Runtime(SIM, f"Simulator path: torch sees {torch.cuda.get_device_name(0)}, but {reason}.",
+                       "cpu", "CPU (Numba CUDA simulator)", fixes)
+    return Runtime(CUDA, "GPU path: torch and numba-cuda both launched kernels on the GPU.",
+                   "cuda:0", torch.cuda.get_device_name(0))
+
+
+def _from_cache() -> Runtime | None:
+    raw = os.environ.get(ENV_CACHE)
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+        if data.pop("python", None) != sys.executable or data.pop("force", "") != os.environ.get(ENV_FORCE, ""):
+            return None
+        data["fixes"] = tuple(data.get("fixes", ()))
+        return Runtime(**data)
+    except (ValueError, TypeError):
+        return None
+
+
+def _apply(rt: Runtime) -> None:
+    """Make numba's mode match the decision, or explain why it cannot."""
+    want_sim = rt.path == SIM
+    if "numba" in sys.modules:
+        from numba import config
+        if bool(config.ENABLE_CUDASIM) != want_sim:
+            raise CourseEnvironmentError(
+                "numba was imported before the course chose its runtime, in the wrong mode "
+                f"({'simulator' if config.ENABLE_CUDASIM else 'GPU'}; the course needs "
+                f"{'the simulator' if want_sim else 'the GPU'}). Restart the kernel and run "
+                "`import course` (or `from course.runtime import runtime`) before importing numba.")
+    if want_sim:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    else:
+        os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+
+
+@lru_cache(maxsize=1)
+def runtime() -> Runtime:
+    """The runtime for this process: decided once, then shared by every module."""
+    rt = _from_cache() or _decide()
+    _apply(rt)
+    cache = dataclasses.asdict(rt)
+    cache.update(python=sys.executable, force=os.environ.get(ENV_FORCE, ""))
+    os.environ[ENV_CACHE] = json.dumps(cache)
+    return rt
+
+
+def torch_device():
+    """The torch.device every course tensor lives on: cuda:0 on the GPU path, cpu otherwise."""
+    import torch
+    return torch.device(runtime().device)
+
+
+def cuda():
+    """The ``numba.cuda`` module, imported in the mode the runtime chose."""
+    runtime()
+    from numba import cuda as numba_cuda
+    return numba_cuda
+
+
+def as_numba(tensor):
+    """View a torch tensor as an array a Numba kernel accepts, without copying.
+
+    GPU path: ``numba.cuda.as_cuda_array`` over the tensor's memory.
+    Simulator path: a NumPy view of the CPU tensor (simulator kernels take NumPy
+    arrays; torch tensors fail there because ``tensor.size`` is a method).
+    bfloat16 has no NumPy or Numba type: view it as int16 first (``t.view(torch.int16)``),
+    which is exact for kernels that only move the values.
+    """
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"as_numba expects a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 has no Numba type. For a kernel that only moves values (a gather, a copy), "
+                        "pass tensor.view(torch.int16) instead; the bits are copied exactly.")
+    rt = runtime()
+    t = tensor.detach()
+    if rt.on_gpu:
+        if t.device.type != "cuda":
+            raise ValueError(f"This tensor is on {t.device}, but the course runs on {rt.device}: "
+                             "create it with device=course.device() or move it with .to(course.device()).")
+        return cuda().as_cuda_array(t)
+    if t.device.type != "cpu":
+        raise ValueError(f"This tensor is on {t.device}, but the course runs on the simulator (CPU): "
+                         "create it with device=course.device().")
+    return t.numpy()
+
+
+_streams: dict = {}
+
+
+def numba_stream():
+    """The Numba stream to launch on so kernels join torch's current stream.
+
+    GPU path: ``numba.cuda.external_stream`` wrapping torch's current stream (cached
+    per stream handle), so the launch is ordered with torch's work and is captured
+    by ``torch.cuda.graph``. Simulator path: the simulator's default stream.
+    """
+    nc = cuda()
+    if not runtime().on_gpu:
+        return nc.default_stream()
+    import torch
+    handle = torch.cuda.current_stream().cuda_stream
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = _streams[handle] = nc.external_stream(handle)
+    return stream
+
+
+def synchronize() -> None:
+    """Wait for all queued GPU work (no-op on the simulator path)."""
+    if runtime().on_gpu:
+        import torch
+        torch.cuda.synchronize()

@@ -1,0 +1,124 @@
+"""Measurement, the one way every lesson times things.
+
+Rules: warm up first; repeat; report the median with the spread (quartiles, min,
+max); time GPU work with CUDA events (GPU clock) or synchronize before reading a
+host clock. Each function returns a :class:`Timing` in seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from .runtime import runtime, synchronize
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-call time statistics, in seconds."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    repeats: int
+    inner: int  # calls per repeat; every statistic is per call
+    clock: str  # "cuda-events", "host-synchronized" or "host-enqueue"
+
+    @property
+    def us(self) -> float:
+        """Median in microseconds."""
+        return self.median * 1e6
+
+    @property
+    def ms(self) -> float:
+        """Median in milliseconds."""
+        return self.median * 1e3
+
+    def spread_us(self) -> tuple:
+        """(q1, q3) in microseconds."""
+        return self.q1 * 1e6, self.q3 * 1e6
+
+    def __str__(self) -> str:
+        return (f"{self.us:.2f} us per call (median of {self.repeats}x{self.inner}, "
+                f"IQR {self.q1*1e6:.2f}-{self.q3*1e6:.2f} us, {self.clock})")
+
+
+def _stats(samples: list, inner: int, clock: str) -> Timing:
+    per = sorted(s / inner for s in samples)
+    if len(per) >= 4:
+        q1, _, q3 = statistics.quantiles(per, n=4)
+    else:
+        q1, q3 = per[0], per[-1]
+    return Timing(statistics.median(per), q1, q3, per[0], per[-1], len(per), inner, clock)
+
+
+def _check(repeats: int, inner: int, warmup: int) -> None:
+    if repeats < 1 or inner < 1 or warmup < 0:
+        raise ValueError(f"repeats and inner must be >= 1 and warmup >= 0 (got {repeats}, {inner}, {warmup}).")
+
+
+def time_device(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> Timing:
+    """Time ``fn`` as the GPU sees it: CUDA events around ``inner`` back-to-back calls.
+
+    This is what the GPU spends per call including any idle gaps waiting for the CPU,
+    so for tiny kernels it equals the launch cost. On the simulator path it falls back
+    to :func:`time_wall`.
+    """
+    _check(repeats, inner, warmup)
+    if not runtime().on_gpu:
+        return time_wall(fn, warmup=warmup, repeats=repeats, inner=inner)
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3)
+    return _stats(samples, inner, "cuda-events")
+
+
+def time_wall(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> Timing:
+    """Host clock around ``inner`` calls, synchronizing the GPU before and after each repeat."""
+    _check(repeats, inner, warmup)
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    samples = []
+    for _ in range(repeats):
+        synchronize()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        synchronize()
+        samples.append(time.perf_counter() - t0)
+    return _stats(samples, inner, "host-synchronized")
+
+
+def time_enqueue(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> Timing:
+    """Host time to *issue* ``inner`` calls, without waiting for the GPU to run them.
+
+    This is the CPU-side launch cost. The GPU is synchronized before each repeat (so
+    the launch queue starts empty) but not inside the timed region. Keep ``inner``
+    small enough that the launch queue (about a thousand entries) never fills.
+    """
+    _check(repeats, inner, warmup)
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        synchronize()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append(time.perf_counter() - t0)
+    synchronize()
+    return _stats(samples, inner, "host-enqueue")
