@@ -31,6 +31,18 @@ def driver_version() -> str | None:
     return None
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (for CPU-side measurements)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def provenance() -> dict:
     """A dict that travels with every result: path, device, driver, versions, date (UTC)."""
     import torch
@@ -41,6 +53,7 @@ def provenance() -> dict:
         "device": rt.device_name,
         "driver": driver_version() if rt.on_gpu else None,
         "cuda_runtime": torch.version.cuda,
+        "cpu": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numba": package_version("numba"),

@@ -81,10 +81,16 @@ class Runtime:
         return json.dumps(dataclasses.asdict(self))
 
 
-def _probe_numba_cuda(timeout: float = 180.0) -> tuple[bool, str | None]:
-    """Compile and launch a trivial numba-cuda kernel in a fresh interpreter."""
+def probe_numba_cuda(*, simulator: bool = False, timeout: float = 180.0) -> tuple[bool, str | None]:
+    """Compile and launch a trivial numba-cuda kernel in a fresh interpreter.
+
+    ``simulator=True`` runs it on the Numba CUDA simulator instead of the GPU.
+    Returns (ok, error message or None).
+    """
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    if simulator:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
     try:
         proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True,
                               text=True, timeout=timeout, env=env)
@@ -139,7 +145,7 @@ def _decide() -> Runtime:
             raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
         return Runtime(SIM, f"Simulator path: {reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
 
-    ok, error = _probe_numba_cuda()
+    ok, error = probe_numba_cuda()
     if not ok:
         reason, fixes = explain_numba_failure(error or "")
         if forced == CUDA:

@@ -1,0 +1,43 @@
+"""Suite-wide pytest setup.
+
+- Decides the course runtime once, in the pytest process, so every notebook kernel
+  nbval starts inherits the decision (through the environment) instead of probing again.
+- ``COURSE_PATH=cuda`` (the GPU lane, `make gpu-test`) makes the run fail at once if the
+  GPU path is not available, rather than silently testing the simulator.
+- Records which notebooks nbval collected, for tests/test_suite.py to compare with disk.
+"""
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    from course.runtime import CourseEnvironmentError, runtime
+    try:
+        rt = runtime()
+    except CourseEnvironmentError as e:
+        raise pytest.UsageError(str(e)) from None
+    config._course_runtime = rt
+
+
+def pytest_report_header(config):
+    rt = getattr(config, "_course_runtime", None)
+    return f"course runtime: {rt.describe()}" if rt else None
+
+
+def _nbval_active(config) -> bool:
+    return bool(getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    collected = set()
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
+            collected.add(path.resolve())
+    config._course_nbval_active = _nbval_active(config)
+    config._course_notebooks_collected = collected

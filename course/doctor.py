@@ -1,0 +1,136 @@
+"""``python -m course doctor``: is this environment ready, which path will the course take, what to fix.
+
+Exits non-zero only for a broken install (something the course cannot run without),
+never merely because there is no GPU: the simulator path is a first-class way to
+take the course.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import sys
+
+from .provenance import driver_version, package_version
+
+OK, WARN, BROKEN = "ok", "warn", "broken"
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the doctor's table."""
+
+    item: str
+    value: str
+    status: str = OK
+    fix: str = ""
+
+
+def _version_tuple(v: str) -> tuple:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def diagnose() -> tuple[list, dict]:
+    """Collect the table rows and the verdict (path, reason, fixes, broken flag)."""
+    rows = [Row("Python", f"{platform.python_version()} ({sys.executable})",
+                OK if sys.version_info >= (3, 10) else BROKEN,
+                "" if sys.version_info >= (3, 10) else "use Python 3.10 or newer")]
+
+    npv = package_version("numpy")
+    if npv is None:
+        rows.append(Row("numpy", "not installed", BROKEN, "pip install 'numpy<2.5'"))
+    elif _version_tuple(npv) >= (2, 5):
+        rows.append(Row("numpy", npv, BROKEN,
+                        "numba-cuda 0.30 cannot compile any kernel with numpy 2.5+ (np.row_stack was removed): "
+                        "pip install 'numpy<2.5'"))
+    else:
+        rows.append(Row("numpy", npv))
+
+    tv = package_version("torch")
+    torch_ok = False
+    if tv is None:
+        rows.append(Row("torch", "not installed", BROKEN, "run `make setup`, or pip install torch"))
+    else:
+        try:
+            import torch
+            torch_ok = True
+            build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+            rows.append(Row("torch", f"{torch.__version__} ({build})"))
+            if torch.cuda.is_available():
+                rows.append(Row("GPU", f"{torch.cuda.get_device_name(0)}, driver {driver_version() or '?'}"))
+            else:
+                rows.append(Row("GPU", "none visible to torch", WARN,
+                                "fine: the course runs on the Numba CUDA simulator and shows GPU reference data"))
+        except Exception as e:  # noqa: BLE001 - report, never crash
+            rows.append(Row("torch", f"{tv}, import failed: {e}", BROKEN, "reinstall torch (pip install --force-reinstall torch)"))
+
+    nv, ncv = package_version("numba"), package_version("numba-cuda")
+    rows.append(Row("numba", nv or "not installed", OK if nv else BROKEN, "" if nv else "pip install numba-cuda"))
+    rows.append(Row("numba-cuda", ncv or "not installed", OK if ncv else BROKEN,
+                    "" if ncv else "pip install 'numba-cuda>=0.30,<0.31' (the old numba.cuda inside numba is not enough)"))
+    mv = package_version("matplotlib")
+    rows.append(Row("matplotlib", mv or "not installed", OK if mv else BROKEN, "" if mv else "pip install matplotlib"))
+    for pkg, needed in (("ipykernel", True), ("nbformat", True), ("nbclient", True), ("nbconvert", True),
+                        ("nbval", False), ("jupyterlab", False)):
+        v = package_version(pkg)
+        why = {"nbval": "needed only for the test suite: pip install nbval",
+               "jupyterlab": "needed only for `make lab`: pip install jupyterlab"}.get(pkg, f"pip install {pkg}")
+        rows.append(Row(pkg, v or "not installed", OK if v else (BROKEN if needed else WARN), "" if v else why))
+
+    verdict = {"path": None, "reason": "", "fixes": [], "broken": False}
+    if torch_ok and ncv and npv:
+        from .runtime import probe_numba_cuda, runtime
+        try:
+            rt = runtime()
+            verdict.update(path=rt.path, reason=rt.reason, fixes=list(rt.fixes), device=rt.device_name)
+            if rt.on_gpu:
+                rows.append(Row("trivial kernel", "compiled and ran on the GPU"))
+            else:
+                ok, err = probe_numba_cuda(simulator=True)
+                rows.append(Row("trivial kernel", "ran on the Numba CUDA simulator" if ok else f"failed: {err}",
+                                OK if ok else BROKEN, "" if ok else "reinstall numba-cuda and numpy<2.5"))
+        except Exception as e:  # noqa: BLE001
+            rows.append(Row("runtime", f"{type(e).__name__}: {e}", BROKEN, "see the message"))
+    else:
+        rows.append(Row("trivial kernel", "not tried: fix the broken items above first", BROKEN))
+    verdict["broken"] = any(r.status == BROKEN for r in rows)
+    return rows, verdict
+
+
+def render(rows, verdict) -> str:
+    """The doctor's report as text."""
+    mark = {OK: "ok", WARN: "--", BROKEN: "XX"}
+    w = max(len(r.item) for r in rows)
+    out = ["Capture & Replay: environment check", ""]
+    for r in rows:
+        out.append(f"  [{mark[r.status]}] {r.item.ljust(w)}  {r.value}")
+        if r.fix:
+            out.append(f"       {' ' * w}  -> {r.fix}")
+    out.append("")
+    if verdict["path"] == "cuda":
+        out.append(f"Path: GPU. {verdict['reason']}")
+    elif verdict["path"] == "sim":
+        out.append(f"Path: Numba CUDA simulator. {verdict['reason']}")
+        out.append("  Kernels run on the CPU (slowly, small sizes); GPU-only measurements are shown from")
+        out.append("  reference data recorded on a real GPU, with the device, driver, versions and date.")
+        for f in verdict["fixes"]:
+            out.append(f"  To take the GPU path: {f}")
+    if verdict["broken"]:
+        out.append("BROKEN: fix the items marked XX (the arrow says how), then run `python -m course doctor` again.")
+    else:
+        out.append("Ready: run `make course` (or `python -m course run`) or open the notebooks with `make lab`.")
+    return "\n".join(out)
+
+
+def main(json_out: bool = False) -> int:
+    """Print the report; exit code 1 only for a broken install."""
+    rows, verdict = diagnose()
+    if json_out:
+        print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "verdict": verdict}, indent=1))
+    else:
+        print(render(rows, verdict))
+    return 1 if verdict["broken"] else 0

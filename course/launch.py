@@ -1,0 +1,240 @@
+"""Launch overhead: how long the CPU takes to issue a kernel vs how long the GPU runs it.
+
+Experiments (see :mod:`course.reference`):
+
+- ``launch_costs`` (GPU): host cost to issue one tiny op, for torch and for Numba kernels,
+  beside the GPU's own execution time of the same kernel (measured inside a CUDA graph,
+  where no launch gaps remain).
+- ``launch_sweep`` (GPU): the same three times for ``x.add_(1)`` as the tensor grows from
+  64 bytes to 256 MiB: a flat launch-bound region, a bandwidth-bound slope, and the crossover.
+- ``launch_timeline`` (GPU): a torch.profiler trace of 30 tiny ops: CPU launches vs GPU kernels,
+  with the idle gaps between kernels.
+- ``cpu_dispatch`` (live everywhere): the CPU-side dispatch cost of tiny torch ops on CPU tensors,
+  swept over size: the same shape of curve, measured on this machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import lru_cache
+
+from .reference import experiment
+from .results import Result
+from .runtime import as_numba, cuda, numba_stream, runtime, torch_device
+from .timing import time_device, time_enqueue, time_wall
+
+OPS_PER_GRAPH = 50
+
+
+def graph_time_per_op(op, ops: int = OPS_PER_GRAPH, repeats: int = 15):
+    """GPU execution time of one ``op()``: capture ``ops`` calls in a CUDA graph, replay, divide.
+
+    Replay issues the whole graph with one launch, so the time per op is the kernel's own
+    execution time plus the GPU's tiny inter-kernel gap, with no CPU launch cost in it.
+    """
+    import torch
+
+    from .capture import warm_up
+
+    def body():
+        for _ in range(ops):
+            op()
+
+    warm_up(body, 2)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    t = time_device(g.replay, warmup=3, repeats=repeats, inner=1)
+    return t.median / ops, t
+
+
+def crossover_bytes(rows, launch_key: str = "host_enqueue_us", exec_key: str = "kernel_exec_us"):
+    """Smallest tensor size (bytes) whose kernel execution time reaches the launch cost.
+
+    The launch cost is the median host enqueue time across all sizes (it hardly depends on
+    size). Returns None when no size reaches it.
+    """
+    import statistics
+
+    launch = statistics.median(r[launch_key] for r in rows)
+    for r in sorted(rows, key=lambda r: r["bytes"]):
+        if r[exec_key] >= launch:
+            return r["bytes"]
+    return None
+
+
+def _sizes(min_exp: int, max_exp: int, step: int = 2):
+    return [2 ** e for e in range(min_exp, max_exp + 1, step)]
+
+
+ncuda = None  # numba.cuda, bound on first use (kernels must reach it as a module global)
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    """An empty kernel and a one-array kernel, compiled lazily."""
+    global ncuda
+    ncuda = cuda()
+
+    @ncuda.jit
+    def empty():
+        pass
+
+    @ncuda.jit
+    def add_one(a):
+        i = ncuda.grid(1)
+        if i < a.size:
+            a[i] += 1.0
+
+    return empty, add_one
+
+
+@experiment("launch_costs", gpu_only=True, quick={"repeats": 5})
+def launch_costs(repeats: int = 25) -> Result:
+    """Per-call host launch cost and GPU execution time of tiny torch and Numba ops."""
+    import torch
+
+    dev = torch_device()
+    x = torch.zeros(1, device=dev)
+    empty, add_one = _kernels()
+    view = as_numba(x)
+    ops = {
+        "torch x.add_(1) (1 element)": lambda: x.add_(1.0),
+        "Numba empty kernel, no arguments": lambda: empty[1, 32, numba_stream()](),
+        "Numba kernel, 1 array (view made once)": lambda: add_one[1, 32, numba_stream()](view),
+        "Numba kernel, 1 array (as_numba each call)": lambda: add_one[1, 32, numba_stream()](as_numba(x)),
+    }
+    rows = []
+    for name, op in ops.items():
+        enq = time_enqueue(op, warmup=20, repeats=repeats, inner=20)
+        dev_t = time_device(op, warmup=20, repeats=repeats, inner=20)
+        exec_s, _ = graph_time_per_op(op, ops=20, repeats=repeats)
+        rows.append({"op": name, "host_enqueue_us": enq.us, "host_q1_us": enq.q1 * 1e6, "host_q3_us": enq.q3 * 1e6,
+                     "gpu_per_call_us": dev_t.us, "kernel_exec_us": exec_s * 1e6})
+    res = Result("launch_costs", "Launch cost vs execution time of one tiny op",
+                 {"op": "", "host_enqueue_us": "us", "host_q1_us": "us", "host_q3_us": "us",
+                  "gpu_per_call_us": "us", "kernel_exec_us": "us"}, rows,
+                 params={"repeats": repeats})
+    res.add_summary("torch_launch_us", rows[0]["host_enqueue_us"], "us")
+    res.add_summary("torch_kernel_exec_us", rows[0]["kernel_exec_us"], "us")
+    res.add_summary("numba_empty_launch_us", rows[1]["host_enqueue_us"], "us")
+    res.add_summary("torch_launch_over_exec", rows[0]["host_enqueue_us"] / rows[0]["kernel_exec_us"], "x")
+    return res
+
+
+@experiment("launch_sweep", gpu_only=True, quick={"max_exp": 16, "repeats": 5})
+def launch_sweep(min_exp: int = 4, max_exp: int = 26, repeats: int = 15) -> Result:
+    """Sweep ``x.add_(1)`` over float32 tensors of 2**min_exp..2**max_exp elements.
+
+    Columns: host enqueue time per op, GPU time per op when issued back to back (eager),
+    and kernel execution time per op inside a CUDA graph. Summary: the crossover size.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    dev = torch_device()
+    rows = []
+    for n in tqdm(_sizes(min_exp, max_exp), desc="launch sweep", leave=False):
+        x = torch.zeros(n, device=dev)
+        op = lambda: x.add_(1.0)
+        enq = time_enqueue(op, warmup=10, repeats=repeats, inner=OPS_PER_GRAPH)
+        eager = time_device(op, warmup=10, repeats=repeats, inner=OPS_PER_GRAPH)
+        exec_s, _ = graph_time_per_op(op, repeats=repeats)
+        nbytes = n * 4
+        rows.append({"elements": n, "bytes": nbytes, "host_enqueue_us": enq.us, "eager_gpu_us": eager.us,
+                     "kernel_exec_us": exec_s * 1e6, "bandwidth_GBps": 2 * nbytes / exec_s / 1e9})
+        del x
+    res = Result("launch_sweep", "x.add_(1) on float32 tensors: launch cost vs kernel time",
+                 {"elements": "", "bytes": "B", "host_enqueue_us": "us", "eager_gpu_us": "us",
+                  "kernel_exec_us": "us", "bandwidth_GBps": "GB/s"}, rows,
+                 params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats})
+    import statistics
+    res.add_summary("launch_us", statistics.median(r["host_enqueue_us"] for r in rows), "us")
+    res.add_summary("smallest_kernel_exec_us", rows[0]["kernel_exec_us"], "us")
+    res.add_summary("crossover_bytes", crossover_bytes(rows), "B")
+    res.add_summary("peak_bandwidth_GBps", max(r["bandwidth_GBps"] for r in rows), "GB/s")
+    return res
+
+
+def _trace_rows(trace: dict, skip: int = 5):
+    """Pull CPU launch calls and GPU kernels out of a chrome trace, times relative to the first kept kernel."""
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])[skip:]
+    launches = sorted((e for e in ev if e.get("cat") == "cuda_runtime" and "LaunchKernel" in e.get("name", "")),
+                      key=lambda e: e["ts"])[skip:]
+    if not kernels:
+        return []
+    t0 = min(launches[0]["ts"] if launches else kernels[0]["ts"], kernels[0]["ts"])
+    rows = [{"lane": "CPU: cudaLaunchKernel", "name": e["name"], "start_us": e["ts"] - t0, "dur_us": e["dur"]}
+            for e in launches]
+    rows += [{"lane": "GPU: kernel", "name": e["name"][:40], "start_us": e["ts"] - t0, "dur_us": e["dur"]}
+             for e in kernels]
+    return rows
+
+
+@experiment("launch_timeline", gpu_only=True, quick={"ops": 12})
+def launch_timeline(ops: int = 30) -> Result:
+    """torch.profiler trace of ``ops`` back-to-back tiny ``x.add_(1)``: launches vs kernels, and the gaps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.zeros(256, device=torch_device())
+    for _ in range(20):
+        x.add_(1.0)
+    torch.cuda.synchronize()
+    skip = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(ops + skip):
+            x.add_(1.0)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    rows = _trace_rows(trace, skip=skip)
+    res = Result("launch_timeline", f"Profiler timeline of {ops} tiny ops",
+                 {"lane": "", "name": "", "start_us": "us", "dur_us": "us"}, rows, params={"ops": ops})
+    k = [r for r in rows if r["lane"].startswith("GPU")]
+    if k:
+        span = k[-1]["start_us"] + k[-1]["dur_us"] - k[0]["start_us"]
+        busy = sum(r["dur_us"] for r in k)
+        res.add_summary("gpu_busy_fraction", busy / span, "")
+        res.add_summary("mean_kernel_us", busy / len(k), "us")
+        res.add_summary("mean_gap_us", (span - busy) / max(len(k) - 1, 1), "us")
+    return res
+
+
+@experiment("cpu_dispatch", gpu_only=False, quick={"max_exp": 14, "repeats": 5})
+def cpu_dispatch(min_exp: int = 2, max_exp: int = 24, repeats: int = 15) -> Result:
+    """``x.add_(1)`` on CPU tensors over sizes: the fixed per-op dispatch cost and the memory-bound slope.
+
+    Live on every machine (it uses the CPU only). The per-op floor is what the CPU pays to
+    issue any op, even before a GPU is involved.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    rows = []
+    for n in tqdm(_sizes(min_exp, max_exp), desc="CPU dispatch sweep", leave=False):
+        x = torch.zeros(n)
+        inner = 50 if n <= 2 ** 16 else 5
+        t = time_wall(lambda: x.add_(1.0), warmup=5, repeats=repeats, inner=inner)
+        rows.append({"elements": n, "bytes": n * 4, "time_us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6})
+    res = Result("cpu_dispatch", "x.add_(1) on CPU tensors: per-op time vs size",
+                 {"elements": "", "bytes": "B", "time_us": "us", "q1_us": "us", "q3_us": "us"}, rows,
+                 params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats, "threads": torch.get_num_threads()})
+    floor = min(r["time_us"] for r in rows)
+    res.add_summary("dispatch_floor_us", floor, "us")
+    doubled = next((r["bytes"] for r in rows if r["time_us"] >= 2 * floor), None)
+    res.add_summary("size_at_twice_floor_bytes", doubled, "B")
+    return res
+
+
+def check_crossover(fn, sweep: Result) -> None:
+    """Exercise check: ``fn(rows)`` must return the crossover size (bytes) of ``sweep``'s rows."""
+    got = fn(sweep.rows)
+    want = sweep.value("crossover_bytes")
+    assert got == want, (f"your crossover is {got!r} bytes but the data say {want!r}: take the median "
+                         "host_enqueue_us as the launch cost, then the smallest 'bytes' whose kernel_exec_us reaches it")

@@ -1,0 +1,85 @@
+"""``python -m course run``: execute every notebook headless and write what it showed.
+
+Writes, under ``build/`` (or ``--out``):
+- ``executed/<folder>/<name>.ipynb``: each notebook with its outputs,
+- ``html/<folder>/<name>.html``: the same as HTML,
+- ``summary.md`` and ``summary.json``: which path each ran on, pass/fail, wall time.
+Notebooks are committed without outputs; this is how executed copies are made.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .catalog import CATALOG, ROOT
+
+
+def execute(path: Path, timeout: int = 900, env: dict | None = None):
+    """Execute one notebook in a fresh kernel (cwd = its folder); returns (nb, error or None)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    if env:
+        import os
+        os.environ.update(env)
+    try:
+        client.execute()
+        return nb, None
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+        return nb, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+
+
+def _to_html(nb) -> str:
+    from nbconvert import HTMLExporter
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    return body
+
+
+def main(out: str = "build", only=None, timeout: int = 900) -> int:
+    """Run the notebooks (all, or those in ``only``); exit 1 if any failed."""
+    from tqdm.auto import tqdm
+
+    from .runtime import runtime
+
+    rt = runtime()  # decided once here; kernels inherit the decision through the environment
+    out_dir = Path(out)
+    if not out_dir.is_absolute():
+        out_dir = ROOT / out_dir
+    wanted = [e for e in CATALOG if only is None or e.path in only or Path(e.path).name in only]
+    if only and not wanted:
+        print(f"course run: none of {only} is in the course; choose from {[e.path for e in CATALOG]}")
+        return 2
+    print(rt.describe())
+    results = []
+    for e in tqdm(wanted, desc="notebooks"):
+        src = ROOT / e.path
+        if not src.exists():
+            results.append({"notebook": e.path, "status": "missing", "seconds": 0.0, "error": "file not found"})
+            continue
+        t0 = time.perf_counter()
+        nb, err = execute(src, timeout=timeout)
+        secs = time.perf_counter() - t0
+        exe = out_dir / "executed" / e.path
+        html = out_dir / "html" / Path(e.path).with_suffix(".html")
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        html.parent.mkdir(parents=True, exist_ok=True)
+        import nbformat
+        nbformat.write(nb, exe)
+        html.write_text(_to_html(nb), encoding="utf-8")
+        results.append({"notebook": e.path, "status": "passed" if err is None else "failed",
+                        "seconds": round(secs, 1), "error": err, "html": str(html.relative_to(out_dir))})
+        tqdm.write(f"{'ok ' if err is None else 'FAIL'} {e.path} ({secs:.0f} s)" + (f": {err}" if err else ""))
+    summary = {"path": rt.path, "device": rt.device_name, "reason": rt.reason, "notebooks": results}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    lines = [f"# Course run: {rt.path} path ({rt.device_name})", "", rt.reason, "",
+             "| notebook | status | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {r['notebook']} | {r['status']} | {r['seconds']} |" for r in results]
+    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nExecuted notebooks and HTML are in {out_dir}/ (summary: {out_dir / 'summary.md'}).")
+    return 0 if all(r["status"] == "passed" for r in results) else 1

@@ -1,0 +1,106 @@
+import json
+import time
+
+import pytest
+import torch
+
+import course
+from course import reference
+from course.results import Result
+from course.timing import Timing, time_device, time_enqueue, time_wall
+
+
+def test_time_wall_measures_sleep():
+    t = time_wall(lambda: time.sleep(0.002), warmup=1, repeats=5, inner=2)
+    assert 0.0018 < t.median < 0.02
+    assert t.min <= t.q1 <= t.median <= t.q3 <= t.max
+    assert t.repeats == 5 and t.inner == 2 and t.clock == "host-synchronized"
+    assert abs(t.us - t.median * 1e6) < 1e-6 and "us per call" in str(t)
+
+
+def test_time_enqueue_and_device_return_positive_times():
+    x = torch.zeros(4, device=course.device())
+    for fn in (time_enqueue, time_device):
+        t = fn(lambda: x.add_(1), warmup=2, repeats=4, inner=3)
+        assert isinstance(t, Timing) and t.median > 0
+
+
+def test_timing_rejects_nonsense():
+    with pytest.raises(ValueError, match="repeats"):
+        time_wall(lambda: None, repeats=0)
+
+
+def _result():
+    r = Result("demo", "Demo", {"n": "", "t": "us"}, [{"n": 1, "t": 2.5}, {"n": 2, "t": 3.5}], params={"k": 1})
+    r.add_summary("best", 2.5, "us")
+    return r
+
+
+def test_result_rows_units_and_caption():
+    r = _result()
+    assert r.column("t") == [2.5, 3.5] and r.column("t", n=2) == [3.5]
+    assert r.value("best") == 2.5 and r.live
+    assert r.caption().startswith("measured here on")
+    assert "t [us]" in r.table() and "best: 2.5 us" in r.table()
+    with pytest.raises(KeyError, match="has no column"):
+        r.column("nope")
+    with pytest.raises(ValueError, match="lacks columns"):
+        Result("bad", "Bad", {"a": "", "b": ""}, [{"a": 1}])
+
+
+def test_result_round_trip_and_edit_detection():
+    d = json.loads(json.dumps(_result().to_dict()))
+    back = Result.from_dict(d)
+    assert back.rows == _result().rows and back.source == "reference"
+    assert back.caption().startswith("recorded on")
+    d["rows"][0]["t"] = 1.0
+    with pytest.raises(ValueError, match="edited by hand"):
+        Result.from_dict(d)
+
+
+def test_provenance_has_versions_and_date():
+    p = _result().provenance
+    for k in ("path", "device", "torch", "numba_cuda", "numpy", "date", "python"):
+        assert p.get(k), k
+
+
+def test_reference_registry_and_files_are_valid():
+    reg = reference.load_all()
+    assert {"launch_costs", "launch_sweep", "launch_timeline", "cpu_dispatch"} <= set(reg)
+    for name, exp in reg.items():
+        if exp.gpu_only:
+            res = reference.load_reference(name)  # verifies the checksum
+            assert res.provenance["path"] == "cuda", f"{name}: reference data must come from a GPU"
+            assert res.provenance["driver"], f"{name}: reference data must name the driver"
+            assert res.params.get("quick") is False, f"{name}: reference data must be a full (not --quick) bench run"
+            assert res.rows
+
+
+def test_reference_run_is_live_for_cpu_experiments():
+    res = reference.run("cpu_dispatch", max_exp=6, repeats=3)
+    assert res.live and res.rows and res.value("dispatch_floor_us") > 0
+
+
+def test_missing_reference_says_how_to_make_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="python -m course bench"):
+        reference.load_reference("launch_sweep")
+
+
+def test_unknown_experiment():
+    with pytest.raises(KeyError, match="no experiment called"):
+        reference.get("no_such_experiment")
+
+
+@pytest.mark.skipif(course.runtime().on_gpu, reason="checks the refusal on the simulator path")
+def test_bench_refuses_on_simulator(tmp_path):
+    with pytest.raises(RuntimeError, match="needs a real GPU"):
+        reference.bench(["launch_sweep"], out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
+def test_bench_quick_writes_valid_reference(tmp_path):
+    paths = reference.bench(["launch_costs"], out_dir=tmp_path, quick=True, log=lambda *_: None)
+    res = Result.from_dict(json.loads(paths[0].read_text()))
+    assert res.params["quick"] is True and res.provenance["path"] == "cuda"

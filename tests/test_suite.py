@@ -1,0 +1,72 @@
+"""The suite checks itself: every notebook collected, none committed with outputs, docs in sync."""
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from course import catalog
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_nbval_collected_every_notebook(request):
+    config = request.config
+    if not getattr(config, "_course_nbval_active", False):
+        pytest.skip("nbval is not active in this run (the README's test command runs it)")
+    on_disk = {p.resolve() for p in catalog.all_notebooks_on_disk()}
+    missing = sorted(str(p.relative_to(ROOT)) for p in on_disk - config._course_notebooks_collected)
+    assert on_disk, "no notebooks found on disk"
+    assert not missing, f"nbval did not collect {missing}: pass notebooks/ labs/ solutions/ to pytest"
+
+
+def test_catalog_matches_disk():
+    on_disk = {str(p.relative_to(ROOT)) for p in catalog.all_notebooks_on_disk()}
+    listed = {e.path for e in catalog.CATALOG}
+    assert on_disk == listed, f"on disk but not in the catalog: {sorted(on_disk - listed)}; " \
+                              f"in the catalog but missing: {sorted(listed - on_disk)}"
+
+
+@pytest.mark.parametrize("path", catalog.all_notebooks_on_disk(), ids=lambda p: p.name)
+def test_notebook_committed_clean(path):
+    nb = json.loads(path.read_text())
+    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    assert not dirty, f"{path.name} has outputs in cells {dirty}: clear them before committing"
+    assert nb["metadata"].get("kernelspec", {}).get("name") == "python3"
+
+
+@pytest.mark.parametrize("path", [p for p in catalog.all_notebooks_on_disk() if "labs" not in p.parts],
+                         ids=lambda p: p.name)
+def test_notebook_states_objectives_and_measurements(path):
+    nb = json.loads(path.read_text())
+    text = lambda c: "".join(c["source"])
+    first_md = next(text(c) for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert re.search(r"objectives|you will|in this notebook", first_md, re.I), f"{path.name}: state the objectives at the top"
+    md = [text(c) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    assert any(re.search(r"what you measured", m, re.I) for m in md[-3:]), f"{path.name}: end with 'What you measured'"
+    first_code = next(text(c) for c in nb["cells"] if c["cell_type"] == "code")
+    assert "course.header()" in first_code, f"{path.name}: the first code cell must call course.header()"
+
+
+def _deps_from_pyproject():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    proj = data["project"]
+    return set(proj["dependencies"]) | set(proj["optional-dependencies"]["test"])
+
+
+def test_environment_yml_matches_pyproject():
+    text = (ROOT / "environment.yml").read_text()
+    pip_deps = set(re.findall(r"^\s+- (\S.*?)\s*$", text.split("- pip:")[1], re.M))
+    assert pip_deps == _deps_from_pyproject(), (
+        f"environment.yml and pyproject.toml differ: only in yml {sorted(pip_deps - _deps_from_pyproject())}, "
+        f"only in pyproject {sorted(_deps_from_pyproject() - pip_deps)}")
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", readme, re.S)
+    assert m, "README must show the test command in a code block after <!-- test-command -->"
+    cmd = m.group(1).strip()
+    ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert cmd in ci, f".ci/run must call exactly the README's test command {cmd!r}"

@@ -1,0 +1,109 @@
+"""The command line, the doctor, the notebook runner, the catalog and the blocking test."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import course
+from course import blocking, catalog, doctor, render
+from course.__main__ import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_cli_parses_every_command():
+    p = build_parser()
+    for argv in (["doctor"], ["run", "--only", "x"], ["bench", "--quick"], ["build-labs", "--check"],
+                 ["check", "labs/x.ipynb"], ["verify-embedding", "--impl", "device"]):
+        assert p.parse_args(argv).func
+    with pytest.raises(SystemExit):
+        p.parse_args(["verify-embedding", "--impl", "cpu"])
+
+
+def test_doctor_reports_path_and_never_tracebacks():
+    out = subprocess.run([sys.executable, "-m", "course", "doctor"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "Path:" in out.stdout and "numba-cuda" in out.stdout
+
+
+def test_doctor_json_and_verdict():
+    rows, verdict = doctor.diagnose()
+    assert verdict["path"] == course.runtime().path and not verdict["broken"]
+    assert {r.item for r in rows} >= {"Python", "torch", "numba-cuda", "numpy", "nbval", "trivial kernel"}
+
+
+def test_doctor_flags_numpy_25(monkeypatch):
+    real = doctor.package_version
+    monkeypatch.setattr(doctor, "package_version", lambda n: "2.5.2" if n == "numpy" else real(n))
+    rows, verdict = doctor.diagnose()
+    row = next(r for r in rows if r.item == "numpy")
+    assert row.status == doctor.BROKEN and "numpy<2.5" in row.fix and "row_stack" in row.fix
+    assert verdict["broken"]
+    assert doctor.main.__doc__  # exit code is 1 for a broken install:
+    monkeypatch.setattr(doctor, "diagnose", lambda: (rows, verdict))
+    assert doctor.main() == 1
+
+
+def test_doctor_flags_missing_torch(monkeypatch):
+    real = doctor.package_version
+    monkeypatch.setattr(doctor, "package_version", lambda n: None if n == "torch" else real(n))
+    rows, verdict = doctor.diagnose()
+    assert next(r for r in rows if r.item == "torch").status == doctor.BROKEN and verdict["broken"]
+    assert "Traceback" not in doctor.render(rows, verdict)
+
+
+def test_run_executes_a_notebook_and_writes_html(tmp_path):
+    code = main(["run", "--only", "00_start_here.ipynb", "--out", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["path"] == course.runtime().path
+    assert summary["notebooks"][0]["status"] == "passed"
+    assert (tmp_path / "html" / "notebooks" / "00_start_here.html").stat().st_size > 10_000
+    executed = json.loads((tmp_path / "executed" / "notebooks" / "00_start_here.ipynb").read_text())
+    assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
+
+
+def test_run_reports_a_failing_notebook(tmp_path, monkeypatch):
+    import nbformat
+    bad = tmp_path / "bad.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("raise ValueError('boom')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, bad)
+    monkeypatch.setattr(render, "CATALOG", (catalog.Entry(str(bad.relative_to("/")), "bad", "lesson", ""),))
+    monkeypatch.setattr(render, "ROOT", Path("/"))
+    assert render.main(out=str(tmp_path / "out")) == 1
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["notebooks"][0]["status"] == "failed" and "boom" in s["notebooks"][0]["error"]
+
+
+def test_run_rejects_unknown_notebook(tmp_path):
+    assert main(["run", "--only", "nope.ipynb", "--out", str(tmp_path)]) == 2
+
+
+def test_course_map_lists_lessons_and_labs():
+    m = catalog.course_map()
+    assert "01_launch_overhead" in m and "lab1_embedding_kernel" in m and "solutions/" not in m
+    assert [e.kind for e in catalog.entries("lab")] == ["lab", "lab"]
+
+
+@pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
+def test_blocking_is_not_measurable_on_simulator():
+    rep = blocking.host_blocking(lambda: None)
+    assert rep.blocked is None and "GPU" in rep.note
+    assert blocking.event_complete_right_after(lambda: None) is None
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
+def test_blocking_tells_sync_from_async():
+    import torch
+    x = torch.zeros(16, device="cuda")
+    assert blocking.host_blocking(lambda: x.add_(1)).blocked is False
+    assert blocking.host_blocking(lambda: x.sum().item()).blocked is True
+    t0 = time.perf_counter()
+    blocking.gpu_sleep(20)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 > 0.015
