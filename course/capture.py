@@ -2,11 +2,14 @@
 
 A failed capture must never poison later work: :func:`try_capture` catches the
 error, makes sure no stream is left capturing, synchronizes, and checks that a
-fresh op still runs, so the next cell (or test) starts clean.
+fresh op still runs, so the next cell (or test) starts clean. The outcome keeps
+the root-cause error *and* the Python frames it came from, so a tool (the hazard
+finder in :mod:`course.hazards`) can point at the line that broke the capture.
 """
 from __future__ import annotations
 
 import dataclasses
+import traceback
 
 from .runtime import CourseEnvironmentError, runtime
 
@@ -20,6 +23,7 @@ class CaptureOutcome:
     error: str | None = None  # first line of the root-cause message
     graph: object = None  # the torch.cuda.CUDAGraph when ok
     output: object = None  # what fn returned during capture (static output tensors)
+    frames: tuple = ()  # (filename, lineno, function, source line) of the root cause, outermost first
 
     def __str__(self) -> str:
         return "captured" if self.ok else f"capture failed: {self.error_type}: {self.error}"
@@ -31,6 +35,12 @@ def _root_cause(exc: BaseException) -> BaseException:
     while seen.__context__ is not None and seen.__context__ is not seen:
         seen = seen.__context__
     return seen
+
+
+def _frames(exc: BaseException) -> tuple:
+    """The traceback of ``exc`` as plain tuples (no frame objects, so no tensors are kept alive)."""
+    return tuple((f.filename, f.lineno, f.name, (f.line or "").strip())
+                 for f in traceback.extract_tb(exc.__traceback__))
 
 
 def require_gpu(what: str) -> None:
@@ -45,6 +55,9 @@ def recover() -> None:
     """Leave CUDA usable after a failed capture: no capture in progress, queue drained, ops run."""
     import torch
 
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a CUDA graph capture is still in progress on the current stream; "
+                           "end it (leave the `with torch.cuda.graph(...)` block) before recovering.")
     try:
         torch.cuda.synchronize()
     except RuntimeError:
@@ -72,8 +85,9 @@ def warm_up(fn, iters: int = 3):
 def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
     """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
 
-    Never raises for a capture failure: the outcome carries the root-cause error.
-    Errors during warm-up (the function is broken even eagerly) are raised as is.
+    Never raises for a capture failure: the outcome carries the root-cause error
+    and its traceback frames. Errors during warm-up (the function is broken even
+    eagerly) are raised as is.
     """
     require_gpu("capturing a CUDA graph")
     import torch
@@ -85,7 +99,10 @@ def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
             out = fn()
     except Exception as e:  # noqa: BLE001 - we report every capture failure
         cause = _root_cause(e)
-        recover()
+        frames = _frames(cause)
         msg = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
-        return CaptureOutcome(False, type(cause).__name__, msg)
+        etype = type(cause).__name__
+        del e, cause, graph  # drop references to tensors from the failed capture before recovering
+        recover()
+        return CaptureOutcome(False, etype, msg, frames=frames)
     return CaptureOutcome(True, graph=graph, output=out)

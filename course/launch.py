@@ -135,7 +135,7 @@ def launch_sweep(min_exp: int = 4, max_exp: int = 26, repeats: int = 15) -> Resu
 
     dev = torch_device()
     rows = []
-    for n in tqdm(_sizes(min_exp, max_exp), desc="launch sweep", leave=False):
+    for n in tqdm(_sizes(min_exp, max_exp, step=1), desc="launch sweep", leave=False):
         x = torch.zeros(n, device=dev)
         op = lambda: x.add_(1.0)
         enq = time_enqueue(op, warmup=10, repeats=repeats, inner=OPS_PER_GRAPH)

@@ -26,7 +26,8 @@ def caption(fig, *results, extra: str = "") -> str:
     if extra:
         lines.append(extra)
     text = "\n".join(textwrap.fill(l, 130) for l in lines)
-    fig.text(0.01, -0.02, text, ha="left", va="top", fontsize=7.5, color="0.3")
+    fig.tight_layout()
+    fig.text(0.01, -0.01, text, ha="left", va="top", fontsize=7.5, color="0.3")
     return text
 
 
@@ -47,6 +48,17 @@ def lines(ax, result, x: str, y: str, *, by: str | None = None, label: str | Non
     ax.set_xlabel(f"{x} [{ux}]" if ux else x)
     ax.set_ylabel(f"{y} [{uy}]" if uy else y)
     ax.grid(True, which="both", alpha=0.3)
+
+
+def human_bytes(n) -> str:
+    """64 -> '64 B', 65536 -> '64 KiB', 67108864 -> '64 MiB'."""
+    if n is None:
+        return "none"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
+        n = n / 1024
+    return str(n)
 
 
 def bars(ax, labels, values, unit: str, *, errors=None, title: str = "", log: bool = False) -> None:

@@ -130,7 +130,7 @@ def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=prin
         res = exp.fn(**(exp.quick if quick else {}))
         res.params = {**res.params, "quick": quick}
         path = out_dir / f"{n}.json"
-        path.write_text(json.dumps(res.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
+        path.write_text(json.dumps(res.to_dict(), indent=1, default=str) + "\n")
         log(f"bench: wrote {path}")
         written.append(path)
     return written

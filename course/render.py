@@ -34,10 +34,14 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
         return nb, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
 
 
-def _to_html(nb) -> str:
-    from nbconvert import HTMLExporter
-    body, _ = HTMLExporter().from_notebook_node(nb)
-    return body
+def to_html(nb) -> tuple[str | None, str | None]:
+    """The notebook as HTML, or (None, reason) when nbconvert cannot export (e.g. missing templates)."""
+    try:
+        from nbconvert import HTMLExporter
+        body, _ = HTMLExporter().from_notebook_node(nb)
+        return body, None
+    except Exception as e:  # noqa: BLE001 - the executed notebook is still written
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
 def main(out: str = "build", only=None, timeout: int = 900) -> int:
@@ -70,9 +74,15 @@ def main(out: str = "build", only=None, timeout: int = 900) -> int:
         html.parent.mkdir(parents=True, exist_ok=True)
         import nbformat
         nbformat.write(nb, exe)
-        html.write_text(_to_html(nb), encoding="utf-8")
+        body, html_err = to_html(nb)
+        if body is not None:
+            html.write_text(body, encoding="utf-8")
+        else:
+            tqdm.write(f"     no HTML for {e.path}: {html_err} (the executed notebook is written)")
         results.append({"notebook": e.path, "status": "passed" if err is None else "failed",
-                        "seconds": round(secs, 1), "error": err, "html": str(html.relative_to(out_dir))})
+                        "seconds": round(secs, 1), "error": err,
+                        "html": str(html.relative_to(out_dir)) if body is not None else None,
+                        "html_error": html_err})
         tqdm.write(f"{'ok ' if err is None else 'FAIL'} {e.path} ({secs:.0f} s)" + (f": {err}" if err else ""))
     summary = {"path": rt.path, "device": rt.device_name, "reason": rt.reason, "notebooks": results}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

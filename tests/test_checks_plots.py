@@ -55,3 +55,10 @@ def test_plots_carry_captions():
     plots.timeline(ax, [{"lane": "CPU", "name": "a", "start_us": 0, "dur_us": 1},
                         {"lane": "GPU", "name": "k", "start_us": 1, "dur_us": 2}])
     assert [t.get_text() for t in ax.get_yticklabels()] == ["CPU", "GPU"]
+
+
+def test_human_bytes():
+    assert plots.human_bytes(64) == "64 B"
+    assert plots.human_bytes(65536) == "64 KiB"
+    assert plots.human_bytes(3 * 2**20 // 2) == "1.5 MiB"
+    assert plots.human_bytes(None) == "none"

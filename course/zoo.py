@@ -1,0 +1,351 @@
+"""A zoo of capture hazards, each with its fix: shared by notebook 03, the finder and the tests.
+
+Every entry pairs a *hazard* (a function that syncs with the host, copies between
+host and device, or reads GPU values on the host) with a *fix* that computes the
+same thing and captures cleanly. The functions are ordinary module-level
+functions, so the static finder (:func:`course.hazards.find_static`) can read
+their source and point at exact lines; each hazard line carries a ``# hazard``
+comment so tests can find the line the finder must report.
+
+Inputs are small and built by each entry (:meth:`Entry.hazard_args`,
+:meth:`Entry.fixed_args`) on ``course.device()``; on the simulator path they live
+on the CPU, where the fixes (and most hazards) still run eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+
+import torch
+
+from .runtime import runtime, torch_device
+
+LOG = io.StringIO()  # where print_hazard prints (keeps notebook output readable)
+
+
+# --- 1. .item() ---------------------------------------------------------------
+def item_hazard(x):
+    scale = x.abs().max().item()  # hazard: copies one value to the host and waits
+    return x / scale
+
+
+def item_fixed(x):
+    return x / x.abs().max()  # the max stays on the GPU as a 0-dim tensor
+
+
+# --- 2. .cpu() ----------------------------------------------------------------
+def cpu_hazard(x, w):
+    y = torch.relu(x @ w)
+    stats = y.mean(dim=0).cpu()  # hazard: device-to-host copy for logging
+    return y, stats
+
+
+def cpu_fixed(x, w):
+    y = torch.relu(x @ w)
+    return y, y.mean(dim=0)  # stays on the device; copy it to the host after replay
+
+
+# --- 3. .to("cpu"): the seeds' embedding --------------------------------------
+def to_cpu_hazard(ids, weight):
+    ids_host = ids.to("cpu")  # hazard: the seeds' indices->to(cpu_device)
+    return weight.index_select(0, ids_host.to(weight.device))  # hazard: and back again
+
+
+def to_cpu_fixed(ids, weight):
+    return torch.nn.functional.embedding(ids, weight)  # a device-side gather, no copies
+
+
+# --- 4. .tolist() -------------------------------------------------------------
+def tolist_hazard(x, ids):
+    rows = ids.tolist()  # hazard: the indices become a Python list on the host
+    return x[rows]
+
+
+def tolist_fixed(x, ids):
+    return x[ids]  # index with the device tensor itself
+
+
+# --- 5. printing a tensor -----------------------------------------------------
+def print_hazard(x, w):
+    y = x @ w
+    print("activations:", y, file=LOG)  # hazard: formatting reads the values on the host
+    return y
+
+
+def print_fixed(x, w):
+    return x @ w  # print the graph's static output after replay instead
+
+
+# --- 6. if tensor: --------------------------------------------------------------
+def if_tensor_hazard(x):
+    if (x < 0).any():  # hazard: Python needs a host bool
+        x = x.clamp(min=0)
+    return x * 2
+
+
+def if_tensor_fixed(x):
+    return x.clamp(min=0) * 2  # no branch: clamp leaves x >= 0 unchanged
+
+
+# --- 7. nonzero: a data-dependent shape ------------------------------------------
+def nonzero_hazard(x):
+    idx = (x > 0).nonzero(as_tuple=True)  # hazard: how many? only the GPU knows
+    out = torch.zeros_like(x)
+    out[idx] = x[idx]
+    return out
+
+
+def nonzero_fixed(x):
+    return torch.where(x > 0, x, torch.zeros_like(x))  # same shape whatever the data
+
+
+# --- 8. masked_select: a data-dependent shape -------------------------------------
+def masked_select_hazard(x):
+    pos = x.masked_select(x > 0)  # hazard: the result's length depends on the values
+    return pos.sum()
+
+
+def masked_select_fixed(x):
+    return (x * (x > 0)).sum()  # multiply by the mask: fixed shape
+
+
+# --- 9. unique: a data-dependent shape --------------------------------------------
+def unique_hazard(ids, weight):
+    vocab = torch.unique(ids)  # hazard: the number of distinct ids is read on the host
+    return weight[vocab].sum(0)
+
+
+def unique_fixed(ids, weight):
+    present = torch.zeros(weight.shape[0], 1, device=weight.device, dtype=weight.dtype)
+    present.index_fill_(0, ids, 1.0)  # mark each id once: fixed shape
+    return (weight * present).sum(0)
+
+
+# --- 10. torch.cuda.synchronize() ---------------------------------------------------
+def synchronize_hazard(x, w):
+    y = x @ w
+    torch.cuda.synchronize()  # hazard: waits for the whole GPU
+    return torch.relu(y)
+
+
+def synchronize_fixed(x, w):
+    y = x @ w  # work on one stream runs in order: nothing to wait for
+    return torch.relu(y)
+
+
+# --- 11. a pageable host-to-device copy --------------------------------------------
+def h2d_pageable_hazard(x, host_scale):
+    scale = host_scale.to(x.device)  # hazard: copy from pageable host memory
+    return x * scale
+
+
+def h2d_pageable_fixed(x, dev_scale):
+    return x * dev_scale  # copied to the GPU once, before capture (a static input)
+
+
+# --- 12. torch.tensor(..., device=cuda) from host data -----------------------------
+def tensor_ctor_hazard(x):
+    offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], device=x.device)  # hazard: built on the host, copied
+    return x[:, :4] + offsets
+
+
+def tensor_ctor_fixed(x):
+    offsets = torch.arange(4, device=x.device, dtype=x.dtype)  # made by a kernel on the GPU
+    return x[:, :4] + offsets
+
+
+# --- 13. a pinned device-to-host copy: captures, replays, and is wrong -------------
+def pinned_frozen_hazard(ids, weight, host_ids):
+    host_ids.copy_(ids, non_blocking=True)  # into pinned memory: this copy IS captured
+    if not torch.cuda.is_current_stream_capturing():  # hazard: eager and captured code differ
+        torch.cuda.current_stream().synchronize()  # hazard: eager waits for the copy
+    rows = [weight[i] for i in host_ids.tolist()]  # hazard: the host picks rows: frozen at capture
+    return torch.stack(rows)
+
+
+def pinned_frozen_fixed(ids, weight, host_ids):
+    return weight[ids]  # the GPU picks the rows from the current ids on every replay
+
+
+# --- safe functions: the finder must report nothing on these -------------------------
+def safe_mlp(x, w):
+    return torch.relu(x @ w) @ w.t()
+
+
+def safe_shape_logic(x):
+    if x.shape[0] > 16:  # a shape is host metadata: branching on it is fine (and fixed per graph)
+        x = x[:16]
+    return torch.softmax(x, dim=-1)
+
+
+def safe_embedding_bag(ids, weight):
+    rows = torch.nn.functional.embedding(ids, weight)
+    return rows.mean(dim=0, keepdim=True).expand(4, -1).contiguous()
+
+
+# --- the registry ----------------------------------------------------------------
+def _x(g, device):
+    return torch.randn(64, 32, generator=g).to(device)
+
+
+def _w(g, device):
+    return torch.randn(32, 16, generator=g).to(device)
+
+
+def _ids(g, device, n=8, vocab=100):
+    return torch.randint(0, vocab, (n,), generator=g).to(device)
+
+
+def _weight(g, device, vocab=100):
+    return torch.randn(vocab, 16, generator=g).to(device)
+
+
+def _pinned_ids(n=8):
+    return torch.zeros(n, dtype=torch.int64, pin_memory=runtime().on_gpu)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One hazard and its fix."""
+
+    name: str
+    title: str
+    hazard: object
+    fixed: object
+    make: object  # make(generator, device, fixed: bool) -> tuple of args
+    outcome: str  # what capture does to the hazard: "error" (capture fails) or "wrong" (replays, wrong result)
+    rules: tuple  # the static finder's rule ids expected on the hazard
+    cpu_eager: bool = True  # can the hazard run eagerly on the CPU path?
+
+    def args(self, fixed: bool = False, seed: int = 0, device=None) -> tuple:
+        """Fresh inputs for the hazard (or the fix), from ``seed``, on ``device`` (default course.device())."""
+        g = torch.Generator().manual_seed(seed)
+        return self.make(g, torch.device(device) if device is not None else torch_device(), fixed)
+
+    def hazard_args(self, seed: int = 0, device=None) -> tuple:
+        """Inputs for :attr:`hazard`."""
+        return self.args(False, seed, device)
+
+    def fixed_args(self, seed: int = 0, device=None) -> tuple:
+        """Inputs for :attr:`fixed` (the same data; a static device buffer where the hazard used host memory)."""
+        return self.args(True, seed, device)
+
+    def hazard_lines(self) -> list:
+        """Absolute line numbers in this file of the lines marked ``# hazard`` in :attr:`hazard`."""
+        src, start = inspect.getsourcelines(self.hazard)
+        return [start + i for i, line in enumerate(src) if "# hazard" in line]
+
+
+def _mk_x(g, d, fixed):
+    return (_x(g, d),)
+
+
+def _mk_xw(g, d, fixed):
+    return (_x(g, d), _w(g, d))
+
+
+def _mk_ids_weight(g, d, fixed):
+    return (_ids(g, d), _weight(g, d))
+
+
+def _mk_x_ids(g, d, fixed):
+    return (_x(g, d), _ids(g, d, vocab=64))
+
+
+def _mk_h2d(g, d, fixed):
+    x, scale = _x(g, d), torch.rand(32, generator=g)  # scale: ordinary (pageable) host memory
+    return (x, scale.to(d)) if fixed else (x, scale)
+
+
+def _mk_pinned(g, d, fixed):
+    return (_ids(g, d), _weight(g, d), _pinned_ids())
+
+
+ENTRIES = (
+    Entry("item", ".item()", item_hazard, item_fixed, _mk_x, "error", ("item",)),
+    Entry("cpu", ".cpu()", cpu_hazard, cpu_fixed, _mk_xw, "error", ("cpu",)),
+    Entry("to_cpu", '.to("cpu") (the seeds\' embedding)', to_cpu_hazard, to_cpu_fixed, _mk_ids_weight, "error",
+          ("to_cpu", "h2d")),
+    Entry("tolist", ".tolist()", tolist_hazard, tolist_fixed, _mk_x_ids, "error", ("tolist",)),
+    Entry("print", "print(tensor)", print_hazard, print_fixed, _mk_xw, "error", ("print",)),
+    Entry("if_tensor", "if tensor:", if_tensor_hazard, if_tensor_fixed, _mk_x, "error", ("host_bool",)),
+    Entry("nonzero", "nonzero (data-dependent shape)", nonzero_hazard, nonzero_fixed, _mk_x, "error",
+          ("data_dependent",)),
+    Entry("masked_select", "masked_select (data-dependent shape)", masked_select_hazard, masked_select_fixed,
+          _mk_x, "error", ("data_dependent",)),
+    Entry("unique", "unique (data-dependent shape)", unique_hazard, unique_fixed, _mk_ids_weight, "error",
+          ("data_dependent",)),
+    Entry("synchronize", "torch.cuda.synchronize()", synchronize_hazard, synchronize_fixed, _mk_xw, "error",
+          ("cuda_synchronize",), cpu_eager=False),
+    Entry("h2d_pageable", "pageable host-to-device copy", h2d_pageable_hazard, h2d_pageable_fixed, _mk_h2d,
+          "error", ("h2d",)),
+    Entry("tensor_ctor", "torch.tensor(..., device=cuda)", tensor_ctor_hazard, tensor_ctor_fixed, _mk_x,
+          "error", ("tensor_ctor",)),
+    Entry("pinned_frozen", "pinned device-to-host copy (frozen values)", pinned_frozen_hazard,
+          pinned_frozen_fixed, _mk_pinned, "wrong", ("capture_branch", "synchronize", "tolist"),
+          cpu_eager=False),
+)
+
+SAFE = (
+    ("safe_mlp", safe_mlp, _mk_xw),
+    ("safe_shape_logic", safe_shape_logic, _mk_x),
+    ("safe_embedding_bag", safe_embedding_bag, _mk_ids_weight),
+)
+
+
+def names() -> list:
+    """The zoo's entry names, in teaching order."""
+    return [e.name for e in ENTRIES]
+
+
+def get(name: str) -> Entry:
+    """The zoo entry called ``name``."""
+    for e in ENTRIES:
+        if e.name == name:
+            return e
+    raise KeyError(f"no zoo entry {name!r}; known: {names()}")
+
+
+def safe_functions(seed: int = 0, device=None) -> list:
+    """(name, fn, args) for every function that must capture cleanly: the safe ones and every fix."""
+    dev = torch.device(device) if device is not None else torch_device()
+    out = []
+    for name, fn, make in SAFE:
+        out.append((name, fn, make(torch.Generator().manual_seed(seed), dev, False)))
+    for e in ENTRIES:
+        out.append((f"{e.name}_fixed", e.fixed, e.fixed_args(seed, dev)))
+    return out
+
+
+def flat_tensors(out) -> list:
+    """The tensors in a function's output (a tensor, or a tuple/list of them), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flat_tensors(o)]
+    return []
+
+
+def same_result(a, b, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    """True when two outputs hold the same values (compared on the CPU, any device)."""
+    ta, tb = flat_tensors(a), flat_tensors(b)
+    if len(ta) != len(tb):
+        return False
+    for p, q in zip(ta, tb):
+        p, q = p.detach().cpu(), q.detach().cpu()
+        if p.shape != q.shape or not torch.allclose(p.float(), q.float(), rtol=rtol, atol=atol):
+            return False
+    return True
+
+
+def source(fn, mark: dict | None = None) -> str:
+    """``fn``'s source with absolute line numbers; ``mark`` maps line -> note printed beside it."""
+    lines, start = inspect.getsourcelines(fn)
+    mark = mark or {}
+    out = []
+    for i, line in enumerate(lines):
+        n = start + i
+        note = f"   <-- {mark[n]}" if n in mark else ""
+        out.append(f"{n:4d} | {line.rstrip()}{note}")
+    return "\n".join(out)
