@@ -7,7 +7,6 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TEST_PATHS := tests notebooks labs solutions
 NBVAL := --nbval-lax --nbval-cell-timeout=900
-export MPLBACKEND := Agg
 
 .PHONY: setup course test lab gpu-test doctor clean
 

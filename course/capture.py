@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+import warnings
 
 from .runtime import CourseEnvironmentError, runtime
 
@@ -95,8 +96,10 @@ def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
     warm_up(fn, warmup)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(graph, pool=pool):
+                out = fn()
     except Exception as e:  # noqa: BLE001 - we report every capture failure
         cause = _root_cause(e)
         frames = _frames(cause)
@@ -104,5 +107,7 @@ def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
         etype = type(cause).__name__
         del e, cause, graph  # drop references to tensors from the failed capture before recovering
         recover()
-        return CaptureOutcome(False, etype, msg, frames=frames)
+        return CaptureOutcome(False, etype, msg, frames=frames)  # warnings from the aborted capture are dropped
+    for w in caught:  # a successful capture keeps its warnings (e.g. "the CUDA Graph is empty": wrong stream?)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return CaptureOutcome(True, graph=graph, output=out)

@@ -161,7 +161,7 @@ class Finding:
 
     def __str__(self) -> str:
         what = RULES[self.rule].what if self.rule in RULES else self.rule
-        head = f"{self.where():>18}  [{self.source}] {what}: {self.code}"
+        head = f"{self.where():>18}  [{self.source}] {what}: {self.code}".rstrip(": ")
         return head + (f"\n{'':20}{self.detail}" if self.detail else "")
 
 
@@ -458,11 +458,11 @@ def sync_debug_events(fn) -> list:
 
     def hook(message, category, filename, lineno, file=None, line=None):
         text = str(message)
-        if "synchroniz" not in text:
-            return
+        if "called a synchronizing CUDA operation" not in text:
+            return  # e.g. the one-time "sync debug mode is a prototype" notice
         stack = traceback.extract_stack(sys._getframe(1))
         frames = [(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack]
-        events.append({"message": text.strip().splitlines()[0], "frame": user_frame(frames)})
+        events.append({"message": text.split("(Triggered internally")[0].strip(), "frame": user_frame(frames)})
 
     prev = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
@@ -509,13 +509,29 @@ def blocking_with_line(fn, *, sleep_ms: float = 20.0):
 
     report = host_blocking(traced, sleep_ms=sleep_ms)
     frame = None
-    if report.blocked and len(events) > 1:
-        gaps = [(events[i + 1][0] - events[i][0], events[i]) for i in range(len(events) - 1)]
-        gap, ev = max(gaps, key=lambda g: g[0])
-        if gap * 1e3 >= 0.5 * sleep_ms:
+    if report.blocked:
+        ev = waiting_line(events, 0.8 * sleep_ms * 1e-3)
+        if ev is not None:
             import linecache
             frame = (ev[1], ev[2], ev[3], linecache.getline(ev[1], ev[2]).strip())
     return report, frame
+
+
+def waiting_line(events, threshold_s: float):
+    """The traced event (time, file, line, function) whose line was running when ``threshold_s`` had passed.
+
+    ``events`` are the tracer's line starts in order (the first is the call). The host
+    waited on the line during which the elapsed time crossed the queued GPU sleep; using
+    that crossing (not the longest line) keeps a later host stall, such as the process
+    being descheduled, from taking the blame. None if the call finished before the threshold.
+    """
+    if not events:
+        return None
+    start = events[0][0]
+    for here, nxt in zip(events, events[1:]):
+        if nxt[0] - start >= threshold_s:
+            return here
+    return None
 
 
 def _perturb(args, seed: int = 1234):
@@ -577,10 +593,13 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
     findings = []
 
     events = sync_debug_events(call)
+    per_line = {}
     for ev in events:
-        fr = ev["frame"]
-        findings.append(Finding("sync", fr[1] if fr else None, fr[0] if fr else None, fr[3] if fr else "",
-                                "sync-debug", ev["message"]))
+        fr = ev["frame"] or (None, None, "", "")
+        per_line.setdefault((fr[0], fr[1]), [fr, 0, ev["message"]])[1] += 1
+    for (file, line), (fr, count, message) in per_line.items():
+        times = f"{count} times" if count > 1 else "once"
+        findings.append(Finding("sync", line, file, fr[3], "sync-debug", f"torch warned {times}: {message}"))
 
     report, frame = blocking_with_line(call, sleep_ms=sleep_ms)
     if report.blocked:
@@ -606,7 +625,11 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
         finally:
             _restore(saved)
         if not replay:
-            findings.append(Finding("frozen", None, None, "", "replay",
+            try:
+                file, line = inspect.getsourcefile(_target(fn)), inspect.getsourcelines(_target(fn))[1]
+            except (OSError, TypeError):
+                file, line = None, None
+            findings.append(Finding("frozen", line, file, f"def {getattr(fn, '__name__', '?')}(...)", "replay",
                                     "replay with new inputs differs from eager: values were frozen at capture"))
     outcome.graph = None
     outcome.output = None
@@ -740,6 +763,7 @@ def finder_experiment(names=None, sleep_ms: float = 20.0) -> Result:
 
 
 _TINY_KERNEL = None
+_nc = None  # numba.cuda, set by tiny_kernel()
 
 
 def tiny_kernel():
@@ -747,15 +771,15 @@ def tiny_kernel():
     global _TINY_KERNEL
     if _TINY_KERNEL is None:
         from .runtime import cuda
-        nc = cuda()
+        global _nc
+        _nc = cuda()  # a module global, resolved by Numba when it compiles the kernel
 
-        @nc.jit
         def add_one(a):
-            i = nc.grid(1)
+            i = _nc.grid(1)
             if i < a.size:
                 a[i] += 1
 
-        _TINY_KERNEL = add_one
+        _TINY_KERNEL = _nc.jit(add_one)
     return _TINY_KERNEL
 
 

@@ -21,17 +21,23 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+    import os
+
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    if env:
-        import os
-        os.environ.update(env)
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    # A non-interactive MPLBACKEND (Agg, set by test runners) would keep figures out of the notebook.
+    os.environ.pop("MPLBACKEND", None)
     try:
         client.execute()
         return nb, None
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
         return nb, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def to_html(nb) -> tuple[str | None, str | None]:

@@ -26,70 +26,83 @@ LOG = io.StringIO()  # where print_hazard prints (keeps notebook output readable
 
 # --- 1. .item() ---------------------------------------------------------------
 def item_hazard(x):
+    """Scale x by its largest magnitude, read on the host with .item()."""
     scale = x.abs().max().item()  # hazard: copies one value to the host and waits
     return x / scale
 
 
 def item_fixed(x):
+    """Scale x by its largest magnitude, kept on the device."""
     return x / x.abs().max()  # the max stays on the GPU as a 0-dim tensor
 
 
 # --- 2. .cpu() ----------------------------------------------------------------
 def cpu_hazard(x, w):
+    """A ReLU layer that also returns its column means, copied to the host."""
     y = torch.relu(x @ w)
     stats = y.mean(dim=0).cpu()  # hazard: device-to-host copy for logging
     return y, stats
 
 
 def cpu_fixed(x, w):
+    """A ReLU layer that also returns its column means, left on the device."""
     y = torch.relu(x @ w)
     return y, y.mean(dim=0)  # stays on the device; copy it to the host after replay
 
 
 # --- 3. .to("cpu"): the seeds' embedding --------------------------------------
 def to_cpu_hazard(ids, weight):
+    """Look up rows of weight, routing the indices through the host (the seeds' embedding)."""
     ids_host = ids.to("cpu")  # hazard: the seeds' indices->to(cpu_device)
     return weight.index_select(0, ids_host.to(weight.device))  # hazard: and back again
 
 
 def to_cpu_fixed(ids, weight):
+    """Look up rows of weight on the device."""
     return torch.nn.functional.embedding(ids, weight)  # a device-side gather, no copies
 
 
 # --- 4. .tolist() -------------------------------------------------------------
 def tolist_hazard(x, ids):
+    """Gather rows of x through a Python list of indices."""
     rows = ids.tolist()  # hazard: the indices become a Python list on the host
     return x[rows]
 
 
 def tolist_fixed(x, ids):
+    """Gather rows of x with the index tensor."""
     return x[ids]  # index with the device tensor itself
 
 
 # --- 5. printing a tensor -----------------------------------------------------
 def print_hazard(x, w):
+    """A matmul that prints its result."""
     y = x @ w
     print("activations:", y, file=LOG)  # hazard: formatting reads the values on the host
     return y
 
 
 def print_fixed(x, w):
+    """The same matmul, without printing."""
     return x @ w  # print the graph's static output after replay instead
 
 
 # --- 6. if tensor: --------------------------------------------------------------
 def if_tensor_hazard(x):
+    """Clamp negatives only if there are any (a Python branch on a GPU value), then double."""
     if (x < 0).any():  # hazard: Python needs a host bool
         x = x.clamp(min=0)
     return x * 2
 
 
 def if_tensor_fixed(x):
+    """Clamp negatives and double, without a branch."""
     return x.clamp(min=0) * 2  # no branch: clamp leaves x >= 0 unchanged
 
 
 # --- 7. nonzero: a data-dependent shape ------------------------------------------
 def nonzero_hazard(x):
+    """Keep the positive entries of x via nonzero indices."""
     idx = (x > 0).nonzero(as_tuple=True)  # hazard: how many? only the GPU knows
     out = torch.zeros_like(x)
     out[idx] = x[idx]
@@ -97,26 +110,31 @@ def nonzero_hazard(x):
 
 
 def nonzero_fixed(x):
+    """Keep the positive entries of x with torch.where."""
     return torch.where(x > 0, x, torch.zeros_like(x))  # same shape whatever the data
 
 
 # --- 8. masked_select: a data-dependent shape -------------------------------------
 def masked_select_hazard(x):
+    """Sum of the positive entries, via masked_select."""
     pos = x.masked_select(x > 0)  # hazard: the result's length depends on the values
     return pos.sum()
 
 
 def masked_select_fixed(x):
+    """Sum of the positive entries, via a mask multiply."""
     return (x * (x > 0)).sum()  # multiply by the mask: fixed shape
 
 
 # --- 9. unique: a data-dependent shape --------------------------------------------
 def unique_hazard(ids, weight):
+    """Sum of the rows of weight named by ids, each counted once, via unique."""
     vocab = torch.unique(ids)  # hazard: the number of distinct ids is read on the host
     return weight[vocab].sum(0)
 
 
 def unique_fixed(ids, weight):
+    """Sum of the rows of weight named by ids, each counted once, via index_fill_."""
     present = torch.zeros(weight.shape[0], 1, device=weight.device, dtype=weight.dtype)
     present.index_fill_(0, ids, 1.0)  # mark each id once: fixed shape
     return (weight * present).sum(0)
@@ -124,39 +142,46 @@ def unique_fixed(ids, weight):
 
 # --- 10. torch.cuda.synchronize() ---------------------------------------------------
 def synchronize_hazard(x, w):
+    """A matmul and a ReLU with a device-wide synchronize between them."""
     y = x @ w
     torch.cuda.synchronize()  # hazard: waits for the whole GPU
     return torch.relu(y)
 
 
 def synchronize_fixed(x, w):
+    """A matmul and a ReLU."""
     y = x @ w  # work on one stream runs in order: nothing to wait for
     return torch.relu(y)
 
 
 # --- 11. a pageable host-to-device copy --------------------------------------------
 def h2d_pageable_hazard(x, host_scale):
+    """Scale x by a host tensor copied to the GPU on every call."""
     scale = host_scale.to(x.device)  # hazard: copy from pageable host memory
     return x * scale
 
 
 def h2d_pageable_fixed(x, dev_scale):
+    """Scale x by a tensor already on the GPU."""
     return x * dev_scale  # copied to the GPU once, before capture (a static input)
 
 
 # --- 12. torch.tensor(..., device=cuda) from host data -----------------------------
 def tensor_ctor_hazard(x):
+    """Add constant offsets built from a Python list on every call."""
     offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], device=x.device)  # hazard: built on the host, copied
     return x[:, :4] + offsets
 
 
 def tensor_ctor_fixed(x):
+    """Add constant offsets made on the GPU."""
     offsets = torch.arange(4, device=x.device, dtype=x.dtype)  # made by a kernel on the GPU
     return x[:, :4] + offsets
 
 
 # --- 13. a pinned device-to-host copy: captures, replays, and is wrong -------------
 def pinned_frozen_hazard(ids, weight, host_ids):
+    """Look up rows of weight, picked on the host from a pinned copy of ids."""
     host_ids.copy_(ids, non_blocking=True)  # into pinned memory: this copy IS captured
     if not torch.cuda.is_current_stream_capturing():  # hazard: eager and captured code differ
         torch.cuda.current_stream().synchronize()  # hazard: eager waits for the copy
@@ -165,21 +190,25 @@ def pinned_frozen_hazard(ids, weight, host_ids):
 
 
 def pinned_frozen_fixed(ids, weight, host_ids):
+    """Look up rows of weight on the device."""
     return weight[ids]  # the GPU picks the rows from the current ids on every replay
 
 
 # --- safe functions: the finder must report nothing on these -------------------------
 def safe_mlp(x, w):
+    """A two-matmul MLP: safe to capture."""
     return torch.relu(x @ w) @ w.t()
 
 
 def safe_shape_logic(x):
+    """Branching on a shape (host metadata): safe to capture."""
     if x.shape[0] > 16:  # a shape is host metadata: branching on it is fine (and fixed per graph)
         x = x[:16]
     return torch.softmax(x, dim=-1)
 
 
 def safe_embedding_bag(ids, weight):
+    """Mean of looked-up rows, broadcast to 4 rows: safe to capture."""
     rows = torch.nn.functional.embedding(ids, weight)
     return rows.mean(dim=0, keepdim=True).expand(4, -1).contiguous()
 
@@ -349,3 +378,30 @@ def source(fn, mark: dict | None = None) -> str:
         note = f"   <-- {mark[n]}" if n in mark else ""
         out.append(f"{n:4d} | {line.rstrip()}{note}")
     return "\n".join(out)
+
+
+def describe(name: str, row: dict | None = None, fixed_row: dict | None = None) -> str:
+    """One zoo entry as text: the hazard's source marked by the static finder, what capture did, then the fix.
+
+    ``row`` / ``fixed_row`` are rows of the ``hazards_finder`` result for the hazard and
+    the fix (live on a GPU, reference data otherwise); without them only the sources show.
+    """
+    from .hazards import RULES, find_static
+
+    e = get(name)
+
+    def outcome(r):
+        if r is None:
+            return ""
+        where = f" (at {r['capture_where']})" if r.get("capture_where") else ""
+        out = f"  under capture: {r['capture']}{where}"
+        if r.get("replay") not in (None, "", "-"):
+            out += f"\n  replay with new inputs: {r['replay']}"
+        if r.get("blocked") is not None:
+            out += f"\n  host waits for the GPU when called eagerly: {'yes' if r['blocked'] else 'no'}"
+        return out
+
+    marks = {f.line: RULES[f.rule].what for f in find_static(e.hazard)}
+    parts = [f"== {e.title} ==", f"hazard: {e.hazard.__name__}", source(e.hazard, marks), outcome(row),
+             f"fix: {e.fixed.__name__}", source(e.fixed), outcome(fixed_row)]
+    return "\n".join(p for p in parts if p)

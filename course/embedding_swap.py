@@ -1,0 +1,240 @@
+"""Two embeddings that compute the same thing; only one of them can be captured.
+
+``cpu-copy`` is the "before" code of the InfiniCore change this lab is built on::
+
+    auto indices_cpu = indices->to(cpu_device)->contiguous();   // device -> host copy
+
+It copies the ids to the host, checks them there, sends them back and then looks the
+rows up. The copy to the host makes the host wait until the GPU has produced the ids,
+so the call is synchronous, and inside ``torch.cuda.graph`` it fails with
+``RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture ...``.
+
+``device`` is the "after" code: the Numba kernel of :mod:`course.embedding` reads the
+ids where they are, on the GPU, launched on torch's current stream. Nothing waits, and
+the launch is captured.
+
+:class:`SwapEmbedding` holds the table and switches between the two with ``impl``;
+:func:`make_model` builds a small model around it and :func:`swap` switches a whole
+model. :class:`ReplayStandIn` mimics ``graph.replay()`` on the simulator so the replay
+exercise can be checked without a GPU.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import warnings
+
+import torch
+
+from . import embedding as E
+from .runtime import runtime
+
+IMPLS = ("cpu-copy", "device")
+
+
+def cpu_copy_lookup(ids, weight, padding_idx=None):
+    """The "before" lookup: copy the ids to the host, check them there, send them back, gather.
+
+    Correct, but the copy to the host waits for the GPU (a sync) and cannot be captured.
+    """
+    E.validate(ids, weight, padding_idx)
+    ids_host = ids.to("cpu").contiguous()  # device -> host copy: the host waits for the GPU here
+    E.host_bounds_check(ids_host, weight.shape[0])  # cheap now: the ids are on the host
+    ids_back = ids_host.to(weight.device)  # host -> device copy
+    return E.embedding(ids_back, weight, padding_idx, bounds="device")
+
+
+def device_lookup(ids, weight, padding_idx=None):
+    """The "after" lookup: the Numba kernel reads the ids on the device; nothing waits.
+
+    Out-of-range ids are reported through the error flag (:func:`course.embedding.check_errors`).
+    """
+    return E.embedding(ids, weight, padding_idx)
+
+
+LOOKUPS = {"cpu-copy": cpu_copy_lookup, "device": device_lookup}
+
+
+def _check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+class SwapEmbedding(torch.nn.Module):
+    """An inference-only embedding table whose lookup is ``cpu-copy`` or ``device`` (swappable).
+
+    Like ``torch.nn.Embedding``, the ``padding_idx`` row starts at zero. The weight is a
+    parameter without gradient: the Numba kernels implement the forward pass only.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, impl: str = "device", padding_idx=None,
+                 dtype=torch.float32, device=None, generator=None, lookups=None):
+        super().__init__()
+        # ``lookups`` maps impl -> fn(ids, weight, padding_idx): a lab plugs in its own versions here.
+        self.lookups = {**LOOKUPS, **(lookups or {})}
+        device = torch.device(device if device is not None else runtime().device)
+        w = torch.randn(num_embeddings, embedding_dim, generator=generator).to(dtype)
+        if padding_idx is not None:
+            w[padding_idx] = 0
+        self.weight = torch.nn.Parameter(w.to(device), requires_grad=False)
+        self.padding_idx = padding_idx
+        self.impl = _check_impl(impl)
+
+    def forward(self, ids):
+        """Look ``ids`` up with the current implementation."""
+        return self.lookups[_check_impl(self.impl)](ids, self.weight, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        """Shown by print(module): table size, impl and dtype."""
+        v, d = self.weight.shape
+        return f"{v}, {d}, impl={self.impl!r}, dtype={self.weight.dtype}"
+
+
+class TinyModel(torch.nn.Module):
+    """embedding -> linear: the smallest model with an embedding in front."""
+
+    def __init__(self, vocab: int, dim: int, out_features: int, *, impl: str = "device", dtype=torch.float32,
+                 device=None, generator=None, lookups=None):
+        super().__init__()
+        device = torch.device(device if device is not None else runtime().device)
+        self.embed = SwapEmbedding(vocab, dim, impl=impl, dtype=dtype, device=device, generator=generator,
+                                   lookups=lookups)
+        self.proj = torch.nn.Linear(dim, out_features, dtype=dtype)
+        with torch.no_grad():
+            w = torch.randn(out_features, dim, generator=generator) / dim ** 0.5
+            self.proj.weight.copy_(w.to(dtype))
+            self.proj.bias.zero_()
+        self.proj.to(device).requires_grad_(False)
+
+    def forward(self, ids):
+        """Logits ``[*ids.shape, out_features]``."""
+        return self.proj(self.embed(ids))
+
+
+def make_model(vocab: int = 1000, dim: int = 64, out_features: int = 32, *, impl: str = "device",
+               dtype=torch.float32, seed: int = 0, lookups=None) -> TinyModel:
+    """A :class:`TinyModel` on ``course.device()`` with reproducible weights.
+
+    ``lookups`` ({"cpu-copy": fn, "device": fn}, each ``fn(ids, weight, padding_idx)``)
+    replaces the course's implementations, e.g. with the ones written in lab 2.
+    """
+    return TinyModel(vocab, dim, out_features, impl=impl, dtype=dtype,
+                     generator=torch.Generator().manual_seed(seed), lookups=lookups).eval()
+
+
+def swap(model: torch.nn.Module, impl: str) -> torch.nn.Module:
+    """Switch every :class:`SwapEmbedding` in ``model`` to ``impl`` (weights untouched); returns ``model``."""
+    _check_impl(impl)
+    found = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} contains no SwapEmbedding to swap: build it with "
+                         "course.embedding_swap.make_model() or use SwapEmbedding for its embedding.")
+    for m in found:
+        m.impl = impl
+    return model
+
+
+# --------------------------------------------------------------------------- finding host copies
+
+_HOST_METHODS = {"cpu": "copies to the host", "item": "reads one value on the host",
+                 "tolist": "copies to the host", "numpy": "copies to the host",
+                 "synchronize": "waits for the GPU"}
+
+
+def _is_cpu_device(node) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.split(":")[0] == "cpu"
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "device":
+        return bool(node.args) and _is_cpu_device(node.args[0])
+    return False
+
+
+def find_host_copies(fn) -> list:
+    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (a shallow static look).
+
+    Finds ``.cpu()``, ``.to("cpu")`` / ``.to(device="cpu")``, ``.item()``, ``.tolist()``,
+    ``.numpy()`` and ``.synchronize()`` calls, like grepping for ``to(cpu_device)`` in the
+    C++ before/after comparison. It does not follow calls into other functions: the
+    profiler (:func:`count_device_to_host_copies`) is the proof on a GPU.
+    """
+    src = textwrap.dedent(inspect.getsource(fn))
+    tree = ast.parse(src)
+    lines = src.splitlines()
+    first = fn.__code__.co_firstlineno if hasattr(fn, "__code__") else 1
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, why = node.func.attr, None
+        if name in _HOST_METHODS:
+            why = _HOST_METHODS[name]
+        elif name == "to":
+            targets = list(node.args[:1]) + [k.value for k in node.keywords if k.arg == "device"]
+            if any(_is_cpu_device(t) for t in targets):
+                why = "copies to the host"
+        if why:
+            found.append((node.lineno, f"line {first + node.lineno - 1}: {lines[node.lineno - 1].strip()}  "
+                                       f"<- {why}"))
+    return [text for _, text in sorted(found)]
+
+
+def count_device_to_host_copies(fn) -> int:
+    """Run ``fn()`` under ``torch.profiler`` and count device-to-host memory copies (GPU only)."""
+    from .capture import require_gpu
+    require_gpu("profiling device-to-host copies")
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # the profiler's notes about its own cycles are noise here
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if "DtoH" in e.name or "Device -> Pageable" in e.name
+               or "Device -> Pinned" in e.name)
+
+
+# --------------------------------------------------------------------------- replay
+
+class ReplayStandIn:
+    """A CPU stand-in for a captured CUDA graph, for checking replay code on the simulator.
+
+    ``replay()`` re-runs the captured function and writes its result into the same
+    ``static_out`` memory. Like a real graph, it reads whatever the *static input tensor*
+    holds now: rebinding a Python name to a new tensor does not change what it reads;
+    writing into the static tensor with ``copy_`` does.
+    """
+
+    def __init__(self, fn, static_out: torch.Tensor):
+        self.fn = fn
+        self.static_out = static_out
+
+    def replay(self) -> None:
+        """Recompute into the static output."""
+        self.static_out.copy_(self.fn())
+
+
+def capture_for_replay(fn):
+    """Capture ``fn()`` for replay: ``(graph, static_out, how)``.
+
+    GPU: a real ``torch.cuda.CUDAGraph`` (via :func:`course.capture.try_capture`; a failed
+    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`.
+    """
+    if not runtime().on_gpu:
+        out = fn()
+        return ReplayStandIn(fn, out), out, "simulator stand-in (re-runs the function)"
+    from .capture import try_capture
+    outcome = try_capture(fn)
+    if not outcome.ok:
+        raise RuntimeError(f"capture failed: {outcome.error_type}: {outcome.error}")
+    return outcome.graph, outcome.output, "CUDA graph"
+
+
+def replay_with(graph, static_ids: torch.Tensor, static_out: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
+    """Write ``new_ids`` into the static input, replay, and return the static output (the reference answer)."""
+    static_ids.copy_(new_ids)
+    graph.replay()
+    return static_out

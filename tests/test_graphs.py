@@ -1,0 +1,165 @@
+"""course.graphs: capture/replay experiments (GPU) and their helpers and reference data (CPU)."""
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from course import graphs, reference
+from course.results import Result
+from course.runtime import runtime
+
+ON_GPU = runtime().on_gpu
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
+NAMES = ("graphs_kernel_sweep", "graphs_seed_step", "graphs_new_shape", "graphs_frozen",
+         "compile_skip_reasons", "compile_new_shapes")
+
+
+def _sweep(eager, replay, ks=(1, 16, 32, 64)):
+    rows = [{"kernels": k, "eager_us": eager(k), "replay_us": replay(k), "eager_per_kernel_us": 0.0,
+             "replay_per_kernel_us": 0.0, "saving_per_kernel_us": 0.0, "replay_launch_us": 0.0} for k in ks]
+    return Result("graphs_kernel_sweep", "t", {c: "us" for c in rows[0]}, rows)
+
+
+def test_per_kernel_slopes_recover_a_known_line():
+    fit = graphs.per_kernel_slopes(_sweep(lambda k: 10 + 5.0 * k, lambda k: 8 + 1.5 * k))
+    assert fit["eager_us_per_kernel"] == pytest.approx(5.0)
+    assert fit["replay_us_per_kernel"] == pytest.approx(1.5)
+    assert fit["saving_us_per_kernel"] == pytest.approx(3.5)
+
+
+def test_per_kernel_slopes_ignore_small_counts():
+    # below 16 kernels the fit must not look: a wild value at k=1 changes nothing
+    fit = graphs.per_kernel_slopes(_sweep(lambda k: 1000.0 if k == 1 else 5.0 * k, lambda k: 1.0 * k))
+    assert fit["eager_us_per_kernel"] == pytest.approx(5.0)
+
+
+def test_fit_slope_of_a_flat_line_is_zero():
+    assert graphs._fit_slope([1, 2, 3], [4, 4, 4]) == 0.0
+    assert graphs._fit_slope([2, 2], [1, 5]) == 0.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_experiments_registered_with_valid_quick_params(name):
+    exp = reference.get(name)
+    assert exp.gpu_only
+    assert set(exp.quick) <= set(inspect.signature(exp.fn).parameters)
+
+
+def test_kernel_chain_launches_n_adds():
+    import torch
+
+    buf = torch.zeros(3)
+    graphs.kernel_chain(buf, 5)()
+    assert buf.tolist() == [5.0, 5.0, 5.0]
+
+
+def test_log_condensing_keeps_the_reason():
+    msg = "Recompiling function forward in a.py:3\n  triggered by:\n  - 0/0: tensor 'x' size mismatch at index 0"
+    assert graphs._recompile_reason(msg) == "recompiled: tensor 'x' size mismatch at index 0"
+    assert graphs._condense("a\n\n b\n c\n d\n e") == "a / b / c / d"
+
+
+def test_compile_net_rejects_unknown_hazards():
+    with pytest.raises(ValueError, match="one of"):
+        graphs.CompileNet.build("nope")
+
+
+def test_torch_log_messages_collects_and_restores():
+    import logging
+
+    with graphs.torch_log_messages(perf_hints=True, not_an_artifact=True) as msgs:
+        logging.getLogger("torch._inductor").warning("skipping cudagraphs due to a test")
+    assert msgs == ["skipping cudagraphs due to a test"]
+    before = len(msgs)
+    logging.getLogger("torch._inductor").warning("after")
+    assert len(msgs) == before
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU path loads reference data")
+def test_sim_path_loads_reference_or_explains(tmp_path, monkeypatch):
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="python -m course bench"):
+        reference.run("graphs_kernel_sweep")
+    res = _sweep(lambda k: 5.0 * k, lambda k: 1.0 * k)
+    (tmp_path / "graphs_kernel_sweep.json").write_text(json.dumps(res.to_dict()))
+    got = reference.run("graphs_kernel_sweep")
+    assert got.source == "reference" and got.column("kernels") == [1, 16, 32, 64]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
+def test_experiments_refuse_to_run_without_a_gpu():
+    from course.runtime import CourseEnvironmentError
+
+    with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
+        graphs.kernel_sweep(counts=(1,))
+
+
+def _quick(name):
+    exp = reference.get(name)
+    return exp.fn(**exp.quick)
+
+
+@gpu
+def test_kernel_sweep_replay_wins_with_many_kernels():
+    res = _quick("graphs_kernel_sweep")
+    last = res.rows[-1]
+    assert last["replay_us"] < last["eager_us"]
+    assert res.value("saving per kernel (fit)") > 0
+
+
+@gpu
+def test_seed_step_replays_match_eager_training():
+    res = _quick("graphs_seed_step")
+    assert res.value("replayed weights match eager training") is True
+    assert res.value("speedup per step (CUDA events)") > 1
+
+
+@gpu
+def test_new_shape_costs_a_capture():
+    res = _quick("graphs_new_shape")
+    assert all(r["capture_ms"] > 0 and r["replay_us"] > 0 for r in res.rows)
+    # allocator segments come in 2 MiB steps: sharing must not cost more than one extra segment
+    assert res.value("memory reserved, one shared pool") <= res.value("memory reserved, one pool per graph") + 2.0
+
+
+@gpu
+def test_frozen_checks_all_as_expected():
+    res = _quick("graphs_frozen")
+    bad = [r for r in res.rows if not r["as_expected"]]
+    assert not bad, bad
+
+
+@gpu
+def test_seed_step_capture_helpers():
+    import torch
+
+    x, y, model, opt = graphs.seed_setup(8, 32, 16)
+    g, loss = graphs.capture_seed_step(model, opt, x, y)
+    w0 = model.weight.detach().clone()
+    g.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(w0, model.weight) and loss.item() > 0
+
+
+@gpu
+def test_compile_experiments_quick():
+    skip = _quick("compile_skip_reasons")
+    rows = {r["hazard"]: r for r in skip.rows}
+    assert rows["none"]["cudagraph_skips"] == 0
+    assert rows["mutates_input"]["cudagraph_skips"] >= 1 and "skipping cudagraphs" in rows["mutates_input"]["skip_reason"]
+    shapes = _quick("compile_new_shapes")
+    firsts = [r for r in shapes.rows if r["new_shape"]]
+    assert len(firsts) == 2
+
+
+@gpu
+def test_mlp_and_op_count():
+    import torch
+
+    net = graphs.mlp(64, 2)
+    x = torch.randn(4, 64, device="cuda")
+    assert net(x).shape == (4, 64)
+    ops = graphs.gpu_ops_per_call(lambda: net(x))
+    assert ops is None or ops >= 4  # two matmuls (+ bias) and two ReLUs at least
