@@ -64,8 +64,25 @@ def recover() -> None:
     except RuntimeError:
         pass
     torch.cuda.synchronize()
+    reset_rng_capture_state()
     probe = torch.ones(4, device="cuda") * 2
     assert float(probe.sum()) == 8.0, "CUDA did not recover after the failed capture"
+    torch.randn(1, device="cuda")  # the RNG works again (see reset_rng_capture_state)
+
+
+def reset_rng_capture_state() -> None:
+    """Take torch's CUDA random generators out of capture mode after a failed capture.
+
+    Measured on torch 2.11 (H100): when a capture fails, the default CUDA generator is
+    left flagged as "capturing", and every later ``torch.randn(..., device="cuda")`` raises
+    ``Offset increment outside graph capture encountered unexpectedly`` (``torch.manual_seed``
+    does not clear it). Swapping in a clone of each generator's state clears the flag and
+    keeps the seed and offset, so random streams continue exactly where they were.
+    """
+    import torch
+
+    for gen in torch.cuda.default_generators:
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 def warm_up(fn, iters: int = 3):

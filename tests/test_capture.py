@@ -108,3 +108,25 @@ def test_recover_refuses_while_capturing():
     g.replay()
     torch.cuda.synchronize()
     assert y.cpu().tolist() == [2.0, 2.0]
+
+
+@pytest.mark.skipif(not runtime().on_gpu, reason="needs a GPU")
+def test_failed_capture_leaves_the_cuda_rng_usable():
+    import torch
+
+    from course.capture import reset_rng_capture_state, try_capture
+    x = torch.randn(16, device="cuda")
+    out = try_capture(lambda: x.sum().item())
+    assert not out.ok
+    torch.manual_seed(0)
+    a = torch.randn(8, device="cuda")  # raised "Offset increment outside graph capture" before the fix
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.randn(8, device="cuda"))
+    reset_rng_capture_state()  # harmless when nothing failed
+    g, s = torch.cuda.CUDAGraph(), torch.empty(4, device="cuda")
+    with torch.cuda.graph(g):
+        s.uniform_()
+    g.replay()
+    first = s.clone()
+    g.replay()
+    assert not torch.equal(first, s), "a captured RNG op should draw new numbers on each replay"
