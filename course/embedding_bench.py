@@ -23,27 +23,9 @@ import torch.nn.functional as F
 from . import embedding as E
 from .reference import experiment
 from .results import Result
-from .timing import Timing, time_device
+from .timing import Timing, graph_time, time_device  # noqa: F401 (graph_time is part of this module's API)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
-    """Device time per call of ``fn``: ``calls`` calls captured into one CUDA graph, replays timed with events.
-
-    GPU only. The returned :class:`~course.timing.Timing` is per call (replay time / ``calls``).
-    """
-    from .capture import require_gpu, warm_up
-    require_gpu("timing with CUDA-graph replay")
-    warm_up(fn, 2)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    t = time_device(graph.replay, warmup=2, repeats=repeats, inner=1)
-    del graph
-    return Timing(t.median / calls, t.q1 / calls, t.q3 / calls, t.min / calls, t.max / calls, t.repeats, calls,
-                  "cuda-graph-replay")
 
 
 def run_isolated(func: str, **kwargs):

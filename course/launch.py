@@ -22,7 +22,7 @@ from functools import lru_cache
 from .reference import experiment
 from .results import Result
 from .runtime import as_numba, cuda, numba_stream, runtime, torch_device
-from .timing import time_device, time_enqueue, time_wall
+from .timing import time_device, time_enqueue, time_graph_replay, time_wall
 
 OPS_PER_GRAPH = 50
 
@@ -32,20 +32,9 @@ def graph_time_per_op(op, ops: int = OPS_PER_GRAPH, repeats: int = 15):
 
     Replay issues the whole graph with one launch, so the time per op is the kernel's own
     execution time plus the GPU's tiny inter-kernel gap, with no CPU launch cost in it.
+    Returns (seconds per op, the per-replay Timing).
     """
-    import torch
-
-    from .capture import warm_up
-
-    def body():
-        for _ in range(ops):
-            op()
-
-    warm_up(body, 2)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    t = time_device(g.replay, warmup=3, repeats=repeats, inner=1)
+    t = time_graph_replay(op, calls=ops, warmup=3, repeats=repeats)
     return t.median / ops, t
 
 

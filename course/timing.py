@@ -122,3 +122,38 @@ def time_enqueue(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> 
         samples.append(time.perf_counter() - t0)
     synchronize()
     return _stats(samples, inner, "host-enqueue")
+
+
+def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> Timing:
+    """Capture ``calls`` back-to-back calls of ``fn`` into one CUDA graph and time its replays with events.
+
+    The returned Timing is per *replay* (clock "cuda-events"); divide by ``calls`` for the GPU's own
+    time per call, with no CPU launch cost in it. GPU only.
+    """
+    import torch
+
+    from .capture import require_gpu, warm_up
+
+    require_gpu("timing with CUDA-graph replay")
+
+    def body():
+        for _ in range(calls):
+            fn()
+
+    warm_up(body, 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    t = time_device(graph.replay, warmup=warmup, repeats=repeats, inner=1)
+    del graph
+    return t
+
+
+def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
+    """Device time per call of ``fn``: ``calls`` calls captured into one CUDA graph, replays timed with events.
+
+    GPU only. The returned :class:`Timing` is per call (replay time / ``calls``), clock "cuda-graph-replay".
+    """
+    t = time_graph_replay(fn, calls=calls, warmup=2, repeats=repeats)
+    return Timing(t.median / calls, t.q1 / calls, t.q3 / calls, t.min / calls, t.max / calls, t.repeats, calls,
+                  "cuda-graph-replay")

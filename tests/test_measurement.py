@@ -104,3 +104,21 @@ def test_bench_quick_writes_valid_reference(tmp_path):
     paths = reference.bench(["launch_costs"], out_dir=tmp_path, quick=True, log=lambda *_: None)
     res = Result.from_dict(json.loads(paths[0].read_text()))
     assert res.params["quick"] is True and res.provenance["path"] == "cuda"
+
+
+@pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
+def test_time_graph_replay_needs_a_gpu():
+    from course.runtime import CourseEnvironmentError
+    from course.timing import time_graph_replay
+    with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
+        time_graph_replay(lambda: None, calls=2)
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
+def test_time_graph_replay_is_per_replay():
+    from course.timing import graph_time, time_graph_replay
+    x = torch.zeros(1 << 20, device="cuda")
+    per_replay = time_graph_replay(lambda: x.add_(1), calls=8, repeats=3)
+    per_call = graph_time(lambda: x.add_(1), calls=8, repeats=3)
+    assert per_replay.clock == "cuda-events" and per_call.clock == "cuda-graph-replay"
+    assert per_replay.median > per_call.median > 0
