@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent
 
 def pytest_configure(config):
     os.environ.setdefault("MPLBACKEND", "Agg")
-    from course.runtime import CourseEnvironmentError, runtime
+    from course.core.runtime import CourseEnvironmentError, runtime
     try:
         rt = runtime()
     except CourseEnvironmentError as e:

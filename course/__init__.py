@@ -3,7 +3,7 @@
 ``import course`` first in every notebook: it makes the course's one runtime
 decision (real GPU or Numba CUDA simulator) before numba is imported.
 """
-from .runtime import (CourseEnvironmentError, as_numba, cuda, numba_stream, runtime, synchronize,
+from course.core.runtime import (CourseEnvironmentError, as_numba, cuda, numba_stream, runtime, synchronize,
                       torch_device)
 
 __version__ = "0.1.0"

@@ -1,12 +1,13 @@
-"""course.capture: trial captures that report failures and never poison later work."""
+"""course.core.capture: trial captures that report failures and never poison later work."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from course import capture, zoo
-from course.capture import CaptureOutcome, try_capture
-from course.runtime import CourseEnvironmentError, runtime
+from course.core import capture
+from course.lessons.what_breaks import zoo
+from course.core.capture import CaptureOutcome, try_capture
+from course.core.runtime import CourseEnvironmentError, runtime
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (CUDA graph capture)")
@@ -114,7 +115,7 @@ def test_recover_refuses_while_capturing():
 def test_failed_capture_leaves_the_cuda_rng_usable():
     import torch
 
-    from course.capture import reset_rng_capture_state, try_capture
+    from course.core.capture import reset_rng_capture_state, try_capture
     x = torch.randn(16, device="cuda")
     out = try_capture(lambda: x.sum().item())
     assert not out.ok

@@ -6,8 +6,8 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
-from course import checks, plots
-from course.results import Result
+from course.core import checks, plots
+from course.core.results import Result
 
 
 def test_exercise_pass_todo_fail(capsys, tmp_path, monkeypatch):

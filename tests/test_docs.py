@@ -9,14 +9,21 @@ TESTS_TEXT = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py")
 
 
 def _public_defs():
-    for path in sorted((ROOT / "course").glob("*.py")):
+    for path in sorted((ROOT / "course").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
-                yield path.name, node
+                yield str(path.relative_to(ROOT / "course")), node
 
 
 DEFS = list(_public_defs())
+
+
+def test_definitions_found_in_every_part():
+    """The scan must reach every folder of the package (a glob that stops at the top finds nothing)."""
+    parts = {m.split("/")[0] for m, _ in DEFS}
+    assert {"core", "lessons", "embedding", "tools"} <= parts, parts
+    assert len(DEFS) > 100, len(DEFS)
 
 
 @pytest.mark.parametrize("module,node", DEFS, ids=[f"{m}:{n.name}" for m, n in DEFS])

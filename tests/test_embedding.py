@@ -1,4 +1,4 @@
-"""The embedding kernels (course.embedding) and their benchmark (course.embedding_bench).
+"""The embedding kernels (course.embedding) and their benchmark (course.embedding.bench).
 
 On the CPU these run the Numba CUDA simulator with tiny sizes; the GPU tests run the
 same checks on a real GPU plus the registered experiments with their quick sizes.
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from course import embedding as E
-from course import embedding_bench as B
-from course.checks import close
-from course.runtime import CourseEnvironmentError, runtime
+from course.embedding import bench as B
+from course.core.checks import close
+from course.core.runtime import CourseEnvironmentError, runtime
 
 GPU = pytest.mark.skipif(not runtime().on_gpu, reason="needs a real GPU")
 DEV = torch.device(runtime().device)
@@ -213,7 +213,7 @@ def test_fallback_uses_the_reference_while_the_todo_raises(capsys):
 # --------------------------------------------------------------------------- the benchmark module
 
 def test_experiments_are_registered_gpu_only_with_quick_sizes():
-    from course import reference
+    from course.core import reference
     names = ["embedding_bandwidth", "embedding_small_lookup", "embedding_bounds_modes", "embedding_verify",
              "embedding_swap_timing", "embedding_sync_timeline", "embedding_profile"]
     for name in names:
@@ -250,7 +250,7 @@ def test_gpu_graph_time_is_per_call():
 
 @GPU
 def test_gpu_device_bounds_capture_and_replay_reports_bad_ids():
-    from course.capture import try_capture
+    from course.core.capture import try_capture
     w = torch.randn(50, 64, device="cuda")
     ids = torch.randint(0, 50, (8,), device="cuda")
     outcome = try_capture(lambda: E.embedding(ids, w, bounds="device"))

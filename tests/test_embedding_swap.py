@@ -1,12 +1,12 @@
-"""The swappable embedding (course.embedding_swap): cpu-copy vs device, the model, swap, replay."""
+"""The swappable embedding (course.embedding.swap): cpu-copy vs device, the model, swap, replay."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from course import embedding as E
-from course import embedding_swap as S
-from course.checks import close
-from course.runtime import CourseEnvironmentError, runtime
+from course.embedding import swap as S
+from course.core.checks import close
+from course.core.runtime import CourseEnvironmentError, runtime
 
 GPU = pytest.mark.skipif(not runtime().on_gpu, reason="needs a real GPU")
 DEV = torch.device(runtime().device)
@@ -128,7 +128,7 @@ def test_count_device_to_host_copies_needs_a_gpu():
 
 @GPU
 def test_gpu_cpu_copy_cannot_be_captured_and_device_can():
-    from course.capture import try_capture
+    from course.core.capture import try_capture
     model = S.make_model()
     ids = torch.randint(0, 1000, (4, 32), device="cuda")
     S.swap(model, "cpu-copy")
@@ -157,7 +157,7 @@ def test_gpu_host_copies_counted_by_the_profiler():
 
 @GPU
 def test_gpu_only_the_device_lookup_is_asynchronous():
-    from course.blocking import host_blocking
+    from course.core.blocking import host_blocking
     emb = S.SwapEmbedding(100, 64)
     ids = torch.randint(0, 100, (64,), device="cuda")
     emb.impl = "cpu-copy"

@@ -1,4 +1,4 @@
-"""course.graphs: capture/replay experiments (GPU) and their helpers and reference data (CPU)."""
+"""course.lessons.capture_replay and reduce_overhead: capture/replay experiments (GPU) and their helpers and reference data (CPU)."""
 from __future__ import annotations
 
 import inspect
@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from course import graphs, reference
-from course.results import Result
-from course.runtime import runtime
+from course.core import reference
+from course.lessons import capture_replay, reduce_overhead
+from course.core.results import Result
+from course.core.runtime import runtime
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
@@ -23,7 +24,7 @@ def _sweep(eager, replay, ks=(1, 16, 32, 64)):
 
 
 def test_per_kernel_slopes_recover_a_known_line():
-    fit = graphs.per_kernel_slopes(_sweep(lambda k: 10 + 5.0 * k, lambda k: 8 + 1.5 * k))
+    fit = capture_replay.per_kernel_slopes(_sweep(lambda k: 10 + 5.0 * k, lambda k: 8 + 1.5 * k))
     assert fit["eager_us_per_kernel"] == pytest.approx(5.0)
     assert fit["replay_us_per_kernel"] == pytest.approx(1.5)
     assert fit["saving_us_per_kernel"] == pytest.approx(3.5)
@@ -31,13 +32,13 @@ def test_per_kernel_slopes_recover_a_known_line():
 
 def test_per_kernel_slopes_ignore_small_counts():
     # below 16 kernels the fit must not look: a wild value at k=1 changes nothing
-    fit = graphs.per_kernel_slopes(_sweep(lambda k: 1000.0 if k == 1 else 5.0 * k, lambda k: 1.0 * k))
+    fit = capture_replay.per_kernel_slopes(_sweep(lambda k: 1000.0 if k == 1 else 5.0 * k, lambda k: 1.0 * k))
     assert fit["eager_us_per_kernel"] == pytest.approx(5.0)
 
 
 def test_fit_slope_of_a_flat_line_is_zero():
-    assert graphs._fit_slope([1, 2, 3], [4, 4, 4]) == 0.0
-    assert graphs._fit_slope([2, 2], [1, 5]) == 0.0
+    assert capture_replay._fit_slope([1, 2, 3], [4, 4, 4]) == 0.0
+    assert capture_replay._fit_slope([2, 2], [1, 5]) == 0.0
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -51,25 +52,25 @@ def test_kernel_chain_launches_n_adds():
     import torch
 
     buf = torch.zeros(3)
-    graphs.kernel_chain(buf, 5)()
+    capture_replay.kernel_chain(buf, 5)()
     assert buf.tolist() == [5.0, 5.0, 5.0]
 
 
 def test_log_condensing_keeps_the_reason():
     msg = "Recompiling function forward in a.py:3\n  triggered by:\n  - 0/0: tensor 'x' size mismatch at index 0"
-    assert graphs._recompile_reason(msg) == "recompiled: tensor 'x' size mismatch at index 0"
-    assert graphs._condense("a\n\n b\n c\n d\n e") == "a / b / c / d"
+    assert reduce_overhead._recompile_reason(msg) == "recompiled: tensor 'x' size mismatch at index 0"
+    assert reduce_overhead._condense("a\n\n b\n c\n d\n e") == "a / b / c / d"
 
 
 def test_compile_net_rejects_unknown_hazards():
     with pytest.raises(ValueError, match="one of"):
-        graphs.CompileNet.build("nope")
+        reduce_overhead.CompileNet.build("nope")
 
 
 def test_torch_log_messages_collects_and_restores():
     import logging
 
-    with graphs.torch_log_messages(perf_hints=True, not_an_artifact=True) as msgs:
+    with reduce_overhead.torch_log_messages(perf_hints=True, not_an_artifact=True) as msgs:
         logging.getLogger("torch._inductor").warning("skipping cudagraphs due to a test")
     assert msgs == ["skipping cudagraphs due to a test"]
     before = len(msgs)
@@ -90,10 +91,10 @@ def test_sim_path_loads_reference_or_explains(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
 def test_experiments_refuse_to_run_without_a_gpu():
-    from course.runtime import CourseEnvironmentError
+    from course.core.runtime import CourseEnvironmentError
 
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
-        graphs.kernel_sweep(counts=(1,))
+        capture_replay.kernel_sweep(counts=(1,))
 
 
 def _quick(name):
@@ -135,8 +136,8 @@ def test_frozen_checks_all_as_expected():
 def test_seed_step_capture_helpers():
     import torch
 
-    x, y, model, opt = graphs.seed_setup(8, 32, 16)
-    g, loss = graphs.capture_seed_step(model, opt, x, y)
+    x, y, model, opt = capture_replay.seed_setup(8, 32, 16)
+    g, loss = capture_replay.capture_seed_step(model, opt, x, y)
     w0 = model.weight.detach().clone()
     g.replay()
     torch.cuda.synchronize()
@@ -158,8 +159,8 @@ def test_compile_experiments_quick():
 def test_mlp_and_op_count():
     import torch
 
-    net = graphs.mlp(64, 2)
+    net = capture_replay.mlp(64, 2)
     x = torch.randn(4, 64, device="cuda")
     assert net(x).shape == (4, 64)
-    ops = graphs.gpu_ops_per_call(lambda: net(x))
+    ops = capture_replay.gpu_ops_per_call(lambda: net(x))
     assert ops is None or ops >= 4  # two matmuls (+ bias) and two ReLUs at least

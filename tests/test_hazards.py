@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import course
-from course import hazards, reference, zoo
-from course.blocking import BlockingReport
-from course.hazards import find_static
-from course.results import Result
-from course.runtime import CourseEnvironmentError, runtime
+from course.core import checks, reference
+from course.lessons import what_breaks as hazards
+from course.lessons.what_breaks import dynamic, experiments, zoo
+from course.core.blocking import BlockingReport
+from course.lessons.what_breaks import find_static
+from course.core.results import Result
+from course.core.runtime import CourseEnvironmentError, runtime
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (the dynamic finder runs CUDA)")
@@ -266,19 +268,19 @@ def test_each_fix_computes_what_the_hazard_computes(name):
     e = zoo.get(name)
     if not e.cpu_eager and not ON_GPU:
         pytest.skip("this hazard needs CUDA to run even eagerly")
-    assert zoo.same_result(e.hazard(*e.hazard_args()), e.fixed(*e.fixed_args()))
+    assert checks.same_result(e.hazard(*e.hazard_args()), e.fixed(*e.fixed_args()))
 
 
 def test_flat_tensors_walks_nested_outputs():
     a, b, c = torch.ones(1), torch.zeros(2), torch.ones(3)
-    assert [t.numel() for t in zoo.flat_tensors((a, [b, (c,)], "x", 3))] == [1, 2, 3]
-    assert zoo.flat_tensors(None) == []
+    assert [t.numel() for t in checks.flat_tensors((a, [b, (c,)], "x", 3))] == [1, 2, 3]
+    assert checks.flat_tensors(None) == []
 
 
 def test_same_result_can_fail():
-    assert not zoo.same_result(torch.ones(3), torch.zeros(3))
-    assert not zoo.same_result((torch.ones(3),), (torch.ones(3), torch.ones(1)))
-    assert zoo.same_result((torch.ones(3), [torch.zeros(2)]), [torch.ones(3), torch.zeros(2)])
+    assert not checks.same_result(torch.ones(3), torch.zeros(3))
+    assert not checks.same_result((torch.ones(3),), (torch.ones(3), torch.ones(1)))
+    assert checks.same_result((torch.ones(3), [torch.zeros(2)]), [torch.ones(3), torch.zeros(2)])
 
 
 def test_zoo_lookup_and_source_listing():
@@ -304,7 +306,7 @@ def test_describe_uses_a_reference_row():
 # ---------------------------------------------------------------------------------------
 def test_library_vs_user_frames():
     assert hazards.is_library_file(torch.__file__)
-    assert hazards.is_library_file(hazards.__file__)
+    assert hazards.is_library_file(dynamic.__file__)
     assert hazards.is_library_file(os.__file__)
     assert not hazards.is_library_file(__file__)
     assert not hazards.is_library_file(zoo.__file__)
@@ -328,11 +330,11 @@ def test_find_hazards_is_static_only_without_a_gpu():
 
 def test_tiny_kernel_runs_on_this_path():
     t = torch.zeros(8, device=course.device())
-    hazards.launch_tiny(t)
+    experiments.launch_tiny(t)
     course.synchronize()
     assert t.cpu().tolist() == [1.0] * 8
     with pytest.raises(ValueError, match="at most 32"):
-        hazards.launch_tiny(torch.zeros(64, device=course.device()))
+        experiments.launch_tiny(torch.zeros(64, device=course.device()))
 
 
 # ---------------------------------------------------------------------------------------

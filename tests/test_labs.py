@@ -1,11 +1,11 @@
-"""Instructor tools (course.labs): labs generated from solutions, and the notebook checker."""
+"""Instructor tools (course.tools.labs): labs generated from solutions, and the notebook checker."""
 import json
 
 import nbformat
 import pytest
 
-from course import labs as L
-from course.catalog import ROOT, entries
+from course.tools import labs as L
+from course.tools.catalog import ROOT, entries
 
 
 def _nb(*cells):
@@ -108,12 +108,12 @@ def test_shipped_labs_are_in_sync_with_their_solutions(capsys):
 
 def test_exercise_names_in_order():
     nb = _nb(("code", 'with exercise("1. first", hint="h"):\n    pass'),
-             ("code", 'from course.checks import exercise\nwith checks.exercise("2. second"):\n    pass'),
+             ("code", 'from course.core.checks import exercise\nwith checks.exercise("2. second"):\n    pass'),
              ("code", "this is not python ("))
     assert L.exercise_names(nb) == ["1. first", "2. second"]
 
 
-CHECKS = "from course.checks import exercise\n"
+CHECKS = "from course.core.checks import exercise\n"
 
 
 def test_check_notebook_reports_pass_todo_fail_and_stray_errors(tmp_path, capsys):

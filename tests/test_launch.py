@@ -1,8 +1,8 @@
 import pytest
 
 import course
-from course import launch
-from course.results import Result
+from course.lessons import launch_overhead as launch
+from course.core.results import Result
 
 
 def _rows():

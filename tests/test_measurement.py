@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import course
-from course import reference
-from course.results import Result
-from course.timing import Timing, time_device, time_enqueue, time_wall
+from course.core import reference
+from course.core.results import Result
+from course.core.timing import Timing, time_device, time_enqueue, time_wall
 
 
 def test_time_wall_measures_sleep():
@@ -108,15 +108,15 @@ def test_bench_quick_writes_valid_reference(tmp_path):
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
 def test_time_graph_replay_needs_a_gpu():
-    from course.runtime import CourseEnvironmentError
-    from course.timing import time_graph_replay
+    from course.core.runtime import CourseEnvironmentError
+    from course.core.timing import time_graph_replay
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
         time_graph_replay(lambda: None, calls=2)
 
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_time_graph_replay_is_per_replay():
-    from course.timing import graph_time, time_graph_replay
+    from course.core.timing import graph_time, time_graph_replay
     x = torch.zeros(1 << 20, device="cuda")
     per_replay = time_graph_replay(lambda: x.add_(1), calls=8, repeats=3)
     per_call = graph_time(lambda: x.add_(1), calls=8, repeats=3)

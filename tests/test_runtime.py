@@ -9,11 +9,11 @@ import torch
 import course
 import importlib
 
-rtmod = importlib.import_module("course.runtime")  # the module (course.runtime is also the function)
-from course.runtime import CourseEnvironmentError, Runtime, runtime
+rtmod = importlib.import_module("course.core.runtime")  # the module (course.runtime is also the function)
+from course.core.runtime import CourseEnvironmentError, Runtime, runtime
 
 
-def _decide_in_subprocess(env_extra, code="from course.runtime import runtime; r = runtime(); print(r.to_json())"):
+def _decide_in_subprocess(env_extra, code="from course.core.runtime import runtime; r = runtime(); print(r.to_json())"):
     env = {k: v for k, v in os.environ.items() if k not in (rtmod.ENV_CACHE, rtmod.ENV_FORCE, "NUMBA_ENABLE_CUDASIM")}
     env.update(env_extra)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -59,7 +59,7 @@ def test_numba_imported_first_in_wrong_mode_is_explained():
     # Import numba in GPU mode, then ask the course for the simulator.
     code = ("import os; os.environ.pop('NUMBA_ENABLE_CUDASIM', None); import numba.cuda; "
             "os.environ['COURSE_PATH']='sim'\n"
-            "from course.runtime import runtime\n"
+            "from course.core.runtime import runtime\n"
             "try:\n    runtime()\nexcept Exception as e:\n    print('ERR', e)")
     out = _decide_in_subprocess({}, code)
     assert "Restart the kernel" in out.stdout, out.stdout + out.stderr
@@ -71,7 +71,7 @@ def test_cached_decision_is_reused_by_children():
     assert data["path"] == runtime().path
     # a child that inherits the cache takes the same path without probing again
     env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", "from course.runtime import runtime; print(runtime().path)"],
+    out = subprocess.run([sys.executable, "-c", "from course.core.runtime import runtime; print(runtime().path)"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == runtime().path
 

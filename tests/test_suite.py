@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from course import catalog
+from course.tools import catalog
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 import course
-from course import blocking, catalog, doctor, render
-from course.__main__ import build_parser, main
+from course.core import blocking
+from course.tools import catalog, doctor, render
+from course.tools.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +114,7 @@ def test_blocking_tells_sync_from_async():
 
 
 def test_provenance_helpers():
-    from course import provenance
+    from course.core import provenance
     assert provenance.cpu_model()
     drv = provenance.driver_version()
     assert drv is None or drv[0].isdigit()
@@ -122,14 +123,14 @@ def test_provenance_helpers():
 
 
 def test_probe_numba_cuda_on_simulator():
-    from course.runtime import probe_numba_cuda
+    from course.core.runtime import probe_numba_cuda
     ok, err = probe_numba_cuda(simulator=True)
     assert ok and err is None
 
 
 def test_torch_device_and_experiment_record():
-    from course import reference
-    from course.runtime import torch_device
+    from course.core import reference
+    from course.core.runtime import torch_device
     assert str(torch_device()) == course.runtime().device
     exp = reference.get("cpu_dispatch")
     assert isinstance(exp, reference.Experiment) and not exp.gpu_only and exp.quick
@@ -147,7 +148,7 @@ def test_doctor_row_and_render_html():
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_sleep_calibration_and_graph_time_per_op():
     import torch
-    from course.launch import graph_time_per_op
+    from course.lessons.launch_overhead import graph_time_per_op
     assert blocking.sleep_cycles_per_ms() > 1e5  # GPU clocks run at hundreds of MHz
     x = torch.zeros(16, device="cuda")
     per_op, timing = graph_time_per_op(lambda: x.add_(1), ops=4, repeats=3)

@@ -1,9 +1,9 @@
 """`python -m course verify-embedding`: the report, its exit codes, never a traceback."""
 import pytest
 
-from course import verify as V
-from course.__main__ import main as cli
-from course.runtime import runtime
+from course.embedding import verify as V
+from course.tools.cli import main as cli
+from course.core.runtime import runtime
 
 GPU = pytest.mark.skipif(not runtime().on_gpu, reason="needs a real GPU")
 SIM = pytest.mark.skipif(runtime().on_gpu, reason="simulator behaviour")

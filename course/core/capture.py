@@ -12,7 +12,7 @@ import dataclasses
 import traceback
 import warnings
 
-from .runtime import CourseEnvironmentError, runtime
+from course.core.runtime import CourseEnvironmentError, runtime
 
 
 @dataclasses.dataclass

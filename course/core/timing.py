@@ -10,7 +10,7 @@ import dataclasses
 import statistics
 import time
 
-from .runtime import runtime, synchronize
+from course.core.runtime import runtime, synchronize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> 
     """
     import torch
 
-    from .capture import require_gpu, warm_up
+    from course.core.capture import require_gpu, warm_up
 
     require_gpu("timing with CUDA-graph replay")
 

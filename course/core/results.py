@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 import json
 
-from .provenance import describe, provenance
+from course.core.provenance import describe, provenance
 
 
 @dataclasses.dataclass

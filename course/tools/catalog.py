@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import io
 
 import torch
 
-from .runtime import runtime, torch_device
+from course.core.runtime import runtime, torch_device
 
 LOG = io.StringIO()  # where print_hazard prints (keeps notebook output readable)
 
@@ -347,27 +347,6 @@ def safe_functions(seed: int = 0, device=None) -> list:
     return out
 
 
-def flat_tensors(out) -> list:
-    """The tensors in a function's output (a tensor, or a tuple/list of them), in order."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in flat_tensors(o)]
-    return []
-
-
-def same_result(a, b, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
-    """True when two outputs hold the same values (compared on the CPU, any device)."""
-    ta, tb = flat_tensors(a), flat_tensors(b)
-    if len(ta) != len(tb):
-        return False
-    for p, q in zip(ta, tb):
-        p, q = p.detach().cpu(), q.detach().cpu()
-        if p.shape != q.shape or not torch.allclose(p.float(), q.float(), rtol=rtol, atol=atol):
-            return False
-    return True
-
-
 def source(fn, mark: dict | None = None) -> str:
     """``fn``'s source with absolute line numbers; ``mark`` maps line -> note printed beside it."""
     lines, start = inspect.getsourcelines(fn)
@@ -386,7 +365,7 @@ def describe(name: str, row: dict | None = None, fixed_row: dict | None = None) 
     ``row`` / ``fixed_row`` are rows of the ``hazards_finder`` result for the hazard and
     the fix (live on a GPU, reference data otherwise); without them only the sources show.
     """
-    from .hazards import RULES, find_static
+    from course.lessons.what_breaks import RULES, find_static
 
     e = get(name)
 

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from .catalog import CATALOG, ROOT
+from course.tools.catalog import CATALOG, ROOT
 
 
 def execute(path: Path, timeout: int = 900, env: dict | None = None):
@@ -54,7 +54,7 @@ def main(out: str = "build", only=None, timeout: int = 900) -> int:
     """Run the notebooks (all, or those in ``only``); exit 1 if any failed."""
     from tqdm.auto import tqdm
 
-    from .runtime import runtime
+    from course.core.runtime import runtime
 
     rt = runtime()  # decided once here; kernels inherit the decision through the environment
     out_dir = Path(out)

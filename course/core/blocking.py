@@ -15,7 +15,7 @@ import dataclasses
 import time
 from functools import lru_cache
 
-from .runtime import runtime
+from course.core.runtime import runtime
 
 
 @dataclasses.dataclass(frozen=True)

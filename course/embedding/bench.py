@@ -20,10 +20,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from . import embedding as E
-from .reference import experiment
-from .results import Result
-from .timing import Timing, graph_time, time_device  # noqa: F401 (graph_time is part of this module's API)
+from course import embedding as E
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.timing import graph_time, time_device  # noqa: F401 (graph_time is part of this module's API)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,7 +35,7 @@ def run_isolated(func: str, **kwargs):
     the profiler (CUPTI) leaves behind stays in that process, away from the timings of
     the experiments that run after it in the bench.
     """
-    code = ("import json, sys\nfrom course import embedding_bench as B\n"
+    code = ("import json, sys\nfrom course.embedding import bench as B\n"
             f"res = B.{func}(**json.loads(sys.argv[1]))\nprint('ISOLATED ' + json.dumps(res))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
                           timeout=600)
@@ -69,7 +69,7 @@ NUMBA_KERNELS = {  # label -> keyword arguments of course.embedding.embedding
 def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
                         dtypes=("float32", "bfloat16"), calls: int = 10, repeats: int = 10, seed: int = 0) -> Result:
     """Lookup bandwidth of F.embedding and each Numba kernel, beside a device-to-device copy of the output size."""
-    from .capture import require_gpu
+    from course.core.capture import require_gpu
     require_gpu("the embedding bandwidth benchmark")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
@@ -123,8 +123,8 @@ def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
 def embedding_small_lookup(n_ids: int = 128, dim: int = 128, vocab: int = 32000, dtype: str = "float32",
                            repeats: int = 25, inner: int = 20) -> Result:
     """A small lookup: eager launches vs CUDA-graph replay of one call (device time and host time per call)."""
-    from .capture import try_capture
-    from .timing import time_enqueue
+    from course.core.capture import try_capture
+    from course.core.timing import time_enqueue
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(vocab, dim, device="cuda", generator=gen).to(DTYPES[dtype])
     ids = torch.randint(0, vocab, (n_ids,), device="cuda", generator=gen)
@@ -158,8 +158,8 @@ def embedding_small_lookup(n_ids: int = 128, dim: int = 128, vocab: int = 32000,
 @experiment("embedding_bounds_modes", quick=dict(repeats=5))
 def embedding_bounds_modes(n_ids: int = 128, dim: int = 128, vocab: int = 32000, repeats: int = 20) -> Result:
     """bounds='host' vs bounds='device': cost per call, does the host wait, can it be captured, when errors show."""
-    from .blocking import host_blocking
-    from .capture import try_capture
+    from course.core.blocking import host_blocking
+    from course.core.capture import try_capture
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(vocab, dim, device="cuda", generator=gen)
     ids = torch.randint(0, vocab, (n_ids,), device="cuda", generator=gen)
@@ -193,7 +193,7 @@ def embedding_bounds_modes(n_ids: int = 128, dim: int = 128, vocab: int = 32000,
 
 
 def _verify_rows() -> dict:
-    from .verify import run_checks
+    from course.embedding.verify import run_checks
     rows, texts = [], {}
     for impl in ("cpu-copy", "device"):
         lines = []
@@ -210,7 +210,7 @@ def embedding_verify() -> Result:
 
     Runs in its own process (it uses the profiler; see :func:`run_isolated`).
     """
-    from .capture import require_gpu
+    from course.core.capture import require_gpu
     require_gpu("verify-embedding")
     out = run_isolated("_verify_rows")
     res = Result("embedding_verify", "verify-embedding: capture, replay, device-resident ids, asynchrony",
@@ -224,8 +224,8 @@ def embedding_verify() -> Result:
 def embedding_swap_timing(tokens=(1, 16, 256, 4096), vocab: int = 32000, dim: int = 512, out_features: int = 512,
                           repeats: int = 15, inner: int = 10) -> Result:
     """The small model (embedding -> linear): eager cpu-copy vs eager device vs graph replay, per forward."""
-    from .capture import try_capture
-    from .embedding_swap import make_model, swap
+    from course.core.capture import try_capture
+    from course.embedding.swap import make_model, swap
     model = make_model(vocab, dim, out_features)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -259,8 +259,8 @@ def embedding_swap_timing(tokens=(1, 16, 256, 4096), vocab: int = 32000, dim: in
 @experiment("embedding_sync_timeline", quick=dict(sleep_ms=5))
 def embedding_sync_timeline(sleep_ms: float = 20.0, tokens: int = 128) -> Result:
     """Host-blocking timeline: GPU busy with a long sleep, when does forward() return? (both impls)"""
-    from .blocking import host_blocking
-    from .embedding_swap import SwapEmbedding
+    from course.core.blocking import host_blocking
+    from course.embedding.swap import SwapEmbedding
     emb = SwapEmbedding(32000, 256, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 32000, (tokens,), device="cuda")
     rows = []
@@ -300,8 +300,8 @@ def _profile_rows(sleep_ms: float, tokens: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from .blocking import gpu_sleep, sleep_cycles_per_ms
-    from .embedding_swap import SwapEmbedding
+    from course.core.blocking import gpu_sleep, sleep_cycles_per_ms
+    from course.embedding.swap import SwapEmbedding
     emb = SwapEmbedding(32000, 256, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 32000, (tokens,), device="cuda")
     rows, summary = [], {}
@@ -349,7 +349,7 @@ def embedding_profile(sleep_ms: float = 2.0, tokens: int = 128) -> Result:
     Runs in its own process (see :func:`run_isolated`). Summary: device-to-host copies,
     the longest host wait (a copy or sync call) inside forward(), forward()'s host time.
     """
-    from .capture import require_gpu
+    from course.core.capture import require_gpu
     require_gpu("profiling the embedding")
     out = run_isolated("_profile_rows", sleep_ms=sleep_ms, tokens=tokens)
     res = Result("embedding_profile",

@@ -14,17 +14,18 @@ import importlib
 import json
 from pathlib import Path
 
-from .results import Result
-from .runtime import runtime
+from course.core.results import Result
+from course.core.runtime import runtime
 
-REFERENCE_DIR = Path(__file__).with_name("reference")
+REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 
 # Modules that define experiments; imported by bench() and the tests.
 EXPERIMENT_MODULES = (
-    "course.launch",
-    "course.graphs",
-    "course.hazards",
-    "course.embedding_bench",
+    "course.lessons.launch_overhead",
+    "course.lessons.capture_replay",
+    "course.lessons.reduce_overhead",
+    "course.lessons.what_breaks.experiments",
+    "course.embedding.bench",
 )
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import nbformat
 
-from .catalog import ROOT
+from course.tools.catalog import ROOT
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 MD_BEGIN, MD_END = "<!-- BEGIN SOLUTION -->", "<!-- END SOLUTION -->"
@@ -194,7 +194,7 @@ def check_notebook(path, timeout: int = 600) -> int:
     """
     from nbclient import NotebookClient
 
-    from .checks import ENV_LOG, FAIL, PASS, TODO
+    from course.core.checks import ENV_LOG, FAIL, PASS, TODO
 
     path = Path(path)
     try:

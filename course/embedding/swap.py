@@ -27,8 +27,8 @@ import warnings
 
 import torch
 
-from . import embedding as E
-from .runtime import runtime
+from course import embedding as E
+from course.core.runtime import runtime
 
 IMPLS = ("cpu-copy", "device")
 
@@ -130,7 +130,7 @@ def swap(model: torch.nn.Module, impl: str) -> torch.nn.Module:
     found = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
     if not found:
         raise ValueError(f"{type(model).__name__} contains no SwapEmbedding to swap: build it with "
-                         "course.embedding_swap.make_model() or use SwapEmbedding for its embedding.")
+                         "course.embedding.swap.make_model() or use SwapEmbedding for its embedding.")
     for m in found:
         m.impl = impl
     return model
@@ -182,7 +182,7 @@ def find_host_copies(fn) -> list:
 
 def count_device_to_host_copies(fn) -> int:
     """Run ``fn()`` under ``torch.profiler`` and count device-to-host memory copies (GPU only)."""
-    from .capture import require_gpu
+    from course.core.capture import require_gpu
     require_gpu("profiling device-to-host copies")
     from torch.profiler import ProfilerActivity, profile
 
@@ -226,7 +226,7 @@ def capture_for_replay(fn):
     if not runtime().on_gpu:
         out = fn()
         return ReplayStandIn(fn, out), out, "simulator stand-in (re-runs the function)"
-    from .capture import try_capture
+    from course.core.capture import try_capture
     outcome = try_capture(fn)
     if not outcome.ok:
         raise RuntimeError(f"capture failed: {outcome.error_type}: {outcome.error}")

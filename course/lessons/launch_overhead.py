@@ -19,10 +19,10 @@ import os
 import tempfile
 from functools import lru_cache
 
-from .reference import experiment
-from .results import Result
-from .runtime import as_numba, cuda, numba_stream, runtime, torch_device
-from .timing import time_device, time_enqueue, time_graph_replay, time_wall
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.runtime import as_numba, cuda, numba_stream, torch_device
+from course.core.timing import time_device, time_enqueue, time_graph_replay, time_wall
 
 OPS_PER_GRAPH = 50
 

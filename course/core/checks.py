@@ -80,3 +80,28 @@ def close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-8, what: str
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise AssertionError(f"{what} differs at {int(bad.sum())} of {a.numel()} positions; "
                              f"first at index {idx}: got {a[idx].item()}, expected {e[idx].item()}")
+
+
+def flat_tensors(out) -> list:
+    """The tensors in a function's output (a tensor, or a tuple/list of them), in order."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in flat_tensors(o)]
+    return []
+
+
+def same_result(a, b, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    """True when two outputs hold the same values (compared on the CPU, any device)."""
+    import torch
+
+    ta, tb = flat_tensors(a), flat_tensors(b)
+    if len(ta) != len(tb):
+        return False
+    for p, q in zip(ta, tb):
+        p, q = p.detach().cpu(), q.detach().cpu()
+        if p.shape != q.shape or not torch.allclose(p.float(), q.float(), rtol=rtol, atol=atol):
+            return False
+    return True

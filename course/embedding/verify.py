@@ -49,11 +49,11 @@ def _mark(ok) -> str:
 
 def run_checks(impl: str, *, log=print) -> list:
     """Run checks 1-5 on the GPU for ``impl`` ("cpu-copy" or "device"), printing as it goes; returns the Checks."""
-    from . import embedding as E
-    from .blocking import event_complete_right_after, host_blocking
-    from .capture import require_gpu, try_capture
-    from .embedding_swap import SwapEmbedding, _check_impl, count_device_to_host_copies
-    from .timing import time_device
+    from course import embedding as E
+    from course.core.blocking import event_complete_right_after, host_blocking
+    from course.core.capture import require_gpu, try_capture
+    from course.embedding.swap import SwapEmbedding, _check_impl, count_device_to_host_copies
+    from course.core.timing import time_device
 
     _check_impl(impl)
     require_gpu("verify-embedding's capture checks")
@@ -111,7 +111,7 @@ def run_checks(impl: str, *, log=print) -> list:
     launch = time_device(lambda: emb(static_ids), warmup=3, repeats=10, inner=10)
     kernel_us = None
     if outcome.ok:
-        from .embedding_bench import graph_time
+        from course.core.timing import graph_time
         kernel_us = graph_time(lambda: emb(static_ids), calls=20, repeats=5).us
 
     log("4. Device-resident ids")
@@ -169,9 +169,9 @@ def summary(checks: list, *, log=print) -> int:
 
 
 def _simulator_report(impl: str, log=print) -> int:
-    from . import embedding as E
-    from .embedding_swap import SwapEmbedding
-    from .runtime import runtime
+    from course import embedding as E
+    from course.embedding.swap import SwapEmbedding
+    from course.core.runtime import runtime
 
     rt = runtime()
     emb = SwapEmbedding(11, 8, impl=impl, generator=torch.Generator().manual_seed(0))
@@ -195,7 +195,7 @@ def _simulator_report(impl: str, log=print) -> int:
 
 def main(impl: str) -> int:
     """The CLI: print the report for ``impl``; exit 0 only if all checks pass (2: needs a GPU, 3: could not run)."""
-    from .runtime import runtime
+    from course.core.runtime import runtime
 
     print(LINE)
     print(f"Embedding CUDA-graph capture report: impl={impl}")

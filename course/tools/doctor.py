@@ -11,7 +11,7 @@ import json
 import platform
 import sys
 
-from .provenance import driver_version, package_version
+from course.core.provenance import driver_version, package_version
 
 OK, WARN, BROKEN = "ok", "warn", "broken"
 
@@ -83,7 +83,7 @@ def diagnose() -> tuple[list, dict]:
 
     verdict = {"path": None, "reason": "", "fixes": [], "broken": False}
     if torch_ok and ncv and npv:
-        from .runtime import probe_numba_cuda, runtime
+        from course.core.runtime import probe_numba_cuda, runtime
         try:
             rt = runtime()
             verdict.update(path=rt.path, reason=rt.reason, fixes=list(rt.fixes), device=rt.device_name)

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from importlib import metadata
 
-from .runtime import runtime
+from course.core.runtime import runtime
 
 
 def package_version(name: str) -> str | None:

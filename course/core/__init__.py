@@ -1,0 +1,9 @@
+"""The toolkit every lesson uses.
+
+- :mod:`~course.core.runtime`: the one runtime decision (GPU, or the Numba CUDA simulator).
+- :mod:`~course.core.timing`: warmed-up, repeated timings (CUDA events, host clock, graph replay).
+- :mod:`~course.core.results` and :mod:`~course.core.provenance`: results with units and provenance.
+- :mod:`~course.core.reference`: registered experiments and the reference data ``course bench`` records.
+- :mod:`~course.core.plots`: captions and plot helpers; :mod:`~course.core.checks`: exercise checks.
+- :mod:`~course.core.capture` and :mod:`~course.core.blocking`: trial captures, GPU sleeps, host-blocking tests.
+"""

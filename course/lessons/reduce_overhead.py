@@ -1,0 +1,218 @@
+"""torch.compile(mode="reduce-overhead"): the CUDA graphs torch.compile records for you (02 §7, 03 §5).
+
+- :class:`CompileNet`: a small MLP whose forward carries one capture hazard (or none).
+- :func:`compile_skip_experiment`: compiled vs eager with each hazard, and the reason torch logs
+  when it skips cudagraphs.
+- :func:`compile_shapes_experiment`: what a new input shape costs under reduce-overhead.
+
+GPU only; on the simulator path notebooks load the reference results.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+
+from course.core.capture import require_gpu
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.timing import time_device
+
+
+class CompileNet:
+    """Factory namespace for the small model compiled in the torch.compile experiments."""
+
+    HAZARDS = ("none", "mutates_input", "cpu_tensor", "item")
+
+    @staticmethod
+    def build(hazard: str = "none", width: int = 256, depth: int = 6):
+        """An MLP of ``depth`` Linear+ReLU layers whose forward carries ``hazard`` (one of :attr:`HAZARDS`)."""
+        import torch
+
+        if hazard not in CompileNet.HAZARDS:
+            raise ValueError(f"hazard must be one of {CompileNet.HAZARDS}")
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+            def forward(self, x):
+                if hazard == "mutates_input":
+                    x.clamp_(-3.0, 3.0)  # an in-place update of an input
+                h = x
+                for i, layer in enumerate(self.layers):
+                    h = torch.relu(layer(h))
+                    if hazard == "item" and i == depth // 2:
+                        h = h / h.abs().max().item()  # a host read: dynamo breaks the graph here
+                if hazard == "cpu_tensor":
+                    return h, h.mean().cpu()  # a device-to-host copy inside the compiled graph
+                return h
+
+        return Net().cuda()
+
+
+class _Grab(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        try:
+            self.messages.append(record.getMessage())
+        except Exception:  # noqa: BLE001 - never let logging break an experiment
+            pass
+
+
+@contextlib.contextmanager
+def torch_log_messages(**artifacts):
+    """Turn on torch logging artifacts (those this torch knows) and collect every message logged meanwhile."""
+    import torch._logging
+
+    known = set(inspect.signature(torch._logging.set_logs).parameters)
+    torch._logging.set_logs(**{k: v for k, v in artifacts.items() if k in known})
+    names = {"torch", "torch._inductor", "torch._dynamo", "torch._inductor.cudagraph_trees"}
+    try:
+        from torch._logging._internal import log_registry
+        names |= set(log_registry.get_log_qnames())
+    except Exception:  # noqa: BLE001 - private API; the fixed names above cover the common cases
+        pass
+    grab = _Grab()
+    loggers = [logging.getLogger(n) for n in sorted(names)]
+    saved = {lg.name: list(lg.handlers) for lg in loggers}
+    for lg in loggers:
+        lg.handlers = [grab]  # collect instead of printing (torch's own handlers write to stderr)
+    try:
+        yield grab.messages
+    finally:
+        for lg in loggers:
+            lg.handlers = saved[lg.name]
+        torch._logging.set_logs()
+
+
+def _condense(message: str, lines: int = 4) -> str:
+    """The first few non-empty lines of a (multi-line) log message, joined with ' / '."""
+    kept = [l.strip() for l in message.strip().splitlines() if l.strip()][:lines]
+    return " / ".join(kept)[:400]
+
+
+def _recompile_reason(message: str) -> str:
+    """'recompiled: tensor 'x' size mismatch ...' from dynamo's recompile message."""
+    reasons = [l.strip().lstrip("- ").split(": ", 1)[-1] for l in message.splitlines() if l.strip().startswith("- ")]
+    return "recompiled: " + "; ".join(reasons) if reasons else "recompiled"
+
+
+def _counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"]["unique_graphs"]}
+
+
+def _reset_compile() -> None:
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@experiment("compile_skip_reasons", gpu_only=True, quick={"hazards": ("none", "mutates_input"), "repeats": 5})
+def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth: int = 6, batch: int = 32,
+                            repeats: int = 15) -> Result:
+    """torch.compile(mode="reduce-overhead") on a small MLP with and without a hazard: logs, counters, time."""
+    require_gpu("torch.compile with CUDA graphs")
+    import torch
+
+    rows = []
+    for hazard in hazards:
+        _reset_compile()
+        torch.manual_seed(0)
+        net = CompileNet.build(hazard, width, depth)
+        x = torch.randn(batch, width, device="cuda")
+        compiled = torch.compile(net, mode="reduce-overhead")
+        with torch.no_grad(), torch_log_messages(perf_hints=True, graph_breaks=True, cudagraphs=True) as msgs:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            compiled(x)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+            for _ in range(3):
+                compiled(x)
+            c = time_device(lambda: compiled(x), warmup=3, repeats=repeats, inner=10)
+        with torch.no_grad():
+            e = time_device(lambda: net(x), warmup=3, repeats=repeats, inner=10)
+        k = _counters()
+        skips = [_condense(m) for m in msgs if "skipping cudagraphs" in m]
+        breaks = [_condense(m) for m in msgs if "graph break" in m.lower()]
+        parts = sorted({m.strip().splitlines()[0] for m in msgs if "graph partitions" in m})
+        rows.append({"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us, "eager_us": e.us,
+                     "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
+                     "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
+                     "partitions": " | ".join(parts)})
+    _reset_compile()
+    res = Result("compile_skip_reasons", 'torch.compile(mode="reduce-overhead"): what a hazard does to cudagraphs',
+                 {"hazard": "", "first_call_s": "s", "compiled_us": "us", "eager_us": "us",
+                  "cudagraph_skips": "count", "graph_breaks": "count", "skip_reason": "",
+                  "graph_break_reason": "", "partitions": ""}, rows,
+                 params={"hazards": list(hazards), "width": width, "depth": depth, "batch": batch, "repeats": repeats,
+                         "torch": torch.__version__})
+    clean = [r for r in rows if r["hazard"] == "none"]
+    if clean:
+        res.add_summary("clean model: eager / compiled", clean[0]["eager_us"] / clean[0]["compiled_us"], "x")
+    return res
+
+
+@experiment("compile_new_shapes", gpu_only=True, quick={"batches": (8, 16), "calls_per_shape": 3})
+def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, width: int = 256) -> Result:
+    """The seeds' question, answered: a reduce-overhead compiled model called at new input shapes."""
+    require_gpu("torch.compile with CUDA graphs")
+    import torch
+
+    _reset_compile()
+    torch.manual_seed(0)
+    net = CompileNet.build("none", width)
+    compiled = torch.compile(net, mode="reduce-overhead")
+    rows, seen = [], set()
+    call = 0
+    with torch.no_grad(), torch_log_messages(recompiles=True, cudagraphs=True, perf_hints=True) as msgs:
+        for b in batches:
+            x = torch.randn(b, width, device="cuda")
+            new_shape = b not in seen
+            seen.add(b)
+            for i in range(calls_per_shape):
+                before, n_msgs = _counters(), len(msgs)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                compiled(x)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                after = _counters()
+                new = msgs[n_msgs:]
+                log = [_recompile_reason(m) for m in new if m.startswith("Recompiling")]
+                log += [m.strip().splitlines()[0] for m in new if "Recording cudagraph tree" in m]
+                rows.append({"call": call, "batch": b, "new_shape": new_shape and i == 0, "call_ms": dt * 1e3,
+                             "graphs_compiled": after["unique_graphs"] - before["unique_graphs"],
+                             "graphs_recorded": sum("Recording function" in m for m in new),
+                             "log": " | ".join(log)[:300]})
+                call += 1
+    _reset_compile()
+    res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new input shapes',
+                 {"call": "count", "batch": "count", "new_shape": "", "call_ms": "ms", "graphs_compiled": "count",
+                  "graphs_recorded": "count", "log": ""}, rows,
+                 params={"batches": list(batches), "calls_per_shape": calls_per_shape, "width": width,
+                         "torch": torch.__version__})
+    firsts = [r for r in rows if r["new_shape"]]
+    steady = [r["call_ms"] for r in rows if not r["new_shape"] and r["call"] % calls_per_shape == calls_per_shape - 1]
+    res.add_summary("first call ever (compile + warm-up)", firsts[0]["call_ms"], "ms")
+    if len(firsts) > 1:
+        res.add_summary("first call at the second shape", firsts[1]["call_ms"], "ms")
+    if len(firsts) > 2:
+        res.add_summary("first call at the third shape", firsts[2]["call_ms"], "ms")
+    if steady:
+        res.add_summary("a steady-state call (last at each shape, median)", sorted(steady)[len(steady) // 2], "ms")
+    res.add_summary("dynamo compiles in total", sum(r["graphs_compiled"] for r in rows), "count")
+    res.add_summary("CUDA graphs recorded in total", sum(r["graphs_recorded"] for r in rows), "count")
+    return res

@@ -1,0 +1,1 @@
+"""What a learner or teacher runs: the doctor, the notebook runner, the lab tools, the course map, the CLI."""

@@ -1,0 +1,90 @@
+"""The course's command line: ``python -m course COMMAND`` (or ``capture-replay COMMAND``).
+
+  doctor            check the environment, say which path the course takes and how to fix problems
+  run               execute every notebook headless into build/ (notebooks + HTML + summary)
+  bench             run the GPU experiments on a real GPU and write reference data
+  build-labs        regenerate labs/ from solutions/ (strip the solution regions)
+  check NOTEBOOK    run a learner's notebook in a fresh kernel and report each check
+  verify-embedding  the embedding capture report (--impl cpu-copy|device)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _doctor(args) -> int:
+    from course.tools.doctor import main as doctor_main
+    return doctor_main(json_out=args.json)
+
+
+def _run(args) -> int:
+    from course.tools.render import main as render_main
+    return render_main(out=args.out, only=args.only, timeout=args.timeout)
+
+
+def _bench(args) -> int:
+    from course.core.reference import bench
+    from course.core.runtime import CourseEnvironmentError
+    try:
+        bench(args.names or None, out_dir=args.out, quick=args.quick)
+    except (RuntimeError, CourseEnvironmentError) as e:
+        print(f"course bench: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _build_labs(args) -> int:
+    from course.tools.labs import build_labs
+    return build_labs(check=args.check)
+
+
+def _check(args) -> int:
+    from course.tools.labs import check_notebook
+    return check_notebook(args.notebook, timeout=args.timeout)
+
+
+def _verify(args) -> int:
+    from course.embedding.verify import main as verify_main
+    return verify_main(impl=args.impl)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests)."""
+    p = argparse.ArgumentParser(prog="python -m course", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="check the environment")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.set_defaults(func=_doctor)
+    r = sub.add_parser("run", help="execute every notebook into build/")
+    r.add_argument("--out", default="build", help="output folder (default: build)")
+    r.add_argument("--only", nargs="*", default=None, help="notebook paths to run (default: all)")
+    r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    r.set_defaults(func=_run)
+    b = sub.add_parser("bench", help="write reference data (GPU only)")
+    b.add_argument("names", nargs="*", help="experiments to run (default: every GPU experiment)")
+    b.add_argument("--out", default=None, help="folder to write to (default: course/reference)")
+    b.add_argument("--quick", action="store_true", help="small sizes (smoke test; not for committing)")
+    b.set_defaults(func=_bench)
+    bl = sub.add_parser("build-labs", help="regenerate labs/ from solutions/")
+    bl.add_argument("--check", action="store_true", help="only check that labs/ is in sync; exit 1 if not")
+    bl.set_defaults(func=_build_labs)
+    c = sub.add_parser("check", help="run a notebook and report its checks")
+    c.add_argument("notebook")
+    c.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    c.set_defaults(func=_check)
+    v = sub.add_parser("verify-embedding", help="embedding capture report")
+    v.add_argument("--impl", choices=["cpu-copy", "device"], required=True)
+    v.set_defaults(func=_verify)
+    return p
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
