@@ -4,7 +4,7 @@ A failed capture must never poison later work: :func:`try_capture` catches the
 error, makes sure no stream is left capturing, synchronizes, and checks that a
 fresh op still runs, so the next cell (or test) starts clean. The outcome keeps
 the root-cause error *and* the Python frames it came from, so a tool (the hazard
-finder in :mod:`course.hazards`) can point at the line that broke the capture.
+finder in :mod:`course.lessons.what_breaks`) can point at the line that broke the capture.
 """
 from __future__ import annotations
 

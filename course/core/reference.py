@@ -1,11 +1,11 @@
 """Registered experiments and the reference results recorded for them on a real GPU.
 
 An experiment is a function decorated with :func:`experiment` that returns a
-:class:`~course.results.Result`. Notebooks call :func:`run`: on the GPU path a GPU
+:class:`~course.core.results.Result`. Notebooks call :func:`run`: on the GPU path a GPU
 experiment runs live; on the simulator path it is loaded from
 ``course/reference/<name>.json``. Those files are written only by
 ``python -m course bench`` on a GPU (:func:`bench`), never by hand; each carries a
-checksum that :class:`~course.results.Result` verifies when it loads.
+checksum that :class:`~course.core.results.Result` verifies when it loads.
 """
 from __future__ import annotations
 

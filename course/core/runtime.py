@@ -180,7 +180,7 @@ def _apply(rt: Runtime) -> None:
                 "numba was imported before the course chose its runtime, in the wrong mode "
                 f"({'simulator' if config.ENABLE_CUDASIM else 'GPU'}; the course needs "
                 f"{'the simulator' if want_sim else 'the GPU'}). Restart the kernel and run "
-                "`import course` (or `from course.runtime import runtime`) before importing numba.")
+                "`import course` (or `from course.core.runtime import runtime`) before importing numba.")
     if want_sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     else:

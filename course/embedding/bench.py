@@ -1,4 +1,4 @@
-"""GPU experiments of the embedding labs (registered with :func:`course.reference.experiment`).
+"""GPU experiments of the embedding labs (registered with :func:`course.core.reference.experiment`).
 
 Kernel time here is **device time per call from CUDA-graph replay**: ``calls``
 back-to-back calls are captured into one graph, the graph is replayed between two CUDA
@@ -29,7 +29,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def run_isolated(func: str, **kwargs):
-    """Run ``course.embedding_bench.<func>(**kwargs)`` in a fresh Python process and return its JSON result.
+    """Run ``course.embedding.bench.<func>(**kwargs)`` in a fresh Python process and return its JSON result.
 
     Used for the experiments that start ``torch.profiler``, as a precaution: whatever state
     the profiler (CUPTI) leaves behind stays in that process, away from the timings of

@@ -1,6 +1,6 @@
 """Launch overhead: how long the CPU takes to issue a kernel vs how long the GPU runs it.
 
-Experiments (see :mod:`course.reference`):
+Experiments (see :mod:`course.core.reference`):
 
 - ``launch_costs`` (GPU): host cost to issue one tiny op, for torch and for Numba kernels,
   beside the GPU's own execution time of the same kernel (measured inside a CUDA graph,

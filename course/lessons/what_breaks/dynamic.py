@@ -94,7 +94,7 @@ def sync_debug_events(fn) -> list:
 
 
 def blocking_with_line(fn, *, sleep_ms: float = 20.0):
-    """:func:`course.blocking.host_blocking` plus the user line the host waited on (if it blocked).
+    """:func:`course.core.blocking.host_blocking` plus the user line the host waited on (if it blocked).
 
     A line tracer records when each user line starts; the line that took most of
     the queued GPU sleep is the one that waited. Returns (BlockingReport, frame or None).
@@ -181,8 +181,8 @@ class DynamicReport:
     """What running the function on the GPU showed."""
 
     findings: list
-    blocking: object  # course.blocking.BlockingReport
-    capture: object  # course.capture.CaptureOutcome (graph dropped)
+    blocking: object  # course.core.blocking.BlockingReport
+    capture: object  # course.core.capture.CaptureOutcome (graph dropped)
     replay_matches: bool | None  # None: not captured, or the check was skipped
     sync_warnings: int
 
