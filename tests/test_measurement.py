@@ -122,3 +122,68 @@ def test_time_graph_replay_is_per_replay():
     per_call = graph_time(lambda: x.add_(1), calls=8, repeats=3)
     assert per_replay.clock == "cuda-events" and per_call.clock == "cuda-graph-replay"
     assert per_replay.median > per_call.median > 0
+
+
+def test_time_interleaved_rotates_and_times_every_variant():
+    from course.core.timing import time_interleaved
+
+    order = []
+    res = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                           clock="wall", warmup=0, repeats=4, inner=1)
+    assert set(res) == {"a", "b"} and all(t.repeats == 4 for t in res.values())
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"], order  # rotated: neither always runs last
+
+
+def test_time_interleaved_rejects_bad_input():
+    from course.core.timing import time_interleaved
+
+    with pytest.raises(ValueError, match="clock"):
+        time_interleaved({"a": lambda: None}, clock="sundial")
+    with pytest.raises(ValueError, match="at least one"):
+        time_interleaved({})
+
+
+def test_time_interleaved_sees_a_real_difference():
+    import time as _t
+
+    from course.core.timing import speedup, time_interleaved
+
+    res = time_interleaved({"slow": lambda: _t.sleep(0.002), "fast": lambda: None}, clock="wall",
+                           warmup=1, repeats=6, inner=1)
+    s = speedup("slow", res["slow"], "fast", res["fast"])
+    from course.core.timing import Speedup
+    assert isinstance(s, Speedup) and not s.noise and s.ratio > 10
+    text = str(s)
+    assert "slow" in text and "fast" in text and "IQR" in text and "x" in text
+
+
+def test_speedup_calls_overlapping_spreads_noise():
+    from course.core.timing import Timing, speedup
+
+    a = Timing(10e-6, 9e-6, 11e-6, 8e-6, 12e-6, 5, 1, "cuda-events")
+    b = Timing(9.5e-6, 9e-6, 10e-6, 8e-6, 12e-6, 5, 1, "cuda-events")
+    s = speedup("eager", a, "replay", b)
+    assert s.noise and "noise" in str(s) and "eager 10.00 us (IQR 9.00-11.00)" in str(s)
+    c = Timing(1e-6, 0.9e-6, 1.1e-6, 0.8e-6, 1.2e-6, 5, 1, "cuda-events")
+    assert not speedup("eager", a, "replay", c).noise
+
+
+def test_peak_dram_bandwidth_from_clock_and_bus():
+    from course.core.hardware import peak_dram_gbps
+
+    # H100 SXM (HBM3): 2619 MHz memory clock, 5120-bit bus -> about 3.35 TB/s
+    assert abs(peak_dram_gbps(2_619_000, 5120) - 3352.3) < 1.0
+    with pytest.raises(ValueError):
+        peak_dram_gbps(0, 5120)
+
+
+def test_memory_facts_on_this_path():
+    from course.core.hardware import memory_facts
+
+    if not course.runtime().on_gpu:
+        with pytest.raises(RuntimeError, match="simulator"):
+            memory_facts()
+        return
+    facts = memory_facts()
+    assert facts["l2_bytes"] and facts["l2_bytes"] > 1 << 20
+    assert facts["peak_dram_GBps"] and 100 < facts["peak_dram_GBps"] < 20000
