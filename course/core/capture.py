@@ -38,7 +38,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     return seen
 
 
-def _frames(exc: BaseException) -> tuple:
+def exception_frames(exc: BaseException) -> tuple:
     """The traceback of ``exc`` as plain tuples (no frame objects, so no tensors are kept alive)."""
     return tuple((f.filename, f.lineno, f.name, (f.line or "").strip())
                  for f in traceback.extract_tb(exc.__traceback__))
@@ -119,7 +119,7 @@ def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
                 out = fn()
     except Exception as e:  # noqa: BLE001 - we report every capture failure
         cause = _root_cause(e)
-        frames = _frames(cause)
+        frames = exception_frames(cause)
         msg = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
         etype = type(cause).__name__
         del e, cause, graph  # drop references to tensors from the failed capture before recovering

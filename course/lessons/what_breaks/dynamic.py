@@ -187,6 +187,16 @@ class DynamicReport:
     sync_warnings: int
 
 
+def eager_failure(exc: BaseException) -> Finding:
+    """A finding for a function that raises when simply called (no capture involved), at the user's line."""
+    from course.core.capture import exception_frames
+
+    fr = user_frame(exception_frames(exc))
+    return Finding("fails", fr[1] if fr else None, fr[0] if fr else None, fr[3] if fr else "", "eager",
+                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (it fails without "
+                   "any capture: fix that first; the other checks did not run)")
+
+
 def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -> DynamicReport:
     """Run ``fn(*args)`` on the GPU under three checks and report each hazard with its line.
 
@@ -205,8 +215,11 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
 
     require_gpu("the dynamic hazard finder")
     call = lambda: fn(*args)  # noqa: E731
-    call()  # eager warm-up: lazy init must not be reported as a hazard
-    torch.cuda.synchronize()
+    try:
+        call()  # eager warm-up: lazy init must not be reported as a hazard
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the function is broken before any capture: that is the finding
+        return DynamicReport([eager_failure(e)], None, None, None, 0)
     findings = []
 
     events = sync_debug_events(call)
@@ -280,7 +293,7 @@ class HazardReport:
     def __str__(self) -> str:
         head = f"{self.name}: " + (f"{len(self.findings)} finding(s)" if self.flagged else "no hazards found")
         body = [str(f) for f in self.findings]
-        if self.dynamic:
+        if self.dynamic and self.dynamic.blocking is not None:
             b = self.dynamic.blocking
             body.append(f"{'':20}host returned after {b.host_return_ms:.2f} ms; GPU busy {b.gpu_busy_ms:.2f} ms; "
                         f"capture: {self.dynamic.capture}")
