@@ -100,9 +100,11 @@ def warm_up(fn, iters: int = 3):
     return out
 
 
-def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
+def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> CaptureOutcome:
     """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
 
+    ``mode`` is ``torch.cuda.graph``'s ``capture_error_mode``: "global" (torch's default), "thread_local" or
+    "relaxed" (CUDA then allows calls, such as allocating memory, that are unsafe during capture).
     Never raises for a capture failure: the outcome carries the root-cause error
     and its traceback frames. Errors during warm-up (the function is broken even
     eagerly) are raised as is.
@@ -115,7 +117,7 @@ def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 out = fn()
     except Exception as e:  # noqa: BLE001 - we report every capture failure
         cause = _root_cause(e)

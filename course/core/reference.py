@@ -25,6 +25,7 @@ EXPERIMENT_MODULES = (
     "course.lessons.capture_replay",
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
+    "course.lessons.what_breaks.numba_zoo",
     "course.embedding.bench",
     "course.embedding.launch_cost",
 )
