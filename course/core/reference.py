@@ -23,6 +23,7 @@ REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 EXPERIMENT_MODULES = (
     "course.lessons.launch_overhead",
     "course.lessons.capture_replay",
+    "course.lessons.capture_more",
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
     "course.lessons.what_breaks.numba_zoo",

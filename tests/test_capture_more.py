@@ -1,0 +1,35 @@
+"""Beyond the recipe (course.lessons.capture_more): partial graphs, two streams, capture error modes."""
+import pytest
+import torch
+
+import course
+from course.lessons.capture_more import (capture_modes_experiment, data_dependent_loss, graphed_callables_experiment,
+                                         two_streams_experiment)
+
+gpu = pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
+
+
+def test_data_dependent_loss_keeps_rows_with_positive_sum():
+    y = torch.tensor([[1.0, 1.0], [-3.0, 1.0], [2.0, 0.0]])
+    assert data_dependent_loss(y).item() == pytest.approx((1 + 1 + 4 + 0) / 4)
+
+
+@gpu
+def test_graphed_callables_quick():
+    res = graphed_callables_experiment(repeats=5)
+    assert res.value("largest gradient difference vs eager") < 1e-3
+
+
+@gpu
+def test_two_streams_quick():
+    res = two_streams_experiment(repeats=5)
+    rows = {r["capture"]: r for r in res.rows}
+    assert rows["one stream"]["replay_matches"] and rows["two streams, fork and join"]["replay_matches"]
+    x = torch.ones(4, device="cuda")
+    assert torch.equal(x + 1, torch.full((4,), 2.0, device="cuda"))  # CUDA still usable after the forgotten join
+
+
+@gpu
+def test_capture_modes_quick():
+    res = capture_modes_experiment()
+    assert [r["mode"] for r in res.rows] == ["global", "thread_local", "relaxed"]
