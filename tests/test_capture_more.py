@@ -33,3 +33,13 @@ def test_two_streams_quick():
 def test_capture_modes_quick():
     res = capture_modes_experiment()
     assert [r["mode"] for r in res.rows] == ["global", "thread_local", "relaxed"]
+
+
+def test_branch_and_fork_join_agree_on_this_path():
+    from course.lessons.capture_more import branch, fork_join
+
+    x, w = torch.ones(2, 3), torch.eye(3)
+    assert torch.equal(branch(x, w), x)
+    if course.runtime().on_gpu:
+        xs, ws = x.cuda(), w.cuda()
+        assert torch.equal(fork_join(xs, ws, ws, torch.cuda.Stream()).cpu(), 2 * x)

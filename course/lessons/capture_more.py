@@ -62,6 +62,26 @@ def graphed_callables_experiment(batch: int = 64, width: int = 1024, depth: int 
     return res
 
 
+def branch(x, w):
+    """One branch of the two-stream example: relu(x @ w) @ w."""
+    import torch
+
+    return torch.relu(x @ w) @ w
+
+
+def fork_join(x, w1, w2, side):
+    """``branch(x, w1) + branch(x, w2)`` with the second branch forked onto stream ``side`` and joined back."""
+    import torch
+
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)  # fork: the side stream starts after everything queued so far
+    with torch.cuda.stream(side):
+        b = branch(x, w2)
+    a = branch(x, w1)  # runs on the main stream at the same time
+    main.wait_stream(side)  # join: the capture must end with every forked stream joined back
+    return a + b
+
+
 @experiment("graphs_two_streams", gpu_only=True, quick={"repeats": 5})
 def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15) -> Result:
     """Two independent matmul branches: captured on one stream vs forked onto two streams and joined."""
@@ -74,22 +94,16 @@ def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15
     side = torch.cuda.Stream()
 
     def one_stream():
-        return torch.relu(x @ w1) @ w1 + torch.relu(x @ w2) @ w2
+        return branch(x, w1) + branch(x, w2)
 
     def two_streams():
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)  # fork: the side stream starts after everything queued so far
-        with torch.cuda.stream(side):
-            b = torch.relu(x @ w2) @ w2
-        a = torch.relu(x @ w1) @ w1
-        main.wait_stream(side)  # join: the capture must end with every forked stream joined back
-        return a + b
+        return fork_join(x, w1, w2, side)
 
     def forgot_join():
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            b = torch.relu(x @ w2) @ w2
-        return torch.relu(x @ w1) @ w1 + b  # uses b without waiting for the side stream
+            b = branch(x, w2)
+        return branch(x, w1) + b  # uses b without waiting for the side stream
 
     want = one_stream()
     rows, graphs = [], {}
@@ -101,13 +115,15 @@ def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15
             out.graph.replay()
             torch.cuda.synchronize()
         rows.append({"capture": name, "captured": ok, "error": "" if ok else f"{out.error_type}: {out.error}",
-                     "replay_matches": bool(ok and torch.allclose(out.output, want, atol=1e-3, rtol=1e-3))})
+                     "replay_matches": bool(ok and torch.allclose(out.output, want, atol=1e-3, rtol=1e-3)),
+                     "replay_us": None, "q1_us": None, "q3_us": None})
     warm_up(forgot_join, 1)
     bad = try_capture(forgot_join)
     if bad.ok:
         bad.graph = bad.output = None
     rows.append({"capture": "two streams, join forgotten", "captured": bad.ok,
-                 "error": "" if bad.ok else f"{bad.error_type}: {bad.error}"[:240], "replay_matches": None})
+                 "error": "" if bad.ok else f"{bad.error_type}: {bad.error}"[:240], "replay_matches": None,
+                 "replay_us": None, "q1_us": None, "q3_us": None})
     recover()
     t = time_interleaved({k: v.graph.replay for k, v in graphs.items() if v.ok} | {"eager, one stream": one_stream},
                          warmup=3, repeats=repeats, inner=10)
