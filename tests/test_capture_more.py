@@ -43,3 +43,19 @@ def test_branch_and_fork_join_agree_on_this_path():
     if course.runtime().on_gpu:
         xs, ws = x.cuda(), w.cuda()
         assert torch.equal(fork_join(xs, ws, ws, torch.cuda.Stream()).cpu(), 2 * x)
+
+
+def test_run_isolated_reports_a_failure_and_a_result():
+    from course.core.isolate import run_isolated
+
+    assert run_isolated("course.core.hardware", "peak_dram_gbps", memory_clock_khz=1e6, bus_width_bits=8) == 2.0
+    with pytest.raises(RuntimeError, match="failed in its own process"):
+        run_isolated("course.core.hardware", "peak_dram_gbps", memory_clock_khz=0, bus_width_bits=8)
+
+
+@gpu
+def test_forgotten_join_is_refused():
+    from course.core.isolate import run_isolated
+
+    out = run_isolated("course.lessons.capture_more", "forgotten_join", batch=8, width=64)
+    assert not out["captured"] and "unjoined" in out["error"]

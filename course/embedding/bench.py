@@ -13,14 +13,12 @@ reads and writes its size once.
 from __future__ import annotations
 
 import gc
-import json
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from course import embedding as E
+from course.core import isolate
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import graph_time, time_device  # noqa: F401 (graph_time is part of this module's API)
@@ -29,21 +27,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def run_isolated(func: str, **kwargs):
-    """Run ``course.embedding.bench.<func>(**kwargs)`` in a fresh Python process and return its JSON result.
+    """``course.embedding.bench.<func>(**kwargs)`` in a fresh process (:func:`course.core.isolate.run_isolated`).
 
-    Used for the experiments that start ``torch.profiler``, as a precaution: whatever state
-    the profiler (CUPTI) leaves behind stays in that process, away from the timings of
-    the experiments that run after it in the bench.
+    Used for the experiments that start ``torch.profiler``, as a precaution: whatever state the profiler
+    (CUPTI) leaves behind stays in that process, away from the timings of the experiments after it.
     """
-    code = ("import json, sys\nfrom course.embedding import bench as B\n"
-            f"res = B.{func}(**json.loads(sys.argv[1]))\nprint('ISOLATED ' + json.dumps(res))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-                          timeout=600)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("ISOLATED "):
-            return json.loads(line[len("ISOLATED "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    raise RuntimeError(f"{func} failed in its own process (exit {proc.returncode}): {' / '.join(tail)}")
+    return isolate.run_isolated("course.embedding.bench", func, **kwargs)
 
 
 def gbps(nbytes: float, seconds: float) -> float:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 
-from course.core.capture import recover, require_gpu, try_capture, warm_up
+from course.core import isolate
+from course.core.capture import require_gpu, try_capture, warm_up
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import speedup, time_interleaved
@@ -82,6 +83,25 @@ def fork_join(x, w1, w2, side):
     return a + b
 
 
+def forgotten_join(batch: int = 64, width: int = 2048) -> dict:
+    """Capture the two branches but forget the join (GPU; run it in its own process): what CUDA says."""
+    import torch
+
+    x = torch.randn(batch, width, device="cuda")
+    w1, w2 = (torch.randn(width, width, device="cuda") / width ** 0.5 for _ in range(2))
+    side = torch.cuda.Stream()
+
+    def forgot_join():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            b = branch(x, w2)
+        return branch(x, w1) + b  # uses b without waiting for the side stream, and never joins it back
+
+    warm_up(forgot_join, 1)
+    out = try_capture(forgot_join)
+    return {"captured": out.ok, "error": "" if out.ok else f"{out.error_type}: {out.error}"[:240]}
+
+
 @experiment("graphs_two_streams", gpu_only=True, quick={"repeats": 5})
 def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15) -> Result:
     """Two independent matmul branches: captured on one stream vs forked onto two streams and joined."""
@@ -99,12 +119,6 @@ def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15
     def two_streams():
         return fork_join(x, w1, w2, side)
 
-    def forgot_join():
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            b = branch(x, w2)
-        return branch(x, w1) + b  # uses b without waiting for the side stream
-
     want = one_stream()
     rows, graphs = [], {}
     for name, fn in (("one stream", one_stream), ("two streams, fork and join", two_streams)):
@@ -117,14 +131,9 @@ def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15
         rows.append({"capture": name, "captured": ok, "error": "" if ok else f"{out.error_type}: {out.error}",
                      "replay_matches": bool(ok and torch.allclose(out.output, want, atol=1e-3, rtol=1e-3)),
                      "replay_us": None, "q1_us": None, "q3_us": None})
-    warm_up(forgot_join, 1)
-    bad = try_capture(forgot_join)
-    if bad.ok:
-        bad.graph = bad.output = None
-    rows.append({"capture": "two streams, join forgotten", "captured": bad.ok,
-                 "error": "" if bad.ok else f"{bad.error_type}: {bad.error}"[:240], "replay_matches": None,
+    bad = isolate.run_isolated("course.lessons.capture_more", "forgotten_join", batch=batch, width=width)
+    rows.append({"capture": "two streams, join forgotten", **bad, "replay_matches": None,
                  "replay_us": None, "q1_us": None, "q3_us": None})
-    recover()
     t = time_interleaved({k: v.graph.replay for k, v in graphs.items() if v.ok} | {"eager, one stream": one_stream},
                          warmup=3, repeats=repeats, inner=10)
     for r in rows:
