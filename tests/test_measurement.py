@@ -69,7 +69,10 @@ def test_reference_registry_and_files_are_valid():
     assert {"launch_costs", "launch_sweep", "launch_timeline", "cpu_dispatch"} <= set(reg)
     for name, exp in reg.items():
         if exp.gpu_only:
+            if exp.gpus > 1 and not reference.reference_path(name).exists():
+                continue  # multi-GPU data exists only once `course bench` ran on a machine with that many GPUs
             res = reference.load_reference(name)  # verifies the checksum
+            assert res.provenance.get("gpus", 1) >= exp.gpus, f"{name}: recorded on fewer GPUs than it needs"
             assert res.provenance["path"] == "cuda", f"{name}: reference data must come from a GPU"
             assert res.provenance["driver"], f"{name}: reference data must name the driver"
             assert res.params.get("quick") is False, f"{name}: reference data must be a full (not --quick) bench run"
@@ -122,3 +125,23 @@ def test_time_graph_replay_is_per_replay():
     per_call = graph_time(lambda: x.add_(1), calls=8, repeats=3)
     assert per_replay.clock == "cuda-events" and per_call.clock == "cuda-graph-replay"
     assert per_replay.median > per_call.median > 0
+
+
+def test_bench_names_follow_the_gpu_count():
+    """One GPU: the single-GPU experiments; two or more: only the multi-GPU ones that fit."""
+    reg = reference.load_all()
+    one, two, eight = (reference.bench_names(reg, n) for n in (1, 2, 8))
+    assert one and all(reg[n].gpus == 1 and reg[n].gpu_only for n in one)
+    assert "sharding_capture" in two and not set(one) & set(two)
+    assert set(two) <= set(eight) and all(reg[n].gpus >= 2 for n in eight)
+    assert reference.bench_names(reg, 0) == one
+    with pytest.raises(ValueError, match="gpu_only"):
+        reference.experiment("bad_multi_gpu", gpu_only=False, gpus=2)
+
+
+def test_provenance_names_the_gpu_count():
+    from course.core.provenance import provenance
+    from course.core.runtime import gpu_count
+    assert provenance(gpus=2)["device"].startswith("2x ") and provenance(gpus=2)["gpus"] == 2
+    assert provenance()["gpus"] == (1 if course.runtime().on_gpu else 0)
+    assert gpu_count() == (0 if not course.runtime().on_gpu else torch.cuda.device_count())
