@@ -35,9 +35,10 @@ TEARDOWN_GRACE_S = 10.0
 class WorkerError(RuntimeError):
     """A worker process failed; the message names its rank and says what happened."""
 
-    def __init__(self, message: str, ranks=()):
+    def __init__(self, message: str, ranks=(), first=None):
         super().__init__(message)
-        self.ranks = tuple(ranks)
+        self.ranks = tuple(ranks)  # every rank that failed (or, for a timeout, had not answered)
+        self.first = first  # the rank whose error arrived first: usually the cause, the others its knock-on
 
 
 class WorkerTimeout(WorkerError):
@@ -71,6 +72,12 @@ class Context:
     world_size: int
     backend: str
     device: str  # "cuda:<rank>" or "cpu"
+    queue: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def say(self, text: str) -> None:
+        """Tell the launcher what this rank is doing now; a timeout reports each silent rank's last words."""
+        if self.queue is not None:
+            self.queue.put((self.rank, "note", str(text)))
 
     @property
     def torch_device(self):
@@ -141,7 +148,7 @@ def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: flo
             device = "cpu"
         dist.init_process_group(p.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=p.world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
-        result = fn(Context(rank, p.world_size, p.backend, device), **kwargs)
+        result = fn(Context(rank, p.world_size, p.backend, device, q), **kwargs)
         q.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, with the rank
         q.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc(limit=6)))
@@ -175,7 +182,7 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
                                name=f"course-rank{rank}", daemon=True)
             proc.start()
             procs.append(proc)
-    results, errors = {}, {}
+    results, errors, notes = {}, {}, {}
     deadline = time.monotonic() + timeout
     error_deadline = None
     try:
@@ -191,13 +198,16 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
                         errors[rank] = (f"the process died with exit code {proc.exitcode} before reporting", "")
                         error_deadline = error_deadline or time.monotonic() + 2.0
                 continue
-            if msg[1] == "ok":
+            if msg[1] == "note":
+                notes[msg[0]] = msg[2]
+            elif msg[1] == "ok":
                 results[msg[0]] = msg[2]
             else:
                 errors[msg[0]] = (msg[2], msg[3])
                 error_deadline = error_deadline or time.monotonic() + 2.0  # let the others report theirs
     finally:
-        grace = time.monotonic() + (TEARDOWN_GRACE_S if not errors else 0.5)
+        finished = len(results) == p.world_size  # all answered: let them tear down; else kill now
+        grace = time.monotonic() + (TEARDOWN_GRACE_S if finished else 0.5)
         for proc in procs:
             proc.join(timeout=max(0.0, grace - time.monotonic()))
             if proc.is_alive():
@@ -205,14 +215,16 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
                 proc.join(timeout=5)
         q.close()
     if errors:
-        first = min(errors)
-        lines = [f"rank {r}: {m}" for r, (m, _) in sorted(errors.items())]
-        raise WorkerError(f"{p.backend} run with {p.world_size} processes failed on rank(s) {sorted(errors)}:\n"
+        first = next(iter(errors))  # dicts keep arrival order
+        lines = [f"rank {r}: {m}" for r, (m, _) in errors.items()]
+        raise WorkerError(f"{p.backend} run with {p.world_size} processes failed first on rank {first}: "
+                          f"{errors[first][0]}\nfailed rank(s) {sorted(errors)}, in the order they reported:\n"
                           + "\n".join(lines) + f"\n-- traceback of rank {first}:\n{errors[first][1]}",
-                          ranks=sorted(errors))
+                          ranks=sorted(errors), first=first)
     missing = [r for r in range(p.world_size) if r not in results]
     if missing:
+        words = "".join(f"\n  rank {r}'s last words: {notes[r]}" for r in missing if r in notes)
         raise WorkerTimeout(f"{p.backend} run with {p.world_size} processes passed its time limit of {timeout:.0f} s; "
                             f"rank(s) {missing} had not answered (waiting in a collective the others never "
-                            "joined?). Every worker was killed.", ranks=missing)
+                            f"joined?). Every worker was killed.{words}", ranks=missing)
     return [results[r] for r in range(p.world_size)]

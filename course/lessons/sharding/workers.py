@@ -156,23 +156,32 @@ def agree_bucket(n_tokens: int, buckets, group=None, device="cpu") -> int:
     return int(torch.stack(picks).max())
 
 
-def bucket_step(x: torch.Tensor, group=None) -> None:
+def bucket_step(x: torch.Tensor, group=None, say=None) -> None:
     """One bucket's step: an all-reduce per 8-row chunk, so a bigger bucket's graph holds more collectives."""
     import torch.distributed as dist
-    for chunk in x.split(8):
+    chunks = x.split(8)
+    for i, chunk in enumerate(chunks):
+        if say:
+            say(f"bucket {x.shape[0]}: waiting in all-reduce {i + 1} of {len(chunks)}")
         dist.all_reduce(chunk, group=group)
 
 
-def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4) -> dict:
+def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4, serve_s: float = 3600.0) -> dict:
     """Ranks hold different numbers of tokens; each bucket's step (:func:`bucket_step`) ends in collectives.
 
-    ``agree=False``: each rank runs its own bucket, so the rank with the bigger bucket waits in a
-    collective the others never join: it waits forever, and only the launcher's time limit stops it.
+    ``agree=False``: each rank runs its own bucket's step, then (like a serving engine) stays up waiting
+    for the next request for ``serve_s`` seconds. The rank with the bigger bucket waits in a collective
+    nobody else joins: forever, until the launcher's time limit kills the run.
     ``agree=True``: the ranks all-gather their picks first (:func:`agree_bucket`) and all run the largest.
     """
+    import time
+
     n_tokens = 5 + 6 * (ctx.rank % 2)  # even ranks: 5 tokens (bucket 8), odd ranks: 11 tokens (bucket 16)
     own = pick_bucket(n_tokens, buckets)
     bucket = agree_bucket(n_tokens, buckets, device=ctx.torch_device) if agree else own
     x = torch.ones(bucket, dim, device=ctx.torch_device)
-    bucket_step(x)
+    bucket_step(x, say=ctx.say)
+    if not agree:
+        ctx.say(f"finished its bucket-{bucket} step; the engine waits for the next request")
+        time.sleep(serve_s)
     return {"rank": ctx.rank, "tokens": n_tokens, "own_bucket": own, "bucket": bucket, "sum": float(x[0, 0])}
