@@ -70,6 +70,15 @@ def test_buckets_and_plan():
     assert prov["device"].startswith("8 CPU processes (gloo)") and prov["gpus"] == 0
 
 
+def test_context_says_and_names_its_device():
+    class Q(list):
+        put = list.append
+    ctx = S.Context(1, 2, "gloo", "cpu", Q())
+    ctx.say("in all-reduce 2 of 2")
+    assert ctx.queue == [(1, "note", "in all-reduce 2 of 2")] and ctx.torch_device == torch.device("cpu")
+    S.Context(0, 2, "gloo", "cpu").say("no queue: ignored")
+
+
 def test_launch_refuses_functions_spawn_cannot_import():
     with pytest.raises(ValueError, match="defined at the top of a module in `course`"):
         S.launch(lambda ctx: 0, 2, backend="gloo")
@@ -78,10 +87,11 @@ def test_launch_refuses_functions_spawn_cannot_import():
 # ---------------------------------------------------------------------------- the seed's test, in processes
 @pytest.fixture(scope="module", params=BACKENDS)
 def lesson(request):
-    """One launch per backend: lesson_worker runs the seed's cases (seed_worker) and the vocab-parallel checks."""
-    p = S.plan(2, request.param)
-    ranks = S.launch(W.lesson_worker, 2, backend=request.param, timeout=150)
-    return {"plan": p, "ranks": ranks, "seed": X.seed_result([r["seed"] for r in ranks], p)}
+    """One launch per backend: lesson_worker runs the seed's cases (seed_worker; the seed's _apply_sharding is
+    layouts.shard_embedding) and the vocab-parallel checks."""
+    out = S.run_lesson(2, backend=request.param)  # launch(W.lesson_worker, ...) + seed_result
+    assert isinstance(out["plan"], S.Plan) and out["plan"].backend == request.param
+    return out
 
 
 def test_seed_cases_match_the_local_table(lesson):
@@ -142,6 +152,7 @@ def test_bucket_demo_agrees_or_is_stopped_by_the_time_limit():
     d = S.bucket_demo(timeout=12)
     assert [a["bucket"] for a in d["agreed"]] == [16, 16] and all(a["sum"] == 2.0 for a in d["agreed"])
     assert d["disagree_outcome"].startswith("stopped by the time limit"), d["disagree_outcome"]
+    assert d["disagree_error"] == "WorkerTimeout" and issubclass(S.WorkerTimeout, S.WorkerError)
     assert 1 in d["disagree_stuck_ranks"] and d["disagree_seconds"] < 12 + 10
     x = torch.ones(16, 2)
     with pytest.raises((RuntimeError, ValueError)):
@@ -150,6 +161,8 @@ def test_bucket_demo_agrees_or_is_stopped_by_the_time_limit():
 
 # ---------------------------------------------------------------------------- experiments and figures
 def test_cost_experiment_runs_live():
+    """cost_experiment: sweep_worker at one world size, ids x widths; world_sizes_experiment is the same worker
+    over subgroups (notebook 05 runs it at 2, 4 and 8 gloo processes)."""
     res = reference.run("sharding_cost", **reference.get("sharding_cost").quick)
     assert res.live and res.value("all_correct") and len(res.rows) == 4
     assert all(r["allreduce_bytes"] == r["output_bytes"] for r in res.rows)  # 2 ranks: 2*(W-1)/W = 1

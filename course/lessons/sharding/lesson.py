@@ -20,31 +20,31 @@ from course.lessons.sharding.experiments import seed_result
 from course.lessons.sharding.launch import WorkerError, WorkerTimeout, launch, plan
 
 
-def run_lesson(world_size: int | None = None, timeout: float = 150.0, **kwargs) -> dict:
+def run_lesson(world_size: int | None = None, timeout: float = 150.0, backend: str | None = None, **kwargs) -> dict:
     """Start the workers once: ownership, DTensor vs vocab-parallel (Numba, F.embedding), bad inputs, seed cases."""
-    p = plan(world_size)
+    p = plan(world_size, backend)
     t0 = time.perf_counter()
     ranks = launch(W.lesson_worker, p.world_size, backend=p.backend, timeout=timeout, **kwargs)
     seconds = time.perf_counter() - t0
     return {"plan": p, "ranks": ranks, "seed": seed_result([r["seed"] for r in ranks], p), "seconds": seconds}
 
 
-def bucket_demo(timeout: float = 25.0, world_size: int = 2) -> dict:
+def bucket_demo(timeout: float = 12.0, world_size: int = 2) -> dict:
     """Run :func:`~course.lessons.sharding.workers.bucket_worker` with and without agreement, on CPU processes.
 
     Without agreement one rank waits in a collective the others never join; the launcher's time
     limit (``timeout`` seconds) kills the run and names that rank. Returns both outcomes.
     """
-    agreed = launch(W.bucket_worker, world_size, backend="gloo", timeout=timeout, agree=True)
+    agreed = launch(W.bucket_worker, world_size, backend="gloo", timeout=max(60.0, timeout), agree=True)
     t0 = time.perf_counter()
     try:
         launch(W.bucket_worker, world_size, backend="gloo", timeout=timeout, pg_timeout=10 * timeout, agree=False)
-        outcome, ranks = "finished (unexpected: the ranks ran different collectives)", []
+        outcome, ranks, kind = "finished (unexpected: the ranks ran different collectives)", [], None
     except WorkerTimeout as e:
-        outcome, ranks = f"stopped by the time limit: {e}", list(e.ranks)
+        outcome, ranks, kind = f"stopped by the time limit: {e}", list(e.ranks), type(e).__name__
     except WorkerError as e:
-        outcome, ranks = f"failed: {e}", list(e.ranks)
-    return {"agreed": agreed, "disagree_outcome": outcome, "disagree_stuck_ranks": ranks,
+        outcome, ranks, kind = f"failed: {e}", list(e.ranks), type(e).__name__
+    return {"agreed": agreed, "disagree_outcome": outcome, "disagree_stuck_ranks": ranks, "disagree_error": kind,
             "disagree_seconds": time.perf_counter() - t0, "timeout": timeout}
 
 
