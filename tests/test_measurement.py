@@ -145,3 +145,16 @@ def test_provenance_names_the_gpu_count():
     assert provenance(gpus=2)["device"].startswith("2x ") and provenance(gpus=2)["gpus"] == 2
     assert provenance()["gpus"] == (1 if course.runtime().on_gpu else 0)
     assert gpu_count() == (0 if not course.runtime().on_gpu else torch.cuda.device_count())
+
+
+def test_run_loads_reference_when_the_machine_has_too_few_gpus(monkeypatch, tmp_path):
+    """A 1-GPU machine (the H100 lane) must not try a 2-GPU experiment live: it reads the reference data."""
+    import types
+    monkeypatch.setattr(reference, "runtime", lambda: types.SimpleNamespace(on_gpu=True))
+    monkeypatch.setattr(reference, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="No reference data for 'sharding_capture'"):
+        reference.run("sharding_capture")
+    with pytest.raises(RuntimeError, match=r"need 2 GPUs; this machine has 1"):
+        reference.bench(["sharding_capture"], out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
