@@ -144,6 +144,7 @@ def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=prin
     if short:
         raise RuntimeError(f"{short} need {max(reg[n].gpus for n in short)} GPUs; this machine has {n_gpus}. "
                            "Record them on a multi-GPU machine.")
+    log(f"bench: this machine has {n_gpus} GPU(s); recording {names}")
     out_dir = Path(out_dir or REFERENCE_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
