@@ -32,6 +32,7 @@ def test_shards_and_pictures():
     w = torch.arange(32.0).reshape(16, 2)
     shard, start = S.local_rows(w, 1, 2)
     assert start == 8 and torch.equal(shard, w[8:])
+    assert S.plot_ownership(16, 8, 2, ids=[3, 9, 12]) is not None
     pic = S.ownership(16, 8, 2, ids=[3, 9, 12])
     assert "rank 1: rows   8..15" in pic and "looks up [9, 12], masks 1 id(s)" in pic and "cols   4..7" in pic
     b = S.comm_bytes(128, 64, 4)

@@ -6,7 +6,7 @@
   the bucket finish; ranks that do not are stopped by the time limit.
 - :func:`load_or_explain`: a registered experiment's result, or ``None`` with a printed reason when it
   needs more GPUs than this machine has and nobody recorded it yet.
-- :func:`capture_summary`, :func:`plot_world_sizes`, :func:`plot_cost`: sentences and figures computed
+- :func:`capture_summary`, :func:`plot_world_sizes`, :func:`plot_cost`, :func:`plot_ownership`: sentences and figures computed
   from the results (never typed).
 """
 from __future__ import annotations
@@ -112,4 +112,36 @@ def plot_cost(res):
     ax_t.legend(fontsize=7)
     ax_b.legend(fontsize=7)
     plots.caption(fig, res)
+    return fig
+
+
+def plot_ownership(num_embeddings: int, embedding_dim: int, world_size: int, ids=None):
+    """The table drawn twice, coloured by the rank that holds each cell: row-wise and column-wise. Returns the figure.
+
+    Rows that ``ids`` look up are marked with a dot on the row-wise panel: a rank looks up the
+    dots in its colour and writes zero rows (masks) for the others.
+    """
+    import numpy as np
+
+    from course.lessons.sharding.layouts import chunk_bounds
+
+    fig, (ax_r, ax_c) = plots.figure(2, width=4.0, height=4.0)
+    row_owner = np.zeros((num_embeddings, embedding_dim))
+    for r, (a, b) in enumerate(chunk_bounds(num_embeddings, world_size)):
+        row_owner[a:b, :] = r
+    col_owner = np.zeros((num_embeddings, embedding_dim))
+    for r, (a, b) in enumerate(chunk_bounds(embedding_dim, world_size)):
+        col_owner[:, a:b] = r
+    for ax, owner, title in ((ax_r, row_owner, "row-wise Shard(0)"), (ax_c, col_owner, "column-wise Shard(1)")):
+        im = ax.imshow(owner, cmap="tab10", vmin=0, vmax=9, aspect="auto", interpolation="nearest")
+        ax.set(title=title, xlabel="column", ylabel="row (token id)")
+    if ids is not None:
+        looked = sorted({int(i) for i in np.asarray(ids).reshape(-1)})
+        ax_r.scatter([embedding_dim / 2 - 0.5] * len(looked), looked, c="k", s=12, label="ids looked up")
+        ax_r.legend(fontsize=7, loc="lower right")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=im.cmap(im.norm(r))) for r in range(world_size)]
+    ax_c.legend(handles, [f"rank {r}" for r in range(world_size)], fontsize=7, loc="lower right")
+    fig.tight_layout()
     return fig
