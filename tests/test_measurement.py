@@ -69,7 +69,10 @@ def test_reference_registry_and_files_are_valid():
     assert {"launch_costs", "launch_sweep", "launch_timeline", "cpu_dispatch"} <= set(reg)
     for name, exp in reg.items():
         if exp.gpu_only:
+            if exp.gpus > 1 and not reference.reference_path(name).exists():
+                continue  # multi-GPU data exists only once `course bench` ran on a machine with that many GPUs
             res = reference.load_reference(name)  # verifies the checksum
+            assert res.provenance.get("gpus", 1) >= exp.gpus, f"{name}: recorded on fewer GPUs than it needs"
             assert res.provenance["path"] == "cuda", f"{name}: reference data must come from a GPU"
             assert res.provenance["driver"], f"{name}: reference data must name the driver"
             assert res.params.get("quick") is False, f"{name}: reference data must be a full (not --quick) bench run"
@@ -187,3 +190,36 @@ def test_memory_facts_on_this_path():
     facts = memory_facts()
     assert facts["l2_bytes"] and facts["l2_bytes"] > 1 << 20
     assert facts["peak_dram_GBps"] and 100 < facts["peak_dram_GBps"] < 20000
+
+
+def test_bench_names_follow_the_gpu_count():
+    """One GPU: the single-GPU experiments; two or more: only the multi-GPU ones that fit."""
+    reg = reference.load_all()
+    one, two, eight = (reference.bench_names(reg, n) for n in (1, 2, 8))
+    assert one and all(reg[n].gpus == 1 and reg[n].gpu_only for n in one)
+    assert "sharding_capture" in two and not set(one) & set(two)
+    assert set(two) <= set(eight) and all(reg[n].gpus >= 2 for n in eight)
+    assert reference.bench_names(reg, 0) == one
+    with pytest.raises(ValueError, match="gpu_only"):
+        reference.experiment("bad_multi_gpu", gpu_only=False, gpus=2)
+
+
+def test_provenance_names_the_gpu_count():
+    from course.core.provenance import provenance
+    from course.core.runtime import gpu_count
+    assert provenance(gpus=2)["device"].startswith("2x ") and provenance(gpus=2)["gpus"] == 2
+    assert provenance()["gpus"] == (1 if course.runtime().on_gpu else 0)
+    assert gpu_count() == (0 if not course.runtime().on_gpu else torch.cuda.device_count())
+
+
+def test_run_loads_reference_when_the_machine_has_too_few_gpus(monkeypatch, tmp_path):
+    """A 1-GPU machine (the H100 lane) must not try a 2-GPU experiment live: it reads the reference data."""
+    import types
+    monkeypatch.setattr(reference, "runtime", lambda: types.SimpleNamespace(on_gpu=True))
+    monkeypatch.setattr(reference, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="No reference data for 'sharding_capture'"):
+        reference.run("sharding_capture")
+    with pytest.raises(RuntimeError, match=r"need 2 GPUs; this machine has 1"):
+        reference.bench(["sharding_capture"], out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())

@@ -198,6 +198,17 @@ def runtime() -> Runtime:
     return rt
 
 
+def gpu_count() -> int:
+    """How many GPUs the course may use: 0 on the simulator path, else ``torch.cuda.device_count()``.
+
+    Multi-GPU lessons (the sharded embedding) start one process per GPU when this is 2 or more.
+    """
+    if not runtime().on_gpu:
+        return 0
+    import torch
+    return torch.cuda.device_count()
+
+
 def torch_device():
     """The torch.device every course tensor lives on: cuda:0 on the GPU path, cpu otherwise."""
     import torch

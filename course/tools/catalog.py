@@ -30,6 +30,8 @@ CATALOG = (
           "write the lookup kernel, then a faster one; checked against F.embedding"),
     Entry("labs/lab2_embedding_swap.ipynb", "Lab 2: swap, capture, replay", "lab",
           "the CPU-copy embedding cannot be captured; the device kernel can"),
+    Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
+          "the seeds' DTensor test, vocab-parallel with the Numba kernel, capture on 2 GPUs, ranks must agree"),
     Entry("solutions/lab1_embedding_kernel.ipynb", "Lab 1 solution", "solution",
           "the reference answers for lab 1"),
     Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",
