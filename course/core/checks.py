@@ -14,7 +14,9 @@ Usage in a notebook::
 
 In every case the cell, and the notebook, go on: Run All reaches the end (cells after an
 unfinished or wrong exercise use the course's version, see :func:`course.embedding.fallback`).
-``exercise(..., raise_on_fail=True)`` re-raises a failure as :class:`ExerciseFailed` instead.
+``exercise(..., raise_on_fail=True)`` re-raises a failure as :class:`ExerciseFailed` instead;
+under nbgrader's autograder (``NBGRADER_EXECUTION`` set) every ✗ and "not done yet" raises, so
+its grade cells score 0 for them.
 
 Hints can be staged: pass a list (a nudge, then the idea, then the line). The first ✗ shows
 the first stage, each further ✗ of the same exercise in this session the next one.
@@ -36,9 +38,10 @@ import traceback
 
 ENV_LOG = "COURSE_CHECK_LOG"
 ENV_TRACEBACK = "COURSE_TRACEBACK"
-PASS, FAIL, TODO, CRASH = "pass", "fail", "todo", "crash"
-_MARK = {PASS: "✓", FAIL: "✗", TODO: "…", CRASH: "✗"}
-_LABEL = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet", CRASH: "CRASHED"}
+ENV_NBGRADER = "NBGRADER_EXECUTION"  # set by nbgrader while it autogrades: then every ✗ and TODO raises
+PASS, FAIL, TODO, CRASH, SKIP = "pass", "fail", "todo", "crash", "skip"
+_MARK = {PASS: "✓", FAIL: "✗", TODO: "…", CRASH: "✗", SKIP: "-"}
+_LABEL = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet", CRASH: "CRASHED", SKIP: "skipped"}
 _SESSION: dict = {}  # exercise name -> {"status", "message", "failures"} for this Python session
 
 _CRASH_HINTS = {
@@ -58,7 +61,7 @@ class ExerciseFailed(AssertionError):
     """A check failed; the message carries the hint (only with ``raise_on_fail=True``)."""
 
 
-def _hint_stage(name: str, hint) -> str:
+def _hint_stage(name: str, hint, more: bool = True) -> str:
     """The hint to show for this ✗: the next stage of a staged (list) hint."""
     if not hint:
         return ""
@@ -66,8 +69,8 @@ def _hint_stage(name: str, hint) -> str:
         return hint
     stages = list(hint)
     i = min(_SESSION.get(name, {}).get("failures", 0), len(stages) - 1)
-    more = " (run the check again after a change for the next hint)" if i < len(stages) - 1 else ""
-    return f"[{i + 1}/{len(stages)}] {stages[i]}{more}"
+    tail = " (run the check again after a change for the next hint)" if more and i < len(stages) - 1 else ""
+    return f"[{i + 1}/{len(stages)}] {stages[i]}{tail}"
 
 
 def record(name: str, status: str, message: str = "", hint: str = "", **extra) -> dict:
@@ -97,6 +100,11 @@ def record(name: str, status: str, message: str = "", hint: str = "", **extra) -
     return entry
 
 
+def skip(name: str, why: str) -> dict:
+    """Record that exercise ``name`` cannot run on this machine (e.g. it needs a GPU), and why."""
+    return record(name, SKIP, why)
+
+
 def status(name: str):
     """The latest outcome of exercise ``name`` in this session ("pass", "fail", "crash", "todo"), or None."""
     return _SESSION.get(name, {}).get("status")
@@ -117,7 +125,7 @@ def describe(name: str) -> str:
     s = status(name)
     return {None: "not checked yet (run its check cell)", PASS: "passed its check",
             FAIL: "checked, FAILED (see its ✗)", CRASH: "checked, CRASHED (see its ✗)",
-            TODO: "not done yet"}[s]
+            TODO: "not done yet", SKIP: "skipped on this machine"}[s]
 
 
 def reset() -> None:
@@ -166,24 +174,26 @@ def crash_summary(exc: BaseException) -> dict:
 @contextlib.contextmanager
 def exercise(name: str, hint="", *, raise_on_fail: bool = False):
     """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done."""
+    strict = raise_on_fail or bool(os.environ.get(ENV_NBGRADER))
     try:
         yield
     except NotImplementedError as e:
-        record(name, TODO, str(e) or "the TODO still raises NotImplementedError", _hint_stage(name, hint))
+        entry = record(name, TODO, str(e) or "the TODO still raises NotImplementedError",
+                       _hint_stage(name, hint, more=False))
     except AssertionError as e:
-        shown = _hint_stage(name, hint)
-        record(name, FAIL, str(e) or "an assertion failed", shown)
-        if raise_on_fail:
-            raise ExerciseFailed(f"{name}: {e}" + (f" -- hint: {shown}" if shown else "")) from None
+        entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint))
     except Exception as e:  # noqa: BLE001 - any crash of the learner's code is a ✗, not a stop
         info = crash_summary(e)
-        record(name, CRASH, info["message"], _hint_stage(name, hint), where=info["where"], why=info["why"])
+        entry = record(name, CRASH, info["message"], _hint_stage(name, hint), where=info["where"], why=info["why"])
         if os.environ.get(ENV_TRACEBACK):
             traceback.print_exception(e)
-        else:
+        elif not strict:
             print("  (library frames hidden; the notebook goes on. COURSE_TRACEBACK=1 shows the full traceback.)")
     else:
         record(name, PASS)
+        return
+    if strict and (entry["status"] == FAIL or os.environ.get(ENV_NBGRADER)):
+        raise ExerciseFailed(f"{name}: {entry['message']}" + (f" -- hint: {entry['hint']}" if entry["hint"] else ""))
 
 
 def own(fn):
