@@ -174,6 +174,10 @@ def test_crash_summary_hides_library_frames(capsys):
     assert out.count("✗ c: CRASHED (IndexError: index 5 is out of bounds") == 2
     assert "your line: learner(), line" in out and "torch.zeros(3)[5]" in out
     assert "hint: [1/2] first" in out and "hint: [2/2] second" in out and "Traceback" not in out
+    try:
+        learner()
+    except IndexError as e:
+        assert checks.learner_frame(e)[2] == "learner"
     with pytest.raises(checks.ExerciseFailed, match="wrong"):
         with checks.exercise("d", raise_on_fail=True):
             assert False, "wrong"
@@ -260,10 +264,11 @@ def test_lessons_and_labs_are_generated_in_sync(capsys):
 def test_obs7_results_are_html_tables_and_captions_are_not_echoed():
     from IPython.core.formatters import DisplayFormatter
 
-    from course.core.results import Result
+    from course.core.results import Html, Result
 
     r = Result("t", "T", {"op": "", "us": "us"}, [{"op": "a<b", "us": 1.5}])
     data, _ = DisplayFormatter().format(r)
+    assert isinstance(r.html(), Html) and DisplayFormatter().format(r.html())[0]["text/html"] == str(r.html())
     assert "<table>" in data["text/html"] and "us [us]" in data["text/html"] and "a&lt;b" in data["text/html"]
     assert "<th>op</th>" in str(r.html(columns=["op"])) and "us [us]" not in str(r.html(columns=["op"]))
     with pytest.raises(KeyError):
