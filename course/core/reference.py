@@ -26,6 +26,7 @@ EXPERIMENT_MODULES = (
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
     "course.embedding.bench",
+    "course.embedding.access",
 )
 
 
