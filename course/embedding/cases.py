@@ -124,7 +124,7 @@ def diagnose(fn, ids, weight, **kw) -> str:
     bad = ~(valid & (g_row == e_row) & (g_col == e_col))
     if not bad.any():
         return ""
-    said = [f"wrong at {int(bad.sum())} of {bad.numel()} output values. Run again on a table whose values name "
+    said = [f"wrong at {int(bad.sum())} of {bad.numel()} output values. Rerun on a table whose values name "
             f"their row and column (value = 1 + row * {dim} + column):"]
     cols_never = [c for c in range(dim) if bool((bad[:, c] & ~valid[:, c]).all())]
     if cols_never:
