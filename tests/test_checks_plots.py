@@ -17,13 +17,16 @@ def test_exercise_pass_todo_fail(capsys, tmp_path, monkeypatch):
         pass
     with checks.exercise("b", hint="write it"):
         raise NotImplementedError("todo")
+    with checks.exercise("c", hint="look again"):  # a ✗ does not stop the notebook
+        assert 1 == 2, "wrong"
     with pytest.raises(checks.ExerciseFailed, match="hint: look again"):
-        with checks.exercise("c", hint="look again"):
+        with checks.exercise("c", hint="look again", raise_on_fail=True):
             assert 1 == 2, "wrong"
     out = capsys.readouterr().out
     assert "✓ a: passed" in out and "b: not done yet" in out and "✗ c: FAILED (wrong" in out
     entries = [json.loads(l) for l in log.read_text().splitlines()]
-    assert [e["status"] for e in entries] == ["pass", "todo", "fail"]
+    assert [e["status"] for e in entries] == ["pass", "todo", "fail", "fail"]
+    checks.reset()
 
 
 def test_close_reports_first_difference():

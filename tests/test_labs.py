@@ -127,9 +127,9 @@ def test_check_notebook_reports_pass_todo_fail_and_stray_errors(tmp_path, capsys
     assert L.check_notebook(path, timeout=60) == 1
     out = capsys.readouterr().out
     assert "✓ ok" in out and "… todo: not done yet" in out
-    assert "✗ wrong: one is not two" in out and "hint: add one" in out
+    assert "✗ wrong: failed: one is not two" in out and "hint: add one" in out
     assert "cell 3 raised ZeroDivisionError" in out and "✓ after the errors" in out
-    assert "2/4 passed, 1 failed, 1 not done yet" in out
+    assert "2/4 passed, 1 failed, 0 crashed, 1 not done yet" in out
     assert "cell 2" not in out  # the failed check is reported once, as a check
 
 

@@ -1,48 +1,98 @@
-"""Checked exercises: every exercise ends with a visible ✓, ✗ or "not done yet".
+"""Checked exercises: every exercise ends with a visible ✓, ✗ or "not done yet", and never lies.
 
 Usage in a notebook::
 
-    with exercise("1. launch cost", hint="time_enqueue measures the host side"):
+    with exercise("1. launch cost", hint=["a nudge", "the idea", "the line"]):
         assert my_answer > 0, "your launch cost should be positive"
 
-- no exception: ✓ (pass)
-- ``NotImplementedError`` (an unfinished TODO in a lab): "not done yet", and the
-  notebook carries on, so a shipped lab still runs top to bottom;
-- ``AssertionError`` (a wrong answer): ✗ with the hint, then the error is raised
-  again so the learner sees exactly what failed.
+- no exception: ✓ (pass);
+- ``NotImplementedError`` (an unfinished TODO): "not done yet";
+- ``AssertionError`` (a wrong answer): ✗ "failed", with the message and a hint;
+- any other exception raised by the learner's code (an ``IndexError`` from the simulator,
+  a ``NameError``...): ✗ "crashed", in one line (type, message, the learner's own line),
+  with a hint; library frames are hidden (``COURSE_TRACEBACK=1`` prints them all).
 
-When ``COURSE_CHECK_LOG`` names a file, every outcome is appended to it as a JSON
-line; ``python -m course check`` uses that to report on a whole notebook.
+In every case the cell, and the notebook, go on: Run All reaches the end (cells after an
+unfinished or wrong exercise use the course's version, see :func:`course.embedding.fallback`).
+``exercise(..., raise_on_fail=True)`` re-raises a failure as :class:`ExerciseFailed` instead;
+under nbgrader's autograder (``NBGRADER_EXECUTION`` set) every ✗ and "not done yet" raises, so
+its grade cells score 0 for them.
+
+Hints can be staged: pass a list (a nudge, then the idea, then the line). The first ✗ shows
+the first stage, each further ✗ of the same exercise in this session the next one.
+
+Outcomes are remembered for the notebook's session (:func:`status`, :func:`progress`), so a
+"What you measured" cell reports every exercise whatever order the cells ran in. When
+``COURSE_CHECK_LOG`` names a file, every outcome is appended to it as a JSON line;
+``python -m course check`` and ``python -m course grade`` use that.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import linecache
 import os
+import sys
+import sysconfig
+import traceback
 
 ENV_LOG = "COURSE_CHECK_LOG"
-PASS, FAIL, TODO = "pass", "fail", "todo"
-_MARK = {PASS: "✓", FAIL: "✗", TODO: "…"}
+ENV_TRACEBACK = "COURSE_TRACEBACK"
+ENV_NBGRADER = "NBGRADER_EXECUTION"  # set by nbgrader while it autogrades: then every ✗ and TODO raises
+PASS, FAIL, TODO, CRASH, SKIP = "pass", "fail", "todo", "crash", "skip"
+_MARK = {PASS: "✓", FAIL: "✗", TODO: "…", CRASH: "✗", SKIP: "-"}
+_LABEL = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet", CRASH: "CRASHED", SKIP: "skipped"}
+_SESSION: dict = {}  # exercise name -> {"status", "message", "failures"} for this Python session
+
+_CRASH_HINTS = {
+    "IndexError": "an index went outside an array. The simulator checks every access (on a GPU the same bug "
+                  "silently reads or writes memory that is not yours): check the guard (`<`, not `<=`) and "
+                  "that a bad id never indexes the table.",
+    "NameError": "a name is not defined here: run the cells above this one (Run All), or check the spelling.",
+    "TypeError": "a call got the wrong number or type of arguments: compare it with the function's docstring.",
+    "AttributeError": "an object has no such attribute: check its type (print(type(x))) and the spelling.",
+    "ZeroDivisionError": "a division by zero: which value can be 0 here?",
+    "RuntimeError": "PyTorch or Numba refused an operation: the message says which; look at your line.",
+    "ValueError": "a function got a value it does not accept: the message says which.",
+}
 
 
 class ExerciseFailed(AssertionError):
-    """A check failed; the message carries the hint."""
+    """A check failed; the message carries the hint (only with ``raise_on_fail=True``)."""
 
 
-def record(name: str, status: str, message: str = "", hint: str = "") -> dict:
-    """Print one check outcome and append it to the check log if one is set."""
+def _hint_stage(name: str, hint, more: bool = True) -> str:
+    """The hint to show for this ✗: the next stage of a staged (list) hint."""
+    if not hint:
+        return ""
+    if isinstance(hint, str):
+        return hint
+    stages = list(hint)
+    i = min(_SESSION.get(name, {}).get("failures", 0), len(stages) - 1)
+    tail = " (run the check again after a change for the next hint)" if more and i < len(stages) - 1 else ""
+    return f"[{i + 1}/{len(stages)}] {stages[i]}{tail}"
+
+
+def record(name: str, status: str, message: str = "", hint: str = "", **extra) -> dict:
+    """Print one check outcome, remember it for the session, append it to the check log if set."""
     if status not in _MARK:
         raise ValueError(f"status must be one of {list(_MARK)}")
-    entry = {"name": name, "status": status, "message": message, "hint": hint}
-    label = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet"}[status]
-    line = f"{_MARK[status]} {name}: {label}"
+    entry = {"name": name, "status": status, "message": message, "hint": hint, **extra}
+    line = f"{_MARK[status]} {name}: {_LABEL[status]}"
     if message and status != PASS:
         line += f" ({message})"
     elif message:
         line += f" - {message}"
     print(line)
+    if extra.get("where"):
+        print(f"  your line: {extra['where']}")
+    if extra.get("why"):
+        print(f"  why: {extra['why']}")
     if status != PASS and hint:
         print(f"  hint: {hint}")
+    prev = _SESSION.get(name, {})
+    failures = prev.get("failures", 0) + (status in (FAIL, CRASH))
+    _SESSION[name] = {"status": status, "message": message, "failures": failures}
     path = os.environ.get(ENV_LOG)
     if path:
         with open(path, "a", encoding="utf-8") as f:
@@ -50,18 +100,108 @@ def record(name: str, status: str, message: str = "", hint: str = "") -> dict:
     return entry
 
 
+def skip(name: str, why: str) -> dict:
+    """Record that exercise ``name`` cannot run on this machine (e.g. it needs a GPU), and why."""
+    return record(name, SKIP, why)
+
+
+def status(name: str):
+    """The latest outcome of exercise ``name`` in this session ("pass", "fail", "crash", "todo"), or None."""
+    return _SESSION.get(name, {}).get("status")
+
+
+def passed(name: str) -> bool:
+    """True when the latest check of exercise ``name`` in this session passed."""
+    return status(name) == PASS
+
+
+def progress() -> dict:
+    """Every exercise checked in this session -> its latest outcome, in the order first checked."""
+    return {k: v["status"] for k, v in _SESSION.items()}
+
+
+def describe(name: str) -> str:
+    """One line for "What you measured": the latest outcome of ``name``, in words."""
+    s = status(name)
+    return {None: "not checked yet (run its check cell)", PASS: "passed its check",
+            FAIL: "checked, FAILED (see its ✗)", CRASH: "checked, CRASHED (see its ✗)",
+            TODO: "not done yet", SKIP: "skipped on this machine"}[s]
+
+
+def reset() -> None:
+    """Forget every outcome of this session (tests use it)."""
+    _SESSION.clear()
+
+
+_LIB_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # course/
+    sys.prefix, sys.base_prefix, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]} if p)
+
+
+def _is_library(filename: str) -> bool:
+    if filename.startswith("<frozen") or "site-packages" in filename or "dist-packages" in filename:
+        return True
+    real = os.path.realpath(filename) if not filename.startswith("<") else filename
+    return real.startswith(_LIB_DIRS)
+
+
+def learner_frame(exc: BaseException):
+    """(filename, line number, function, source line) of the deepest frame of the learner's own code, or None."""
+    found = None
+    for fs in traceback.extract_tb(exc.__traceback__):
+        if not _is_library(fs.filename):
+            found = fs
+    if found is None:
+        return None
+    text = (found.line or linecache.getline(found.filename, found.lineno)).strip()
+    return found.filename, found.lineno, found.name, text
+
+
+def crash_summary(exc: BaseException) -> dict:
+    """A crash in one line: ``message`` (type: first line), ``where`` (the learner's line), ``why`` (a hint)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    where = ""
+    fr = learner_frame(exc)
+    if fr is not None:
+        _, lineno, func, text = fr
+        where = (f"{func}(), " if func != "<module>" else "") + f"line {lineno} of its cell" + \
+            (f": {text}" if text else "")
+    why = _CRASH_HINTS.get(type(exc).__name__, "read the message and the line it points at.")
+    return {"message": message, "where": where, "why": why}
+
+
 @contextlib.contextmanager
-def exercise(name: str, hint: str = ""):
-    """Run the body as the check of one exercise (see module docstring)."""
+def exercise(name: str, hint="", *, raise_on_fail: bool = False):
+    """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done."""
+    strict = raise_on_fail or bool(os.environ.get(ENV_NBGRADER))
     try:
         yield
     except NotImplementedError as e:
-        record(name, TODO, str(e) or "the TODO still raises NotImplementedError", hint)
+        entry = record(name, TODO, str(e) or "the TODO still raises NotImplementedError",
+                       _hint_stage(name, hint, more=False))
     except AssertionError as e:
-        record(name, FAIL, str(e) or "an assertion failed", hint)
-        raise ExerciseFailed(f"{name}: {e}" + (f" -- hint: {hint}" if hint else "")) from None
+        entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint))
+    except Exception as e:  # noqa: BLE001 - any crash of the learner's code is a ✗, not a stop
+        info = crash_summary(e)
+        entry = record(name, CRASH, info["message"], _hint_stage(name, hint), where=info["where"], why=info["why"])
+        if os.environ.get(ENV_TRACEBACK):
+            traceback.print_exception(e)
+        elif not strict:
+            print("  (library frames hidden; the notebook goes on. COURSE_TRACEBACK=1 shows the full traceback.)")
     else:
         record(name, PASS)
+        return
+    if strict and (entry["status"] == FAIL or os.environ.get(ENV_NBGRADER)):
+        raise ExerciseFailed(f"{name}: {entry['message']}" + (f" -- hint: {entry['hint']}" if entry["hint"] else ""))
+
+
+def own(fn):
+    """The learner's own function behind a fallback wrapper (or ``fn`` itself): checks test this, never a substitute."""
+    seen = 0
+    while getattr(fn, "__course_learner__", None) is not None and seen < 10:
+        fn, seen = fn.__course_learner__, seen + 1
+    return fn
 
 
 def close(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-8, what: str = "result") -> None:

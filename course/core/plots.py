@@ -16,8 +16,15 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
     return fig, list(axes[0])
 
 
+class Caption(str):
+    """The caption text: a str that a notebook does not echo as a stray ``Out[n]`` (it is on the figure)."""
+
+    def _ipython_display_(self):
+        """Show nothing: the caption is already drawn under the figure."""
+
+
 def caption(fig, *results, extra: str = "") -> str:
-    """Write each result's provenance under the figure (and return the text)."""
+    """Write each result's provenance under the figure (and return the text, as a :class:`Caption`)."""
     lines = []
     for r in results:
         c = r.caption()
@@ -28,7 +35,7 @@ def caption(fig, *results, extra: str = "") -> str:
     text = "\n".join(textwrap.fill(l, 130) for l in lines)
     fig.tight_layout()
     fig.text(0.01, -0.01, text, ha="left", va="top", fontsize=7.5, color="0.3")
-    return text
+    return Caption(text)
 
 
 def lines(ax, result, x: str, y: str, *, by: str | None = None, label: str | None = None,

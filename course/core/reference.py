@@ -30,6 +30,7 @@ EXPERIMENT_MODULES = (
     "course.embedding.bench",
     "course.embedding.launch_cost",
     "course.lessons.sharding.experiments",
+    "course.embedding.access",
 )
 
 

@@ -1,7 +1,8 @@
 """Plain results: rows of numbers with units and provenance.
 
-Every experiment in the course returns a :class:`Result`. Notebooks print and plot
-them; ``python -m course bench`` saves GPU ones as reference data.
+Every experiment in the course returns a :class:`Result`. Notebooks show them as HTML
+tables (:meth:`Result.html`, their rich display) and plot them; the terminal prints
+:meth:`Result.table`; ``python -m course bench`` saves GPU ones as reference data.
 """
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ import hashlib
 import json
 
 from course.core.provenance import describe, provenance
+
+
+class Html(str):
+    """An HTML fragment that Jupyter shows rendered (``_repr_html_``) and the terminal as its text."""
+
+    def _repr_html_(self) -> str:
+        return str(self)
 
 
 @dataclasses.dataclass
@@ -75,6 +83,38 @@ class Result:
 
     def __repr__(self) -> str:
         return self.table()
+
+    def html(self, columns=None, max_rows: int = 60) -> "Html":
+        """An HTML table (units in the header, numbers right-aligned, summary and caption below).
+
+        ``columns`` picks and orders columns (default: all). Notebooks show a result as this
+        table (its rich display); the terminal keeps :meth:`table`.
+        """
+        import html as _h
+
+        cols = list(columns) if columns is not None else list(self.columns)
+        unknown = [c for c in cols if c not in self.columns]
+        if unknown:
+            raise KeyError(f"{self.name!r} has no column(s) {unknown}; it has {list(self.columns)}")
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+        head = "".join(f"<th>{_h.escape(c)}" + (f" [{_h.escape(self.columns[c])}]" if self.columns[c] else "")
+                       + "</th>" for c in cols)
+        body = []
+        for r in self.rows[:max_rows]:
+            cells = "".join(f"<td style='text-align:{'right' if num(r[c]) else 'left'}'>{_h.escape(fmt(r[c]))}</td>"
+                            for c in cols)
+            body.append(f"<tr>{cells}</tr>")
+        more = f"<p>... {len(self.rows) - max_rows} more rows</p>" if len(self.rows) > max_rows else ""
+        summ = "".join(f"<li>{_h.escape(k)}: {_h.escape(fmt(v['value']))} {_h.escape(v['unit'])}</li>"
+                       for k, v in self.summary.items())
+        return Html(f"<div class='course-result'><b>{_h.escape(self.title)}</b>"
+                    f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{more}"
+                    + (f"<ul>{summ}</ul>" if summ else "")
+                    + f"<p style='color:#555;font-size:smaller'>({_h.escape(self.caption())})</p></div>")
+
+    def _repr_html_(self) -> str:
+        return str(self.html())
 
     # --- serialisation -------------------------------------------------
     def payload(self) -> dict:

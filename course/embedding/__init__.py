@@ -10,14 +10,15 @@
 
 ``from course import embedding as E`` gives the lookup API below.
 """
-from course.embedding.cases import check_lookup, check_rejects, fallback, lookup_cases, reject_cases
+from course.embedding.cases import (check_bad_ids, check_lookup, check_rejects, diagnose, fallback, lookup_cases,
+                                    named_table, reject_cases)
 from course.embedding.kernels import (BOUNDS, ID_DTYPES, IMPLS, WEIGHT_DTYPES, WORD_BYTES, EmbeddingIndexError,
                                       as_words, element_view, fast_kernel, launch_config, naive_kernel,
                                       pick_word_bytes)
 from course.embedding.lookup import (check_errors, embedding, error_flag, host_bounds_check, reset_errors,
                                      validate)
 
-__all__ = ["BOUNDS", "ID_DTYPES", "IMPLS", "WEIGHT_DTYPES", "WORD_BYTES", "EmbeddingIndexError", "as_words",
+__all__ = ["check_bad_ids", "diagnose", "named_table", "BOUNDS", "ID_DTYPES", "IMPLS", "WEIGHT_DTYPES", "WORD_BYTES", "EmbeddingIndexError", "as_words",
            "check_errors", "check_lookup", "check_rejects", "element_view", "embedding", "error_flag",
            "fallback", "fast_kernel", "host_bounds_check", "launch_config", "lookup_cases", "naive_kernel",
            "pick_word_bytes", "reject_cases", "reset_errors", "validate"]

@@ -2,7 +2,9 @@
 
 :func:`check_lookup` and :func:`check_rejects` drive a learner's function (or the course's) with
 :func:`lookup_cases` and :func:`reject_cases`; :func:`fallback` lets a notebook go on with the
-reference version when the learner's is not done yet.
+reference version when the learner's is not done yet. When a lookup is wrong, :func:`diagnose` reruns
+it on a :func:`named_table` (values that name their row and column) and says what was read where;
+:func:`check_bad_ids` names the out-of-range ids that were not zeroed or not counted.
 """
 from __future__ import annotations
 
@@ -62,8 +64,9 @@ def check_lookup(fn, *, padding: bool = True, seed=None) -> list:
     """Compare ``fn(ids, weight)`` with ``F.embedding`` on :func:`lookup_cases`; exact match required.
 
     The padding case calls ``fn(ids, weight, padding_idx=...)`` (skip it with
-    ``padding=False``). Raises AssertionError naming the case that differs; returns the
-    list of case descriptions that passed.
+    ``padding=False``). When a case differs, ``fn`` runs again on a table whose values name
+    their row and column (:func:`diagnose`), and the AssertionError says what was read where
+    ("row 3 was read where row 7 was expected"). Returns the case descriptions that passed.
     """
     passed = []
     for c in lookup_cases(padding=padding, seed=seed):
@@ -71,9 +74,111 @@ def check_lookup(fn, *, padding: bool = True, seed=None) -> list:
         got = fn(c["ids"], c["weight"], **kw)
         assert isinstance(got, torch.Tensor), f"{c['desc']}: expected a tensor, got {type(got).__name__}"
         want = F.embedding(c["ids"], c["weight"], **kw)
-        close(got, want, rtol=0, atol=0, what=f"[{c['desc']}] output")
+        try:
+            close(got, want, rtol=0, atol=0, what=f"[{c['desc']}] output")
+        except AssertionError as e:
+            if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+                raise
+            raise AssertionError(f"[{c['desc']}] {diagnose(fn, c['ids'], c['weight'], **kw) or e}") from None
         passed.append(c["desc"])
     return passed
+
+
+_EXACT = {torch.float32: 2 ** 24, torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8}
+
+
+def named_table(vocab: int, dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """A table whose value at [row, col] is ``1 + row * dim + col``: every value names its row and column.
+
+    Uses ``dtype`` when it holds those integers exactly, else float32. 0 never occurs (a zero says
+    "written as zero", not "read from the table").
+    """
+    if vocab * dim + 1 > _EXACT.get(dtype, 0):
+        dtype = torch.float32
+    if vocab * dim + 1 > _EXACT[torch.float32]:
+        raise ValueError(f"a {vocab} x {dim} table is too large to name every element exactly")
+    return (torch.arange(vocab * dim, dtype=torch.float64) + 1).view(vocab, dim).to(dtype).to(device)
+
+
+def _rows(values: list) -> str:
+    vals = [str(v) for v in values]
+    return vals[0] if len(vals) == 1 else ", ".join(vals[:-1]) + " and " + vals[-1]
+
+
+def diagnose(fn, ids, weight, **kw) -> str:
+    """Run ``fn`` on a :func:`named_table` like ``weight`` and say, in words, what it read and wrote wrong.
+
+    Returns "" when ``fn`` is right on the named table (a dtype-specific bug, then).
+    """
+    vocab, dim = weight.shape
+    table = named_table(vocab, dim, weight.dtype, weight.device)
+    torch.full((ids.numel() * dim * 2 + 64,), float("nan"), device=weight.device)  # recycled memory: not codes
+    got = fn(ids, table, **kw).detach().cpu().double().reshape(-1, dim)
+    flat = ids.detach().cpu().reshape(-1).long()
+    code = got.round()
+    valid = (code == got) & (code >= 1) & (code <= vocab * dim)
+    g_row = torch.where(valid, (code - 1) // dim, torch.full_like(code, -1)).long()
+    g_col = torch.where(valid, (code - 1) % dim, torch.full_like(code, -1)).long()
+    e_row = flat.view(-1, 1).expand(-1, dim)
+    e_col = torch.arange(dim).view(1, -1).expand(len(flat), -1)
+    bad = ~(valid & (g_row == e_row) & (g_col == e_col))
+    if not bad.any():
+        return ""
+    said = [f"wrong at {int(bad.sum())} of {bad.numel()} output values. Rerun on a table whose values name "
+            f"their row and column (value = 1 + row * {dim} + column):"]
+    cols_never = [c for c in range(dim) if bool((bad[:, c] & ~valid[:, c]).all())]
+    if cols_never:
+        zero = bool((got[:, cols_never] == 0).all())
+        said.append(f"column{'s' if len(cols_never) > 1 else ''} {_rows(cols_never)} "
+                    f"{'were' if len(cols_never) > 1 else 'was'} never written"
+                    + (" (zeros)" if zero else " (values that are not from the table)") + ";")
+    swaps = {}
+    for n, c in bad.nonzero().tolist():
+        if valid[n, c] and g_col[n, c] == c and g_row[n, c] != e_row[n, c]:
+            swaps.setdefault((int(g_row[n, c]), int(e_row[n, c])), n)
+    for (gr, er), n in list(swaps.items())[:3]:
+        said.append(f"row {gr} was read where row {er} was expected (output row {n}, id {er});")
+    if len(swaps) > 3:
+        said.append(f"... and {len(swaps) - 3} more wrong rows;")
+    shown = 0
+    for n, c in bad.nonzero().tolist():
+        if shown == 3:
+            break
+        if valid[n, c] and g_col[n, c] != c:
+            said.append(f"out[{n}, {c}] holds row {int(g_row[n, c])} column {int(g_col[n, c])}, "
+                        f"expected row {int(e_row[n, c])} column {c};")
+            shown += 1
+        elif not valid[n, c] and c not in cols_never:
+            said.append(f"out[{n}, {c}] holds {got[n, c].item():g}, not a value from the table "
+                        f"(expected row {int(e_row[n, c])} column {c}: never written?);")
+            shown += 1
+    return " ".join(said).rstrip(";") + "."
+
+
+def check_bad_ids(launch, *, dim: int = 4, device=None) -> None:
+    """Check that ``launch(ids, weight)`` writes zero rows for out-of-range ids and counts each once in err[0].
+
+    Uses ids [0, 9, -1] on a 5-row table; the AssertionError names the ids not zeroed or not counted.
+    """
+    from course.embedding.lookup import error_flag
+
+    device = device if device is not None else torch.device(runtime().device)
+    reset_errors()
+    table = named_table(5, dim, device=device)
+    ids = torch.tensor([0, 9, -1], device=device)
+    out = launch(ids, table).reshape(3, dim).cpu()
+    count = int(error_flag()[0].item())
+    reset_errors()
+    assert torch.equal(out[0], table[0].cpu()), f"id 0 must give row 0 {table[0].tolist()}, got {out[0].tolist()}"
+    for n, bad_id in ((1, 9), (2, -1)):
+        assert out[n].abs().sum() == 0, (f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, "
+                                         f"it holds {out[n].tolist()} (never read the table with a bad id)")
+    if count == 0:
+        raise AssertionError("ids 9 and -1 were not counted (err[0] is 0, expected 2): "
+                             "cuda.atomic.add(err, 0, 1) once per bad id")
+    assert count == 2, (f"err[0] is {count}, expected 2 (ids 9 and -1): "
+                        + (f"each bad id was counted {count // 2} times; count it once, by the thread of column 0"
+                           if count % 2 == 0 else "count each bad id exactly once"))
 
 
 def reject_cases(*, padding: bool = True) -> list:
@@ -122,21 +227,34 @@ def check_rejects(fn, *, padding: bool = True, after=None) -> list:
     return lines
 
 
-def fallback(fn, reference, what: str):
-    """Wrap ``fn`` so that, while it still raises NotImplementedError, ``reference`` is used instead.
+def fallback(fn, reference, what: str, exercise: str | None = None):
+    """Wrap ``fn`` so that the notebook goes on with ``reference`` while the learner's version is not ready.
 
-    Lets the cells after an unfinished exercise run: prints a note the first time.
+    With ``exercise`` (an exercise name), ``fn`` is used only once that exercise's latest check
+    passed in this session; otherwise (or without it, while ``fn`` raises NotImplementedError)
+    ``reference`` is used, and a note says so once. The wrapper keeps the learner's function
+    as ``__course_learner__``: a check given the wrapper tests the learner's code
+    (:func:`course.core.checks.own`), never the reference.
     """
+    from course.core.checks import describe, passed
+
     told = []
 
+    def tell(why):
+        if not told:
+            print(f"note: {what} {why}, so this uses the course's reference version.")
+            told.append(True)
+
     def call(*args, **kwargs):
+        if exercise is not None and not passed(exercise):
+            tell(f"has not passed exercise {exercise!r} ({describe(exercise)})")
+            return reference(*args, **kwargs)
         try:
             return fn(*args, **kwargs)
         except NotImplementedError:
-            if not told:
-                print(f"note: {what} is not done yet, so this uses the course's reference version.")
-                told.append(True)
+            tell("is not done yet")
             return reference(*args, **kwargs)
     call.__name__ = getattr(fn, "__name__", "call")
     call.__doc__ = fn.__doc__
+    call.__course_learner__ = fn
     return call

@@ -5,6 +5,7 @@
   bench             run the GPU experiments on a real GPU and write reference data
   build-labs        regenerate labs/ from solutions/ (strip the solution regions)
   check NOTEBOOK    run a learner's notebook in a fresh kernel and report each check
+  grade DIR         run every notebook under DIR; write grades.csv and feedback/STUDENT.html
   verify-embedding  the embedding capture report (--impl cpu-copy|device)
 """
 from __future__ import annotations
@@ -40,8 +41,13 @@ def _build_labs(args) -> int:
 
 
 def _check(args) -> int:
-    from course.tools.labs import check_notebook
-    return check_notebook(args.notebook, timeout=args.timeout)
+    from course.tools.grade import check_notebook
+    return check_notebook(args.notebook, timeout=args.timeout, total_timeout=args.total_timeout)
+
+
+def _grade(args) -> int:
+    from course.tools.grade import grade
+    return grade(args.folder, out=args.out, cell_timeout=args.cell_timeout, total_timeout=args.total_timeout)
 
 
 def _verify(args) -> int:
@@ -74,7 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="run a notebook and report its checks")
     c.add_argument("notebook")
     c.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    c.add_argument("--total-timeout", type=int, default=None, help="limit for the whole notebook in seconds")
     c.set_defaults(func=_check)
+    g = sub.add_parser("grade", help="run every submitted notebook in DIR; write a CSV and feedback pages")
+    g.add_argument("folder")
+    g.add_argument("--out", default=None, help="output folder (default: DIR/graded)")
+    g.add_argument("--cell-timeout", type=int, default=120, help="per-cell limit in seconds (default 120)")
+    g.add_argument("--total-timeout", type=int, default=600, help="per-notebook limit in seconds (default 600)")
+    g.set_defaults(func=_grade)
     v = sub.add_parser("verify-embedding", help="embedding capture report")
     v.add_argument("--impl", choices=["cpu-copy", "device"], required=True)
     v.set_defaults(func=_verify)

@@ -1,6 +1,8 @@
-"""Instructor tools: generate labs/ from solutions/, and check a learner's notebook.
+"""Instructor tools: generate labs/ and the lessons' exercise versions from solutions/.
 
-``solutions/*.ipynb`` are the source. In code cells, the regions between
+``solutions/*.ipynb`` are the source: ``solutions/labN_*.ipynb`` generates ``labs/labN_*.ipynb``,
+``solutions/NN_*.ipynb`` (a lesson with its answers) generates ``notebooks/NN_*.ipynb`` (the
+lesson with its exercises and checks, without the answers). In code cells, the regions between
 ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers) are the answers;
 :func:`strip_solutions` replaces each with ``# YOUR CODE HERE`` and a
 ``raise NotImplementedError(...)`` at the same indentation. In Markdown cells,
@@ -8,17 +10,18 @@
 Cells tagged ``solution-only`` are left out of the lab. ``python -m course build-labs``
 writes ``labs/``; ``--check`` only compares and names the files that are out of sync.
 
-``python -m course check labs/NAME.ipynb`` runs a notebook in a fresh kernel with
-``COURSE_CHECK_LOG`` set (see :mod:`course.core.checks`) and prints, for every exercise the
-notebook contains, whether its check passed, failed (with the hint) or is not done yet.
+Code cells that carry a solution region get nbgrader metadata in both versions (``solution``
+cells), and a cell with an ``exercise("...")`` check becomes an nbgrader ``grade`` cell (1 point,
+locked), so a teacher who uses nbgrader can release and autograde the generated notebooks.
+
+``python -m course check NOTEBOOK`` (:func:`course.tools.grade.check_notebook`) runs a notebook
+in a fresh kernel and prints, for every exercise, whether its check passed, failed, crashed,
+is not done yet or was not reached.
 """
 from __future__ import annotations
 
-import ast
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import nbformat
@@ -88,9 +91,47 @@ def strip_markdown(source: str) -> str:
     return text
 
 
+CHECK_TAG = "check"
+
+
+def _grade_id(cell, i: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "-", str(cell.get("id") or f"cell-{i}"))
+
+
+def is_check_cell(cell) -> bool:
+    """True for a code cell that runs a check: a top-level ``with exercise(...)``, or tagged ``check``."""
+    if cell.cell_type != "code":
+        return False
+    if CHECK_TAG in cell.get("metadata", {}).get("tags", []):
+        return True
+    return bool(re.search(r"^with\s+(?:\w+\.)*exercise\(", cell.source, re.M))
+
+
+def with_nbgrader(nb):
+    """A copy of ``nb`` whose cells carry nbgrader metadata (schema 3).
+
+    A code cell with a solution region is a ``solution`` cell; a check cell (:func:`is_check_cell`)
+    is a locked ``grade`` cell worth 1 point (or the ``points`` it already has); other cells carry
+    no nbgrader metadata.
+    """
+    out = nbformat.from_dict(json.loads(json.dumps(nb)))
+    for i, cell in enumerate(out.cells):
+        old = cell.metadata.pop("nbgrader", {})
+        meta = {"grade": False, "grade_id": _grade_id(cell, i), "locked": False, "schema_version": 3,
+                "solution": False, "task": False}
+        if cell.cell_type == "code" and BEGIN in cell.source:
+            meta["solution"] = True
+        elif is_check_cell(cell):
+            meta.update(grade=True, locked=True, points=old.get("points", 1))
+        else:
+            continue
+        cell.metadata["nbgrader"] = meta
+    return out
+
+
 def make_lab(nb):
-    """The lab version of a solution notebook (a new notebook; outputs cleared)."""
-    lab = nbformat.from_dict(json.loads(json.dumps(nb)))
+    """The lab version of a solution notebook (a new notebook; outputs cleared; nbgrader metadata kept)."""
+    lab = with_nbgrader(nb)
     cells = []
     for i, cell in enumerate(lab.cells):
         if DROP_TAG in cell.get("metadata", {}).get("tags", []):
@@ -112,12 +153,18 @@ def _render(nb) -> str:
     return nbformat.writes(nb) + "\n"
 
 
-def build_labs(check: bool = False, *, root=None) -> int:
-    """Regenerate ``labs/`` from ``solutions/`` (or, with ``check``, only compare).
+def target(root, src) -> Path:
+    """Where a solution notebook's learner version goes: labs/ for ``lab*``, notebooks/ for a lesson."""
+    return Path(root) / ("labs" if Path(src).name.startswith("lab") else "notebooks") / Path(src).name
 
-    Returns 0 when everything is (now) in sync; with ``check``, 1 when a lab differs
-    from what its solution generates, is missing, or has no solution (each is named);
-    2 when a solution has broken markers.
+
+def build_labs(check: bool = False, *, root=None) -> int:
+    """Regenerate ``labs/`` and the lessons from ``solutions/`` (or, with ``check``, only compare).
+
+    Also writes the nbgrader metadata into the solutions themselves. Returns 0 when everything
+    is (now) in sync; with ``check``, 1 when a generated notebook differs from what its solution
+    generates, is missing, a lab has no solution, or a solution lacks its nbgrader metadata (each
+    is named); 2 when a solution has broken markers.
     """
     root = Path(root) if root is not None else ROOT
     sol_dir, lab_dir = root / "solutions", root / "labs"
@@ -128,139 +175,38 @@ def build_labs(check: bool = False, *, root=None) -> int:
     stale = []
     for src in sources:
         try:
-            text = _render(make_lab(nbformat.read(src, as_version=4)))
+            sol = with_nbgrader(nbformat.read(src, as_version=4))
+            text = _render(make_lab(sol))
         except SolutionMarkerError as e:
             print(f"build-labs: {src.relative_to(root)}: {e}")
             return 2
-        dest = lab_dir / src.name
-        current = dest.read_text(encoding="utf-8") if dest.exists() else None
-        if current == text:
-            print(f"build-labs: {dest.relative_to(root)} is in sync")
-            continue
-        if check:
-            why = "is missing" if current is None else "is out of sync with"
-            print(f"build-labs: {dest.relative_to(root)} {why} {src.relative_to(root)}")
-            stale.append(dest)
-        else:
-            lab_dir.mkdir(exist_ok=True)
-            dest.write_text(text, encoding="utf-8")
-            print(f"build-labs: wrote {dest.relative_to(root)}")
+        pairs = [(src, _render(sol), f"{src.relative_to(root)} lacks its nbgrader metadata"),
+                 (target(root, src), text, None)]
+        for dest, want, why_stale in pairs:
+            current = dest.read_text(encoding="utf-8") if dest.exists() else None
+            if current == want:
+                if why_stale is None:
+                    print(f"build-labs: {dest.relative_to(root)} is in sync")
+                continue
+            if check:
+                why = why_stale or (f"{dest.relative_to(root)} "
+                                    f"{'is missing' if current is None else 'is out of sync with'} "
+                                    f"{src.relative_to(root)}")
+                print(f"build-labs: {why}")
+                stale.append(dest)
+            else:
+                dest.parent.mkdir(exist_ok=True)
+                dest.write_text(want, encoding="utf-8")
+                print(f"build-labs: wrote {dest.relative_to(root)}")
     orphans = sorted(p for p in lab_dir.glob("*.ipynb") if not (sol_dir / p.name).exists())
     for p in orphans:
         print(f"build-labs: {p.relative_to(root)} has no source in solutions/ (delete it or add its solution)")
     if check and (stale or orphans):
-        print("build-labs: run `python -m course build-labs` to regenerate labs/ from solutions/.")
+        print("build-labs: run `python -m course build-labs` to regenerate labs/ and lessons from solutions/.")
         return 1
     return 0
 
 
 # --------------------------------------------------------------------------- checking a notebook
-
-def exercise_names(nb) -> list:
-    """The names of the ``exercise("...")`` checks a notebook's code cells contain, in order."""
-    names = []
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "exercise"
-                    and node.args and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str) and node.args[0].value not in names):
-                names.append(node.args[0].value)
-    return names
-
-
-def _cell_errors(nb) -> list:
-    errors = []
-    for i, cell in enumerate(nb.cells):
-        for o in cell.get("outputs", []):
-            if o.get("output_type") == "error":
-                errors.append((i, o.get("ename", "Error"), o.get("evalue", "")))
-    return errors
-
-
-def check_notebook(path, timeout: int = 600) -> int:
-    """Run the notebook at ``path`` in a fresh kernel and report each exercise's check.
-
-    Every cell runs (errors are collected, not fatal; a cell that runs longer than
-    ``timeout`` seconds is interrupted). Prints ✓ / ✗ (with its hint) / "not done yet" /
-    "not reached" per exercise and lists cells that raised outside any check.
-    Returns 0 only if every check passed and no cell raised; 1 otherwise; 2 if the file
-    cannot be read.
-    """
-    from nbclient import NotebookClient
-
-    from course.core.checks import ENV_LOG, FAIL, PASS, TODO
-
-    path = Path(path)
-    try:
-        nb = nbformat.read(path, as_version=4)
-    except Exception as e:  # noqa: BLE001 - OSError, bad JSON, schema errors: all "cannot read"
-        print(f"check: cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return 2
-    expected = exercise_names(nb)
-    fd, log_path = tempfile.mkstemp(prefix="course-check-", suffix=".jsonl")
-    os.close(fd)
-    old = os.environ.get(ENV_LOG)
-    os.environ[ENV_LOG] = log_path
-    print(f"check: running {path} in a fresh kernel (up to {timeout} s per cell) ...")
-    try:
-        client = NotebookClient(nb, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
-                                kernel_name="python3", resources={"metadata": {"path": str(path.parent.resolve())}})
-        client.execute()
-        entries = [json.loads(l) for l in Path(log_path).read_text(encoding="utf-8").splitlines() if l.strip()]
-    except Exception as e:  # noqa: BLE001 - report, do not crash
-        print(f"check: the notebook could not be run: {type(e).__name__}: {e}")
-        return 1
-    finally:
-        if old is None:
-            os.environ.pop(ENV_LOG, None)
-        else:
-            os.environ[ENV_LOG] = old
-        Path(log_path).unlink(missing_ok=True)
-
-    outcome = {}
-    for e in entries:  # the last outcome of each check wins (a cell re-run)
-        outcome[e["name"]] = e
-    names = expected + [n for n in outcome if n not in expected]
-    counts = {PASS: 0, FAIL: 0, TODO: 0, "missing": 0}
-    print()
-    for name in names:
-        e = outcome.get(name)
-        if e is None:
-            counts["missing"] += 1
-            print(f"  ? {name}: not reached (an earlier cell stopped before this check ran)")
-        elif e["status"] == PASS:
-            counts[PASS] += 1
-            print(f"  ✓ {name}")
-        elif e["status"] == TODO:
-            counts[TODO] += 1
-            print(f"  … {name}: not done yet")
-        else:
-            counts[FAIL] += 1
-            print(f"  ✗ {name}: {e['message']}")
-            if e.get("hint"):
-                print(f"      hint: {e['hint']}")
-    failed_names = {n for n, e in outcome.items() if e["status"] == FAIL}
-    stray = []
-    for i, ename, evalue in _cell_errors(nb):
-        if ename == "ExerciseFailed" and any(evalue.startswith(f"{n}:") for n in failed_names):
-            continue  # already reported above
-        stray.append((i, ename, evalue))
-    for i, ename, evalue in stray:
-        kind = "timed out" if ename == "KeyboardInterrupt" else f"raised {ename}"
-        print(f"  ✗ cell {i} {kind}: {evalue.splitlines()[0] if evalue else ''}")
-    total = len(names)
-    print()
-    print(f"check: {counts[PASS]}/{total} passed, {counts[FAIL]} failed, {counts[TODO]} not done yet"
-          + (f", {counts['missing']} not reached" if counts["missing"] else "")
-          + (f", {len(stray)} cell error(s)" if stray else ""))
-    ok = total > 0 and counts[PASS] == total and not stray
-    if total == 0:
-        print("check: this notebook has no exercise checks.")
-        ok = not stray
-    return 0 if ok else 1
+# The runner lives in course.tools.grade; these names stay importable from here.
+from course.tools.grade import check_notebook, exercise_cells, exercise_names  # noqa: E402,F401

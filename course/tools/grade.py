@@ -1,0 +1,280 @@
+"""Run learners' notebooks and report every exercise: ``course check NOTEBOOK`` and ``course grade DIR``.
+
+A notebook runs in a fresh kernel with ``COURSE_CHECK_LOG`` set (see :mod:`course.core.checks`);
+every cell runs, whatever the cells before it did, each under a time limit, and the whole
+notebook under a total limit. Each exercise the notebook contains ends in one status:
+
+- ``pass``, ``fail`` (a wrong answer), ``crash`` (the learner's code raised), ``todo`` (not done
+  yet), ``skip`` (cannot run here, e.g. needs a GPU; worth 0 of 0 points): what its check recorded
+  (the last time it ran);
+- ``timed out``: its cell was interrupted at the time limit (an endless loop);
+- ``not reached``: its check never ran, with the reason (its cell raised before the check, the
+  kernel died, or the notebook's time ran out).
+
+``course grade DIR`` does this for every ``*.ipynb`` under DIR (the student is the file's name,
+or its folder's name for ``DIR/STUDENT/lab.ipynb``) and writes ``grades.csv`` (student, notebook,
+exercise, status, points, max_points, message) and one ``feedback/STUDENT.html`` per student.
+Points come from the nbgrader metadata of the exercise's cell (``points``), else 1.
+"""
+from __future__ import annotations
+
+import ast
+import csv
+import html
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+
+STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
+_MARK = {"pass": "✓", "fail": "✗", "crash": "✗", "todo": "…", "skip": "-", "timed out": "⏱", "not reached": "?"}
+_WORDS = {"pass": "passed", "fail": "failed", "crash": "crashed", "todo": "not done yet", "skip": "skipped",
+          "timed out": "timed out", "not reached": "not reached"}
+
+
+def exercise_names(nb) -> list:
+    """The names of the ``exercise("...")`` checks a notebook's code cells contain, in order."""
+    return list(exercise_cells(nb))
+
+
+def exercise_cells(nb) -> dict:
+    """Exercise name -> index of the first code cell that contains its ``exercise("...")`` call."""
+    found = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "exercise"
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str) and node.args[0].value not in found):
+                found[node.args[0].value] = i
+    return found
+
+
+def _error(cell):
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "error":
+            return o.get("ename", "Error"), (o.get("evalue", "") or "").splitlines()[0] if o.get("evalue") else ""
+    return None
+
+
+def _points(cell) -> float:
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return float(meta.get("points", 1)) if meta.get("grade") else 1.0
+
+
+def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) -> dict:
+    """Run the notebook at ``path`` in a fresh kernel; return its exercises, stray cell errors and timings.
+
+    Result: ``{"exercises": [{"name", "status", "message", "hint", "where", "points", "max_points"}],
+    "stray": [(cell, ename, evalue)], "error": None or a reason, "seconds": float}``. Raises
+    ``OSError``/``ValueError`` if the file cannot be read as a notebook.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+
+    from course.core.checks import ENV_LOG, FAIL, PASS
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    cells = exercise_cells(nb)
+    fd, log_path = tempfile.mkstemp(prefix="course-check-", suffix=".jsonl")
+    os.close(fd)
+    old = os.environ.get(ENV_LOG)
+    os.environ[ENV_LOG] = log_path
+    start, stopped, ran = time.monotonic(), None, set()
+    deadline = start + total_timeout if total_timeout else None
+    client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
+                            kernel_name="python3", resources={"metadata": {"path": str(path.parent.resolve())}})
+    try:
+        client.reset_execution_trackers()
+        with client.setup_kernel(cwd=str(path.parent.resolve())):
+            for i, cell in enumerate(nb.cells):
+                if cell.cell_type != "code":
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 1:
+                    stopped = f"the notebook's time limit ({total_timeout} s) ran out before cell {i}"
+                    break
+                client.timeout = int(min(cell_timeout, left)) if left is not None else cell_timeout
+                try:
+                    client.execute_cell(cell, i, execution_count=client.code_cells_executed + 1)
+                except DeadKernelError:
+                    stopped = f"the kernel died in cell {i}"
+                    ran.add(i)
+                    break
+                ran.add(i)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot start: say so
+        stopped = stopped or f"the notebook could not be run: {type(e).__name__}: {e}"
+    finally:
+        if old is None:
+            os.environ.pop(ENV_LOG, None)
+        else:
+            os.environ[ENV_LOG] = old
+        text = Path(log_path).read_text(encoding="utf-8") if Path(log_path).exists() else ""
+        Path(log_path).unlink(missing_ok=True)
+
+    outcome = {}
+    for line in text.splitlines():
+        if line.strip():
+            e = json.loads(line)
+            outcome[e["name"]] = e  # the last outcome of each check wins (a cell re-run)
+    exercises = []
+    for name in list(cells) + [n for n in outcome if n not in cells]:
+        i = cells.get(name)
+        maxp = _points(nb.cells[i]) if i is not None else 1.0
+        e = outcome.get(name)
+        err = _error(nb.cells[i]) if i is not None else None
+        if err and err[0] == "KeyboardInterrupt":
+            row = {"status": "timed out", "message": f"cell {i} was interrupted after its time limit "
+                                                     f"({client.timeout} s): an endless loop?"}
+        elif e is not None:
+            row = {k: e.get(k, "") for k in ("status", "message", "hint", "where")}
+        elif err:
+            row = {"status": "not reached", "message": f"cell {i} raised {err[0]}: {err[1]} before the check ran"}
+        elif i is not None and i not in ran:
+            row = {"status": "not reached", "message": stopped or f"cell {i} did not run"}
+        else:
+            row = {"status": "not reached", "message": "its cell ran but the check did not (inside an if?)"}
+        row = {"name": name, "hint": "", "where": "", **row, "max_points": maxp}
+        if row["status"] == "skip":
+            maxp = 0.0  # cannot be done on this machine: not counted
+        row["max_points"] = maxp
+        row["points"] = maxp if row["status"] == PASS else 0.0
+        exercises.append(row)
+    failed = {x["name"] for x in exercises if x["status"] == FAIL}
+    stray = []
+    for i, cell in enumerate(nb.cells):
+        err = _error(cell)
+        if err and not (err[0] == "ExerciseFailed" and any(err[1].startswith(f"{n}:") for n in failed)) \
+                and i not in cells.values():
+            stray.append((i, *err))
+    return {"exercises": exercises, "stray": stray, "error": stopped, "seconds": time.monotonic() - start}
+
+
+def check_notebook(path, timeout: int = 600, total_timeout: int | None = None) -> int:
+    """Run the notebook at ``path`` in a fresh kernel and print each exercise's status.
+
+    Prints ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's line) / "not done yet" /
+    "timed out" / "not reached" (with why) per exercise, and cells that raised outside any check.
+    Returns 0 only if every check passed and no cell raised; 1 otherwise; 2 if the file cannot be read.
+    """
+    path = Path(path)
+    try:
+        nbformat.read(path, as_version=4)
+    except Exception as e:  # noqa: BLE001 - OSError, bad JSON, schema errors: all "cannot read"
+        print(f"check: cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return 2
+    print(f"check: running {path} in a fresh kernel (up to {timeout} s per cell) ...")
+    rep = run_checks(path, cell_timeout=timeout, total_timeout=total_timeout)
+    print()
+    counts = {s: 0 for s in STATUSES}
+    for x in rep["exercises"]:
+        counts[x["status"]] += 1
+        line = f"  {_MARK[x['status']]} {x['name']}"
+        if x["status"] == "pass":
+            print(line)
+            continue
+        print(line + f": {_WORDS[x['status']]}" + (f": {x['message']}" if x["message"] and x["status"] != "todo" else ""))
+        if x.get("where"):
+            print(f"      your line: {x['where']}")
+        if x.get("hint"):
+            print(f"      hint: {x['hint']}")
+    for i, ename, evalue in rep["stray"]:
+        kind = "timed out" if ename == "KeyboardInterrupt" else f"raised {ename}"
+        print(f"  ✗ cell {i} {kind}: {evalue}")
+    if rep["error"]:
+        print(f"  ! {rep['error']}")
+    total = len(rep["exercises"])
+    print()
+    print(f"check: {counts['pass']}/{total} passed, {counts['fail']} failed, {counts['crash']} crashed, "
+          f"{counts['todo']} not done yet"
+          + "".join(f", {counts[s]} {_WORDS[s]}" for s in ("skip", "timed out", "not reached") if counts[s])
+          + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else ""))
+    if total == 0:
+        print("check: this notebook has no exercise checks.")
+        return 0 if not rep["stray"] and not rep["error"] else 1
+    return 0 if counts["pass"] + counts["skip"] == total and not rep["stray"] else 1
+
+
+def _student(path: Path, root: Path) -> str:
+    rel = path.relative_to(root)
+    return rel.parts[0] if len(rel.parts) > 1 else path.stem
+
+
+def feedback_html(student: str, reports: list) -> str:
+    """One student's feedback page: per notebook, each exercise's status, message, line and hint."""
+    e = html.escape
+    parts = [f"<!doctype html><meta charset='utf-8'><title>Feedback: {e(student)}</title>",
+             "<style>body{font-family:sans-serif;max-width:60em}td,th{padding:.3em .6em;border-bottom:1px solid #ddd;"
+             "vertical-align:top;text-align:left}.pass{color:#070}.fail,.crash,.timed{color:#b00}</style>",
+             f"<h1>Feedback for {e(student)}</h1>"]
+    for nb_name, rep in reports:
+        got = sum(x["points"] for x in rep["exercises"])
+        top = sum(x["max_points"] for x in rep["exercises"])
+        parts.append(f"<h2>{e(nb_name)}: {got:g} / {top:g} points</h2>")
+        if rep["error"]:
+            parts.append(f"<p><b>Note:</b> {e(rep['error'])}</p>")
+        parts.append("<table><tr><th></th><th>exercise</th><th>status</th><th>points</th><th>what the check said</th></tr>")
+        for x in rep["exercises"]:
+            detail = e(x["message"] or "")
+            if x.get("where"):
+                detail += f"<br><code>{e(x['where'])}</code>"
+            if x.get("hint"):
+                detail += f"<br><i>hint: {e(x['hint'])}</i>"
+            parts.append(f"<tr class='{x['status'].split()[0]}'><td>{_MARK[x['status']]}</td><td>{e(x['name'])}</td>"
+                         f"<td>{_WORDS[x['status']]}</td><td>{x['points']:g}/{x['max_points']:g}</td>"
+                         f"<td>{detail}</td></tr>")
+        parts.append("</table>")
+        for i, ename, evalue in rep["stray"]:
+            parts.append(f"<p>cell {i} raised {e(ename)}: {e(evalue)}</p>")
+    return "\n".join(parts) + "\n"
+
+
+def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600) -> int:
+    """Run every notebook under ``folder``; write ``grades.csv`` and ``feedback/STUDENT.html`` into ``out``.
+
+    ``out`` defaults to ``folder/graded``. Each notebook gets ``cell_timeout`` seconds per cell
+    and ``total_timeout`` seconds in all. Returns 0, or 2 when there is nothing to grade.
+    """
+    root = Path(folder).resolve()
+    out = Path(out) if out is not None else root / "graded"
+    paths = sorted(p for p in root.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts
+                   and out.resolve() not in p.resolve().parents)
+    if not paths:
+        print(f"grade: no notebooks under {root}")
+        return 2
+    (out / "feedback").mkdir(parents=True, exist_ok=True)
+    by_student, rows = {}, []
+    for p in paths:
+        student = _student(p, root)
+        print(f"grade: {student}: {p.relative_to(root)} ...", flush=True)
+        try:
+            rep = run_checks(p, cell_timeout=cell_timeout, total_timeout=total_timeout)
+        except Exception as e:  # noqa: BLE001 - an unreadable submission is graded, not fatal
+            rep = {"exercises": [], "stray": [], "error": f"cannot read: {type(e).__name__}: {e}", "seconds": 0.0}
+        by_student.setdefault(student, []).append((p.name, rep))
+        for x in rep["exercises"]:
+            rows.append({"student": student, "notebook": p.name, "exercise": x["name"], "status": x["status"],
+                         "points": x["points"], "max_points": x["max_points"], "message": x["message"]})
+        if rep["error"] and not rep["exercises"]:
+            rows.append({"student": student, "notebook": p.name, "exercise": "", "status": "not reached",
+                         "points": 0, "max_points": 0, "message": rep["error"]})
+        print(f"grade: {student}: " + ", ".join(f"{x['name']} {x['status']}" for x in rep["exercises"])
+              + f" ({rep['seconds']:.0f} s)")
+    with open(out / "grades.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=["student", "notebook", "exercise", "status", "points", "max_points",
+                                          "message"])
+        w.writeheader()
+        w.writerows(rows)
+    for student, reports in by_student.items():
+        (out / "feedback" / f"{student}.html").write_text(feedback_html(student, reports), encoding="utf-8")
+    print(f"grade: wrote {out / 'grades.csv'} and {len(by_student)} feedback page(s) in {out / 'feedback'}")
+    return 0
