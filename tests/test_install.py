@@ -217,3 +217,12 @@ def test_course_run_is_quiet_and_plain(tmp_path, capfd):
     assert "boom" in err and "\x1b[" not in err
     assert render.plain("\x1b[0;31mValueError\x1b[0m: x") == "ValueError: x"
     assert render.KERNEL_ARGS
+
+
+@pytest.mark.skipif(rt_mod.runtime().on_gpu, reason="simulator behaviour")
+def test_numba_stream_with_plain_numbas_simulator(monkeypatch):
+    """macOS has plain numba, whose built-in simulator has stream() but no default_stream()."""
+    import types
+    fake = types.SimpleNamespace(stream=lambda: "plain-numba-stream")
+    monkeypatch.setattr(rt_mod, "cuda", lambda: fake)
+    assert rt_mod.numba_stream() == "plain-numba-stream"

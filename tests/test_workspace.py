@@ -111,3 +111,12 @@ def test_learner_work_leaves_the_shipped_course_clean(shipped_copy):
     assert build_labs(check=True, root=shipped_copy) == 0, "labs out of sync"
     status = subprocess.run(["git", "-C", str(shipped_copy), "status", "--porcelain"], capture_output=True, text=True)
     assert status.stdout == "", f"the learner's work shows up in git: {status.stdout}"
+
+
+def test_course_check_works_on_a_workspace_copy(tmp_path, capsys):
+    """`python -m course check` runs the learner's copy (in its own folder) and reports it."""
+    from course.tools.labs import check_notebook
+    dest = workspace.create(dest=tmp_path / "work", quiet=True)
+    assert check_notebook(dest / "notebooks" / "00_start_here.ipynb", timeout=300) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "work") in out and "no exercise checks" in out

@@ -270,7 +270,8 @@ def numba_stream():
     """
     nc = cuda()
     if not runtime().on_gpu:
-        return nc.default_stream()
+        # numba-cuda's simulator has default_stream(); plain numba's built-in one (macOS) only stream()
+        return nc.default_stream() if hasattr(nc, "default_stream") else nc.stream()
     import torch
     handle = torch.cuda.current_stream().cuda_stream
     stream = _streams.get(handle)
