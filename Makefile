@@ -28,7 +28,7 @@ else
 ENV_DIR := $(VENV)
 PY := $(VENV)/bin/python
 MAKE_ENV := $(PYTHON) -m venv $(VENV)
-UPGRADE_PIP := $(PY) -m pip install -q --upgrade pip
+UPGRADE_PIP := -$(PY) -m pip install -q --upgrade pip
 INSTALL := $(PY) -m pip install --progress-bar on -e ".[test,lab]"
 endif
 STAMP := $(ENV_DIR)/.capture-replay-installed
