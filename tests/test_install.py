@@ -226,3 +226,31 @@ def test_numba_stream_with_plain_numbas_simulator(monkeypatch):
     fake = types.SimpleNamespace(stream=lambda: "plain-numba-stream")
     monkeypatch.setattr(rt_mod, "cuda", lambda: fake)
     assert rt_mod.numba_stream() == "plain-numba-stream"
+
+
+# --------------------------------------------------------------------------- the GPU lane is self-contained
+
+def test_notebook_kernels_import_this_checkout(tmp_path):
+    """conftest.py puts the project root on the kernels' PYTHONPATH: a kernel started in notebooks/ imports this
+    checkout's course even where the course is not installed (the GPU lane: 152 failures without it)."""
+    import nbformat
+    from nbclient import NotebookClient
+    assert str(ROOT) in os.environ["PYTHONPATH"].split(os.pathsep)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import course; print(course.__file__)")])
+    NotebookClient(nb, kernel_name="python3", timeout=120, extra_arguments=render.KERNEL_ARGS,
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    assert nb.cells[0].outputs[0]["text"].strip() == str(ROOT / "course" / "__init__.py")
+
+
+def test_nbconvert_templates_found_after_a_target_install(tmp_path, monkeypatch):
+    """nbconvert installed with `pip --target DIR` keeps its templates in DIR/share/jupyter: put on JUPYTER_PATH."""
+    import types
+    import conftest
+    site = tmp_path / "site"
+    (site / "nbconvert").mkdir(parents=True)
+    (site / "nbconvert" / "__init__.py").touch()
+    (site / "share" / "jupyter" / "nbconvert" / "templates").mkdir(parents=True)
+    monkeypatch.setitem(sys.modules, "nbconvert", types.SimpleNamespace(__file__=str(site / "nbconvert" / "__init__.py")))
+    monkeypatch.setenv("JUPYTER_PATH", "")
+    conftest._expose_course_to_kernels()
+    assert os.environ["JUPYTER_PATH"].split(os.pathsep)[0] == str(site / "share" / "jupyter")
