@@ -1,42 +1,80 @@
 # Capture & Replay. The README's two commands are `make course` and `make test`.
+#
+# Where the course is installed:
+# - an active conda env (not `base`): used as it is (`conda env create -f environment.yml`,
+#   `conda activate capture-replay`); the course is added with `pip install -e . --no-deps`;
+# - otherwise `.venv/`, made with $(PYTHON) -m venv. USE_VENV=1 forces `.venv/` inside a conda env.
+# torch: `python -m course.tools.torch_install` picks the build (CPU build from PyTorch's CPU index
+# on Linux without an NVIDIA driver; PyPI's build otherwise). Override with TORCH='torch==2.11.0'
+# and/or TORCH_INDEX=https://download.pytorch.org/whl/cu126. A torch that already imports is kept.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
-# torch 2.13.0: a CUDA build from PyPI on Linux x86_64, the CPU build where a local wheel is served.
-# If torch already imports in the venv it is left alone. Override: make setup TORCH='torch==2.11.0'
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+export TORCH TORCH_INDEX
 TEST_PATHS := tests notebooks labs solutions
 NBVAL := --nbval-lax --nbval-cell-timeout=900
 
-.PHONY: setup course test lab gpu-test doctor clean
+ifeq ($(USE_VENV),)
+CONDA_ENV := $(filter-out base,$(and $(CONDA_PREFIX),$(CONDA_DEFAULT_ENV)))
+endif
+ifneq ($(CONDA_ENV),)
+ENV_DIR := $(CONDA_PREFIX)
+PY := $(CONDA_PREFIX)/bin/python
+MAKE_ENV := @echo "Using the active conda env '$(CONDA_ENV)' ($(CONDA_PREFIX))"
+UPGRADE_PIP :=
+INSTALL := $(PY) -m pip install -e . --no-deps
+else
+ENV_DIR := $(VENV)
+PY := $(VENV)/bin/python
+MAKE_ENV := $(PYTHON) -m venv $(VENV)
+UPGRADE_PIP := -$(PY) -m pip install -q --upgrade pip
+INSTALL := $(PY) -m pip install --progress-bar on -e ".[test,lab]"
+endif
+STAMP := $(ENV_DIR)/.capture-replay-installed
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
-	touch $@
+.PHONY: setup course test lab workspace gpu-test doctor clean
 
-setup: $(VENV)/.installed  ## create .venv and install the course
+$(STAMP): pyproject.toml
+	$(MAKE_ENV)
+	$(UPGRADE_PIP)
+	$(PY) -m course.tools.torch_install
+	$(INSTALL)
+	@touch $@
+	@echo "Set up. To type the course's commands yourself: source $(ENV_DIR)/bin/activate (or conda activate), then python -m course doctor"
+
+setup: $(STAMP)  ## create the environment and install the course
 
 course: setup  ## set up, check the environment, execute every notebook into build/
 	$(PY) -m course doctor
 	$(PY) -m course run
 
-test: setup  ## set up, then run the unit tests and every notebook under nbval
+test: setup  ## set up, then run the unit tests and every notebook, lab and solution under nbval
 	$(PY) -m pytest -p no:cacheprovider $(TEST_PATHS) $(NBVAL)
 
 doctor: setup
 	$(PY) -m course doctor
 
-lab: setup  ## open JupyterLab on the course
-	$(PY) -m pip install -q "jupyterlab>=4"
-	$(PY) -m jupyter lab --notebook-dir=.
+workspace: setup  ## copy the lessons and labs into work/ (your copies; the shipped files stay clean)
+	$(PY) -m course workspace
 
-# The GPU lane: the same suite with live GPU measurements, on a machine whose python
-# already has the course's dependencies (no venv). COURSE_PATH=cuda makes it fail at
-# once instead of silently falling back to the simulator.
+lab: setup  ## your workspace in JupyterLab (headless: prints the URL; works as root)
+	$(PY) -m course workspace --lab
+
+# The GPU lane: the same suite with live GPU measurements, with the machine's python3 (no venv).
+# It needs the course's declared dependencies importable by $(PYTHON); WHEELS=DIR (default .whl/
+# when present) installs a wheelhouse into build/gpu-site first (--no-index --no-deps --target).
+# Notebook kernels find the course and nbconvert its templates through conftest.py, so no
+# environment variables are needed. COURSE_PATH=cuda fails at once if the GPU path is not taken.
+WHEELS ?= $(wildcard .whl)
+GPU_SITE := $(CURDIR)/build/gpu-site
 gpu-test:
+ifneq ($(WHEELS),)
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} COURSE_PATH=cuda $(PYTHON) -m pytest -p no:cacheprovider $(TEST_PATHS) $(NBVAL)
+else
 	COURSE_PATH=cuda $(PYTHON) -m pytest -p no:cacheprovider $(TEST_PATHS) $(NBVAL)
+endif
 
 clean:
 	rm -rf build $(VENV)

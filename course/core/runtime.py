@@ -104,6 +104,16 @@ def probe_numba_cuda(*, simulator: bool = False, timeout: float = 180.0) -> tupl
     return False, f"the numba-cuda probe crashed (exit {proc.returncode}): {tail[0]}"
 
 
+def numba_cuda_installed() -> bool:
+    """True when the numba-cuda package is installed (the GPU path needs it; the simulator does not)."""
+    from importlib import metadata
+    try:
+        metadata.version("numba-cuda")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def explain_numba_failure(error: str) -> tuple[str, tuple[str, ...]]:
     """Turn a numba-cuda failure message into a reason and concrete fixes."""
     import numpy as np
@@ -145,6 +155,14 @@ def _decide() -> Runtime:
             raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
         return Runtime(SIM, f"Simulator path: {reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
 
+    if not numba_cuda_installed():
+        reason = ("numba-cuda is not installed (it has no macOS wheels; plain numba's built-in simulator "
+                  "runs the course's kernels)")
+        fixes = ("pip install 'numba-cuda>=0.30,<0.31' (Linux or Windows with an NVIDIA GPU)",)
+        if forced == CUDA:
+            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
+        return Runtime(SIM, f"Simulator path: torch sees {torch.cuda.get_device_name(0)}, but {reason}.",
+                       "cpu", "CPU (Numba CUDA simulator)", fixes)
     ok, error = probe_numba_cuda()
     if not ok:
         reason, fixes = explain_numba_failure(error or "")
@@ -263,7 +281,8 @@ def numba_stream():
     """
     nc = cuda()
     if not runtime().on_gpu:
-        return nc.default_stream()
+        # numba-cuda's simulator has default_stream(); plain numba's built-in one (macOS) only stream()
+        return nc.default_stream() if hasattr(nc, "default_stream") else nc.stream()
     import torch
     handle = torch.cuda.current_stream().cuda_stream
     stream = _streams.get(handle)

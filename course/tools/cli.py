@@ -7,6 +7,7 @@
   check NOTEBOOK    run a learner's notebook in a fresh kernel and report each check
   grade DIR         run every notebook under DIR; write grades.csv and feedback/STUDENT.html
   verify-embedding  the embedding capture report (--impl cpu-copy|device)
+  workspace         copy the lessons and labs into work/ (yours to edit); --lab opens JupyterLab there
 """
 from __future__ import annotations
 
@@ -55,6 +56,11 @@ def _verify(args) -> int:
     return verify_main(impl=args.impl)
 
 
+def _workspace(args) -> int:
+    from course.tools.workspace import main as workspace_main
+    return workspace_main(lab=args.lab, reset=args.reset, port=args.port, ip=args.ip)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests)."""
     p = argparse.ArgumentParser(prog="python -m course", description=__doc__,
@@ -91,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify-embedding", help="embedding capture report")
     v.add_argument("--impl", choices=["cpu-copy", "device"], required=True)
     v.set_defaults(func=_verify)
+    w = sub.add_parser("workspace", help="your copies of the lessons and labs, in work/")
+    w.add_argument("--lab", action="store_true", help="then start JupyterLab there (headless; prints the URL)")
+    w.add_argument("--reset", nargs="*", default=[], metavar="NAME", help="replace these copies with fresh ones")
+    w.add_argument("--port", type=int, default=8888, help="JupyterLab's port (default 8888)")
+    w.add_argument("--ip", default="127.0.0.1", help="JupyterLab's address (default 127.0.0.1)")
+    w.set_defaults(func=_workspace)
     return p
 
 

@@ -10,8 +10,10 @@ import dataclasses
 import json
 import platform
 import sys
+from pathlib import Path
 
 from course.core.provenance import driver_version, package_version
+from course.tools.catalog import ROOT
 
 OK, WARN, BROKEN = "ok", "warn", "broken"
 
@@ -44,9 +46,9 @@ def diagnose() -> tuple[list, dict]:
     if npv is None:
         rows.append(Row("numpy", "not installed", BROKEN, "pip install 'numpy<2.5'"))
     elif _version_tuple(npv) >= (2, 5):
-        rows.append(Row("numpy", npv, BROKEN,
-                        "numba-cuda 0.30 cannot compile any kernel with numpy 2.5+ (np.row_stack was removed): "
-                        "pip install 'numpy<2.5'"))
+        rows.append(Row("numpy", npv, WARN,
+                        "the simulator path works; the GPU path does not: numba-cuda 0.30 cannot compile any "
+                        "kernel with numpy 2.5+ (np.row_stack was removed): pip install 'numpy<2.5'"))
     else:
         rows.append(Row("numpy", npv))
 
@@ -69,9 +71,16 @@ def diagnose() -> tuple[list, dict]:
             rows.append(Row("torch", f"{tv}, import failed: {e}", BROKEN, "reinstall torch (pip install --force-reinstall torch)"))
 
     nv, ncv = package_version("numba"), package_version("numba-cuda")
-    rows.append(Row("numba", nv or "not installed", OK if nv else BROKEN, "" if nv else "pip install numba-cuda"))
-    rows.append(Row("numba-cuda", ncv or "not installed", OK if ncv else BROKEN,
-                    "" if ncv else "pip install 'numba-cuda>=0.30,<0.31' (the old numba.cuda inside numba is not enough)"))
+    rows.append(Row("numba", nv or "not installed", OK if nv else BROKEN,
+                    "" if nv else ("pip install numba" if sys.platform == "darwin" else "pip install numba-cuda")))
+    if ncv:
+        rows.append(Row("numba-cuda", ncv))
+    elif sys.platform == "darwin":
+        rows.append(Row("numba-cuda", "not installed (no macOS wheels)", WARN,
+                        "fine: on macOS the course runs its kernels on numba's built-in CUDA simulator"))
+    else:
+        rows.append(Row("numba-cuda", "not installed", WARN,
+                        "the simulator path works without it; the GPU path needs it: pip install 'numba-cuda>=0.30,<0.31'"))
     mv = package_version("matplotlib")
     rows.append(Row("matplotlib", mv or "not installed", OK if mv else BROKEN, "" if mv else "pip install matplotlib"))
     for pkg, needed in (("ipykernel", True), ("nbformat", True), ("nbclient", True), ("nbconvert", True),
@@ -82,7 +91,7 @@ def diagnose() -> tuple[list, dict]:
         rows.append(Row(pkg, v or "not installed", OK if v else (BROKEN if needed else WARN), "" if v else why))
 
     verdict = {"path": None, "reason": "", "fixes": [], "broken": False}
-    if torch_ok and ncv and npv:
+    if torch_ok and nv and npv:
         from course.core.runtime import probe_numba_cuda, runtime
         try:
             rt = runtime()
@@ -98,7 +107,22 @@ def diagnose() -> tuple[list, dict]:
     else:
         rows.append(Row("trivial kernel", "not tried: fix the broken items above first", BROKEN))
     verdict["broken"] = any(r.status == BROKEN for r in rows)
+    hint = other_env_hint()
+    if verdict["broken"] and hint:
+        verdict["fixes"] = [hint] + list(verdict["fixes"])
+        rows.append(Row("this Python", sys.executable, WARN, hint))
     return rows, verdict
+
+
+def other_env_hint(root: Path = ROOT) -> str:
+    """When a course environment (``.venv/``) exists but this is another Python, say how to use it; else ''."""
+    venv = Path(root) / ".venv"
+    if not (venv / "bin" / "python").exists() and not (venv / "Scripts" / "python.exe").exists():
+        return ""
+    if Path(sys.prefix).resolve() == venv.resolve():
+        return ""
+    return (f"the course is installed in {venv}, not in this Python: run `source .venv/bin/activate` first, "
+            "or `make doctor`, or `.venv/bin/python -m course doctor`")
 
 
 def render(rows, verdict) -> str:
@@ -127,7 +151,7 @@ def render(rows, verdict) -> str:
 
 
 def main(json_out: bool = False) -> int:
-    """Print the report; exit code 1 only for a broken install."""
+    """Print the report; exit code 1 only when the course cannot run at all (a missing GPU path is a warning)."""
     rows, verdict = diagnose()
     if json_out:
         print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "verdict": verdict}, indent=1))

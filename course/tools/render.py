@@ -9,10 +9,21 @@ Notebooks are committed without outputs; this is how executed copies are made.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 from course.tools.catalog import CATALOG, ROOT
+
+
+# Kernels log at ERROR level: keeps "Kernel is running over TCP without encryption" out of the progress bar.
+KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def plain(text: str) -> str:
+    """``text`` without ANSI colour codes (tracebacks from a kernel carry them)."""
+    return _ANSI.sub("", text)
 
 
 def execute(path: Path, timeout: int = 900, env: dict | None = None):
@@ -24,7 +35,7 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
     import os
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", extra_arguments=list(KERNEL_ARGS),
                             resources={"metadata": {"path": str(path.parent)}})
     saved = dict(os.environ)
     os.environ.update(env or {})
@@ -34,7 +45,8 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
         client.execute()
         return nb, None
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
-        return nb, str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        msg = plain(str(e)).strip()
+        return nb, msg.splitlines()[-1] if msg else type(e).__name__
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -1,0 +1,109 @@
+"""The learner's workspace: ``python -m course workspace`` (``make workspace``; ``make lab`` opens it).
+
+Learners never edit the shipped notebooks. The workspace is a git-ignored folder
+(``work/`` at the repository root) holding copies of the lessons and labs:
+``work/notebooks/*.ipynb`` and ``work/labs/*.ipynb``. JupyterLab opens there, so
+autosave, outputs and answers land in the copies, and ``make test`` (which tests
+only the shipped ``notebooks/``, ``labs/`` and ``solutions/``) keeps passing.
+
+Running the command again adds notebooks that are new in the course and never
+overwrites a copy (``--reset NAME`` replaces one copy with a fresh one).
+``python -m course check work/labs/lab1_embedding_kernel.ipynb`` checks a copy.
+
+``--lab`` then starts JupyterLab on the workspace: headless (``--no-browser``,
+the URL with its token is printed), on 127.0.0.1, ``--allow-root`` when run as
+root (containers). On a remote machine, forward the port first:
+``ssh -L 8888:localhost:8888 USER@HOST``, then open the printed URL locally.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from course.tools.catalog import ROOT, entries
+
+WORKDIR = "work"
+KINDS = ("lesson", "lab")  # solutions are not copied: the workspace is for the learner's own answers
+
+
+def workspace_dir(root: Path = ROOT) -> Path:
+    """The workspace folder for the course at ``root``."""
+    return Path(root) / WORKDIR
+
+
+def shipped(root: Path = ROOT) -> list:
+    """The shipped notebooks a workspace holds copies of (lessons and labs), relative to ``root``."""
+    return [e.path for kind in KINDS for e in entries(kind) if (Path(root) / e.path).exists()]
+
+
+def create(root: Path = ROOT, dest: Path | None = None, reset=(), quiet: bool = False) -> Path:
+    """Copy the lessons and labs into the workspace; keep every existing copy.
+
+    ``reset`` names copies (file names or paths) to replace with a fresh copy of the shipped notebook.
+    Returns the workspace folder.
+    """
+    root = Path(root)
+    dest = Path(dest) if dest is not None else workspace_dir(root)
+    wanted = set(reset)
+    known = {Path(p).name for p in shipped(root)} | set(shipped(root))
+    unknown = sorted(n for n in wanted if n not in known and Path(n).name not in known)
+    if unknown:
+        raise ValueError(f"--reset {unknown}: not a lesson or lab of the course; choose from "
+                         f"{sorted(Path(p).name for p in shipped(root))}")
+    say = (lambda *a: None) if quiet else print
+    for rel in shipped(root):
+        src, copy = root / rel, dest / rel
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        fresh = rel in wanted or Path(rel).name in wanted
+        if copy.exists() and not fresh:
+            say(f"  kept   {copy}")
+            continue
+        shutil.copyfile(src, copy)
+        say(f"  {'reset ' if fresh else 'copied'} {copy}")
+    return dest
+
+
+def is_root() -> bool:
+    """True when running as root (JupyterLab then needs ``--allow-root``)."""
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str | None = None) -> list:
+    """The JupyterLab command line serving the workspace ``dest`` headless."""
+    cmd = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={dest}", "--no-browser",
+           f"--ip={ip}", f"--port={port}"]
+    if token is not None:
+        cmd.append(f"--IdentityProvider.token={token}")
+    if is_root():
+        cmd.append("--allow-root")
+    return cmd
+
+
+def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1") -> int:
+    """Create or update the workspace; with ``lab``, start JupyterLab there (until Ctrl-C)."""
+    try:
+        dest = create(reset=reset)
+    except ValueError as e:
+        print(f"course workspace: {e}")
+        return 2
+    print(f"\nYour workspace is {dest}/ (git-ignored: your answers and outputs stay out of the shipped course).")
+    print(f"Check a lab: python -m course check {Path(WORKDIR) / 'labs' / 'lab1_embedding_kernel.ipynb'}")
+    if not lab:
+        print("Open it in JupyterLab: make lab (or python -m course workspace --lab)")
+        return 0
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        print("course workspace: JupyterLab is not installed here: pip install 'jupyterlab>=4' "
+              "(make lab installs it), then run again.")
+        return 2
+    print(f"\nStarting JupyterLab on {dest}/ (headless: open the http://127.0.0.1:{port}/lab?token=... URL it prints).")
+    print(f"On a remote machine: ssh -L {port}:localhost:{port} USER@HOST, then open that URL on your computer.\n",
+          flush=True)
+    try:
+        return subprocess.call(lab_command(dest, port=port, ip=ip))
+    except KeyboardInterrupt:
+        return 0

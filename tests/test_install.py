@@ -1,0 +1,256 @@
+"""Installing wherever a learner is: the dependency set per platform, the torch build, the make targets,
+the doctor's verdicts, quiet runs."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from course.core import runtime as rt_mod
+from course.tools import doctor, render, torch_install
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------- the dependency set per platform
+
+# pip evaluates environment markers (of ours and of every dependency, e.g. torch's nvidia-* for Linux) for the
+# machine it runs on, even with --platform; this shim makes it evaluate them for the target platform instead.
+# --isolated: PyPI as published, without this machine's pip configuration (local indexes, mirrors).
+_PIP_SHIM = """
+import json, sys
+import pip._vendor.packaging.markers as markers
+env = markers.default_environment()
+env.update(json.loads(sys.argv[1]))
+markers.default_environment = lambda: dict(env)
+from pip._internal.cli.main import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+PLATFORMS = {
+    "macos-arm64": ({"sys_platform": "darwin", "platform_system": "Darwin", "platform_machine": "arm64",
+                     "os_name": "posix"}, ["macosx_14_0_arm64", "macosx_13_0_arm64", "macosx_11_0_arm64"]),
+    "linux-x86_64": ({"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                      "os_name": "posix"}, [f"manylinux_2_{i}_x86_64" for i in range(17, 29)] + ["manylinux2014_x86_64"]),
+    "windows-amd64": ({"sys_platform": "win32", "platform_system": "Windows", "platform_machine": "AMD64",
+                       "os_name": "nt"}, ["win_amd64"]),
+}
+
+
+def _declared_requirements() -> list:
+    """What `make setup` installs: the Makefile's torch first, then the course with [test,lab]."""
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = proj["optional-dependencies"]
+    torch = re.search(r"^TORCH \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    deps = [d for d in proj["dependencies"] if not d.startswith("torch")]
+    return [torch] + deps + list(extras["test"]) + list(extras["lab"])
+
+
+@pytest.fixture(scope="module")
+def pypi():
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10).close()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"PyPI is not reachable from here ({type(e).__name__}); the platform resolution needs it")
+
+
+@pytest.mark.parametrize("name", sorted(PLATFORMS))
+def test_dependencies_resolve_for_every_platform(name, pypi, tmp_path):
+    """pip resolves the whole declared dependency set (course + test + lab) to wheels for the platform."""
+    env, tags = PLATFORMS[name]
+    env = dict(env, python_version="3.12", python_full_version="3.12.8", implementation_name="cpython",
+               platform_python_implementation="CPython")
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-c", _PIP_SHIM, json.dumps(env), "install", "--isolated", "--dry-run", "--ignore-installed",
+           "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+           *[a for t in tags for a in ("--platform", t)], "--target", str(tmp_path / "t"),
+           "--quiet", "--report", str(report), *_declared_requirements()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    errors = "\n".join(l for l in out.stderr.splitlines() if "is ignored" not in l)
+    assert out.returncode == 0, f"{name}: the dependencies do not resolve:\n{errors[-3000:]}"
+    names = {i["metadata"]["name"].lower().replace("_", "-") for i in json.loads(report.read_text())["install"]}
+    assert {"torch", "numba", "numpy", "nbval", "jupyterlab"} <= names, names
+    if name.startswith("macos"):
+        assert "numba-cuda" not in names and not any(n.startswith(("nvidia-", "cuda-")) for n in names), names
+    else:
+        assert "numba-cuda" in names
+
+
+def test_markers_give_macos_plain_numba():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("numba-cuda") and "sys_platform != 'darwin'" in d for d in deps)
+    assert any(d.startswith("numba>") and "sys_platform == 'darwin'" in d for d in deps)
+
+
+# --------------------------------------------------------------------------- the torch build
+
+def test_torch_plan_picks_the_cpu_build_without_a_driver():
+    args, why = torch_install.plan("torch==2.13.0", system="Linux", machine="x86_64", driver=False,
+                                   index_env=None, cpu_index_ok=lambda: True)
+    assert args[:3] == ["torch==2.13.0", "--index-url", torch_install.CPU_INDEX] and "CPU" in why
+
+
+def test_torch_plan_falls_back_quietly_when_the_cpu_index_is_unreachable():
+    args, why = torch_install.plan("torch==2.13.0", system="Linux", machine="x86_64", driver=False,
+                                   index_env=None, cpu_index_ok=lambda: False)
+    assert args == ["torch==2.13.0"] and "TORCH_INDEX" in why
+
+
+def test_torch_plan_driver_macos_and_override():
+    never = lambda: pytest.fail("the CPU index must not be probed here")  # noqa: E731
+    assert torch_install.plan("torch", system="Linux", machine="x86_64", driver=True, index_env=None,
+                              cpu_index_ok=never)[0] == ["torch"]
+    assert torch_install.plan("torch", system="Darwin", machine="arm64", driver=False, index_env=None,
+                              cpu_index_ok=never)[0] == ["torch"]
+    args, why = torch_install.plan("torch==2.11.0 --pre", system="Linux", machine="x86_64", driver=False,
+                                   index_env="https://example.invalid/whl", cpu_index_ok=never)
+    assert args[:4] == ["torch==2.11.0", "--pre", "--index-url", "https://example.invalid/whl"]
+
+
+def test_torch_probes_are_quick_and_safe():
+    assert torch_install.index_reachable("http://127.0.0.1:9/nothing", timeout=2) is False
+    assert isinstance(torch_install.has_nvidia_driver(), bool)
+    assert torch_install.torch_imports() == __import__("torch").__version__
+
+
+def test_torch_install_leaves_an_importable_torch_alone(capsys):
+    assert torch_install.main() == 0
+    assert "already installed" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- make targets
+
+def _make_n(target, **env):
+    e = {k: v for k, v in os.environ.items() if k not in ("CONDA_PREFIX", "CONDA_DEFAULT_ENV", "USE_VENV")}
+    e.update(env)
+    out = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, env=e, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(subprocess.run(["which", "make"], capture_output=True).returncode != 0, reason="no make here")
+def test_make_targets_venv_conda_lab_and_gpu_lane(tmp_path):
+    plain = _make_n("test")
+    assert "-m venv .venv" in plain and "course.tools.torch_install" in plain
+    assert ".venv/bin/python -m pytest -p no:cacheprovider tests notebooks labs solutions" in plain
+    conda = _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="capture-replay")
+    assert "-m venv" not in conda and f"{tmp_path}/bin/python -m pytest" in conda
+    assert f"{tmp_path}/bin/python -m pip install -e . --no-deps" in conda
+    assert "-m venv .venv" in _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="base")
+    assert "-m course workspace --lab" in _make_n("lab")
+    gpu = _make_n("gpu-test", WHEELS=str(tmp_path))
+    assert "--target" in gpu and "COURSE_PATH=cuda" in gpu and "gpu-site" in gpu
+
+
+def test_ci_installs_the_browser_and_fails_on_no_tests():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "chromium-driver" in ci and "apt-get" in ci and "set -euo pipefail" in ci
+
+
+# --------------------------------------------------------------------------- doctor and runtime
+
+def test_doctor_warns_but_passes_without_numba_cuda(monkeypatch):
+    real = doctor.package_version
+    monkeypatch.setattr(doctor, "package_version", lambda n: None if n == "numba-cuda" else real(n))
+    rows, verdict = doctor.diagnose()
+    row = next(r for r in rows if r.item == "numba-cuda")
+    assert row.status == doctor.WARN and "simulator" in row.fix and not verdict["broken"]
+
+
+def test_doctor_breaks_without_numba(monkeypatch):
+    real = doctor.package_version
+    monkeypatch.setattr(doctor, "package_version", lambda n: None if n in ("numba", "numba-cuda") else real(n))
+    rows, verdict = doctor.diagnose()
+    assert next(r for r in rows if r.item == "numba").status == doctor.BROKEN and verdict["broken"]
+
+
+def test_doctor_points_to_the_course_env(tmp_path, monkeypatch):
+    assert doctor.other_env_hint(tmp_path) == ""
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").touch()
+    monkeypatch.setattr(sys, "prefix", "/somewhere/else")
+    assert "source .venv/bin/activate" in doctor.other_env_hint(tmp_path)
+
+
+def test_runtime_without_numba_cuda_takes_the_simulator(monkeypatch):
+    import torch
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.delenv("COURSE_PATH", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(rt_mod, "numba_cuda_installed", lambda: False)
+    rt = rt_mod._decide()
+    assert rt.path == "sim" and "numba-cuda is not installed" in rt.reason and rt.fixes
+    monkeypatch.setenv("COURSE_PATH", "cuda")
+    with pytest.raises(rt_mod.CourseEnvironmentError, match="numba-cuda"):
+        rt_mod._decide()
+
+
+def test_numba_cuda_installed_here():
+    assert rt_mod.numba_cuda_installed() == (doctor.package_version("numba-cuda") is not None)
+
+
+def test_cli_without_dependencies_says_which_python():
+    code = ("import sys, runpy; sys.modules['nbformat'] = None; sys.argv = ['course', 'check', 'x.ipynb'];"
+            "runpy.run_module('course', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 3 and "Traceback" not in out.stderr
+    assert "nbformat" in out.stderr and sys.executable in out.stderr
+
+
+# --------------------------------------------------------------------------- quiet runs
+
+def test_course_run_is_quiet_and_plain(tmp_path, capfd):
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('hi')"),
+                                         nbformat.v4.new_code_cell("raise ValueError('boom')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "q.ipynb"
+    nbformat.write(nb, path)
+    _, err = render.execute(path, timeout=120)
+    captured = capfd.readouterr()
+    assert "without encryption" not in captured.err + captured.out
+    assert "boom" in err and "\x1b[" not in err
+    assert render.plain("\x1b[0;31mValueError\x1b[0m: x") == "ValueError: x"
+    assert render.KERNEL_ARGS
+
+
+@pytest.mark.skipif(rt_mod.runtime().on_gpu, reason="simulator behaviour")
+def test_numba_stream_with_plain_numbas_simulator(monkeypatch):
+    """macOS has plain numba, whose built-in simulator has stream() but no default_stream()."""
+    import types
+    fake = types.SimpleNamespace(stream=lambda: "plain-numba-stream")
+    monkeypatch.setattr(rt_mod, "cuda", lambda: fake)
+    assert rt_mod.numba_stream() == "plain-numba-stream"
+
+
+# --------------------------------------------------------------------------- the GPU lane is self-contained
+
+def test_notebook_kernels_import_this_checkout(tmp_path):
+    """conftest.py puts the project root on the kernels' PYTHONPATH: a kernel started in notebooks/ imports this
+    checkout's course even where the course is not installed (the GPU lane: 152 failures without it)."""
+    import nbformat
+    from nbclient import NotebookClient
+    assert str(ROOT) in os.environ["PYTHONPATH"].split(os.pathsep)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import course; print(course.__file__)")])
+    NotebookClient(nb, kernel_name="python3", timeout=120, extra_arguments=render.KERNEL_ARGS,
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    assert nb.cells[0].outputs[0]["text"].strip() == str(ROOT / "course" / "__init__.py")
+
+
+def test_nbconvert_templates_found_after_a_target_install(tmp_path, monkeypatch):
+    """nbconvert installed with `pip --target DIR` keeps its templates in DIR/share/jupyter: put on JUPYTER_PATH."""
+    import types
+    import conftest
+    site = tmp_path / "site"
+    (site / "nbconvert").mkdir(parents=True)
+    (site / "nbconvert" / "__init__.py").touch()
+    (site / "share" / "jupyter" / "nbconvert" / "templates").mkdir(parents=True)
+    monkeypatch.setitem(sys.modules, "nbconvert", types.SimpleNamespace(__file__=str(site / "nbconvert" / "__init__.py")))
+    monkeypatch.setenv("JUPYTER_PATH", "")
+    conftest._expose_course_to_kernels()
+    assert os.environ["JUPYTER_PATH"].split(os.pathsep)[0] == str(site / "share" / "jupyter")

@@ -1,0 +1,124 @@
+"""The learner's workspace: copies of the lessons and labs in a git-ignored folder, opened by `make lab`."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course.tools import catalog, workspace
+from course.tools.cli import build_parser, main
+from course.tools.labs import build_labs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def shipped_copy(tmp_path):
+    """A copy of the shipped course (notebooks, labs, solutions, .gitignore) in its own git repository."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git (to see what a learner's work leaves in `git status`)")
+    root = tmp_path / "course"
+    for d in ("notebooks", "labs", "solutions"):
+        shutil.copytree(ROOT / d, root / d)
+    shutil.copy(ROOT / ".gitignore", root / ".gitignore")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(git + ["-C", str(root), "add", "-A"], check=True)
+    subprocess.run(git + ["-C", str(root), "commit", "-qm", "shipped"], check=True)
+    return root
+
+
+def _has_outputs(path: Path) -> list:
+    nb = json.loads(path.read_text())
+    return [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+
+
+def test_workspace_copies_lessons_and_labs_not_solutions(shipped_copy):
+    dest = workspace.create(root=shipped_copy, quiet=True)
+    assert dest == workspace.workspace_dir(shipped_copy) == shipped_copy / "work"
+    copied = sorted(str(p.relative_to(dest)) for p in dest.rglob("*.ipynb"))
+    assert copied == sorted(workspace.shipped(shipped_copy))
+    assert any(c.startswith("notebooks/") for c in copied) and any(c.startswith("labs/") for c in copied)
+    assert not any(c.startswith("solutions/") for c in copied)
+
+
+def test_workspace_keeps_the_learners_copies_and_resets_on_request(shipped_copy):
+    dest = workspace.create(root=shipped_copy, quiet=True)
+    mine = dest / "labs" / "lab1_embedding_kernel.ipynb"
+    mine.write_text(mine.read_text().replace("YOUR CODE HERE", "my answer"))
+    workspace.create(root=shipped_copy, quiet=True)
+    assert "my answer" in mine.read_text()
+    workspace.create(root=shipped_copy, reset=["lab1_embedding_kernel.ipynb"], quiet=True)
+    assert "my answer" not in mine.read_text()
+    with pytest.raises(ValueError, match="not a lesson or lab"):
+        workspace.create(root=shipped_copy, reset=["nope.ipynb"], quiet=True)
+
+
+def test_lab_command_is_headless_on_the_workspace(tmp_path, monkeypatch):
+    cmd = workspace.lab_command(tmp_path, port=9999, token="abc")
+    assert f"--ServerApp.root_dir={tmp_path}" in cmd and "--no-browser" in cmd and "--port=9999" in cmd
+    assert "--IdentityProvider.token=abc" in cmd
+    monkeypatch.setattr(workspace, "is_root", lambda: True)
+    assert "--allow-root" in workspace.lab_command(tmp_path)
+    monkeypatch.setattr(workspace, "is_root", lambda: False)
+    assert "--allow-root" not in workspace.lab_command(tmp_path)
+
+
+def test_cli_workspace(monkeypatch, tmp_path):
+    args = build_parser().parse_args(["workspace", "--lab", "--port", "9000"])
+    assert args.lab and args.port == 9000
+    monkeypatch.setattr(workspace, "ROOT", tmp_path)
+    monkeypatch.setattr(workspace, "workspace_dir", lambda root=tmp_path: tmp_path / "work")
+    monkeypatch.setattr(workspace, "shipped", lambda root=tmp_path: [])
+    assert main(["workspace"]) == 0
+    assert main(["workspace", "--reset", "nope"]) == 2
+    assert workspace.main.__doc__
+
+
+def test_make_lab_opens_the_workspace_not_the_shipped_files():
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nlab:")[1].split("\n\n")[0]
+    assert "course workspace --lab" in recipe, f"`make lab` must open the learner's workspace: {recipe!r}"
+    assert "work/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_learner_work_leaves_the_shipped_course_clean(shipped_copy):
+    """Issue 8, observation 6: a learner opens notebook 00 in JupyterLab (autosave keeps outputs) and fills in
+    lab 1. On the old setup (`jupyter lab --notebook-dir=.`) that edited the shipped files and `make test` failed
+    ('has outputs', 'labs out of sync'). With the workspace, those edits land in git-ignored copies."""
+    dest = workspace.create(root=shipped_copy, quiet=True)
+    served = Path(next(a for a in workspace.lab_command(dest) if a.startswith("--ServerApp.root_dir="))
+                  .split("=", 1)[1])
+    # what JupyterLab's autosave writes after the learner ran notebook 00 ...
+    nb00 = served / "notebooks" / "00_start_here.ipynb"
+    nb = nbformat.read(nb00, as_version=4)
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")]
+        cell.execution_count = i + 1
+    nbformat.write(nb, nb00)
+    # ... and after they filled in lab 1 with their own code (here: the solution's)
+    lab1 = served / "labs" / "lab1_embedding_kernel.ipynb"
+    lab = nbformat.read(lab1, as_version=4)
+    sol = nbformat.read(shipped_copy / "solutions" / "lab1_embedding_kernel.ipynb", as_version=4)
+    by_id = {c.get("id"): c.source for c in sol.cells}
+    lab.cells = [nbformat.from_dict(dict(c, source=by_id.get(c.get("id"), c.source))) for c in lab.cells]
+    nbformat.write(lab, lab1)
+    assert _has_outputs(nb00) and "NotImplementedError" not in lab1.read_text()
+
+    # the maintainer tests on the shipped course: no outputs, labs in sync, nothing to commit
+    for path in catalog.all_notebooks_on_disk(shipped_copy):
+        assert not _has_outputs(path), f"{path.relative_to(shipped_copy)} has outputs"
+    assert build_labs(check=True, root=shipped_copy) == 0, "labs out of sync"
+    status = subprocess.run(["git", "-C", str(shipped_copy), "status", "--porcelain"], capture_output=True, text=True)
+    assert status.stdout == "", f"the learner's work shows up in git: {status.stdout}"
+
+
+def test_course_check_works_on_a_workspace_copy(tmp_path, capsys):
+    """`python -m course check` runs the learner's copy (in its own folder) and reports it."""
+    from course.tools.labs import check_notebook
+    dest = workspace.create(dest=tmp_path / "work", quiet=True)
+    assert check_notebook(dest / "notebooks" / "00_start_here.ipynb", timeout=300) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "work") in out and "no exercise checks" in out
