@@ -29,6 +29,8 @@ from pathlib import Path
 
 import nbformat
 
+from course.tools.render import KERNEL_ARGS
+
 STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
 _MARK = {"pass": "✓", "fail": "✗", "crash": "✗", "todo": "…", "skip": "-", "timed out": "⏱", "not reached": "?"}
 _WORDS = {"pass": "passed", "fail": "failed", "crash": "crashed", "todo": "not done yet", "skip": "skipped",
@@ -92,7 +94,8 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
     start, stopped, ran = time.monotonic(), None, set()
     deadline = start + total_timeout if total_timeout else None
     client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
-                            kernel_name="python3", resources={"metadata": {"path": str(path.parent.resolve())}})
+                            kernel_name="python3", extra_arguments=list(KERNEL_ARGS),
+                            resources={"metadata": {"path": str(path.parent.resolve())}})
     try:
         client.reset_execution_trackers()
         with client.setup_kernel(cwd=str(path.parent.resolve())):
