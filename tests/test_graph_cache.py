@@ -1,0 +1,333 @@
+"""course.lessons.graph_cache: buckets, GraphCache (keying, padding, fallback, stats, enable/clear), the tiny decoder.
+
+The cache's logic runs on the recording backend everywhere (RecordingBackend is passed explicitly);
+the GPU tests at the end run CudaGraphBackend and skip without a GPU.
+"""
+import inspect
+
+import pytest
+import torch
+
+import course
+from course.core import reference
+from course.core.runtime import runtime
+from course.lessons.graph_cache import (PRESETS, CaptureFailed, CudaGraphBackend, GraphCache, RecordingBackend,
+                                        bucket_sizes, decode_trace, default_backend, key_str, next_bucket,
+                                        padding_report)
+from course.lessons.graph_cache.backends import Recorded, diagnose, host_read_watch
+from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder, numba_embedding
+
+ON_GPU = runtime().on_gpu
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
+DEV = course.device()
+EXPERIMENTS = ("graph_cache_step", "graph_cache_trace", "graph_cache_memory", "graph_cache_fallback",
+               "graph_cache_seed_timing")
+
+
+# ----------------------------------------------------------------------------- buckets
+def test_presets_match_their_sources():
+    v = bucket_sizes("vllm", 512)
+    assert v[:4] == [1, 2, 4, 8] and 248 in v and 256 in v and 264 not in v and 272 in v and v[-1] == 512
+    assert len(v) == 3 + 31 + 17
+    s = bucket_sizes("sglang", 600)
+    assert s[:6] == [1, 2, 4, 8, 12, 16] and 256 in s and 272 in s and 496 in s and 512 in s and 544 in s
+    t = bucket_sizes("trtllm", 300)
+    assert t[:4] == [1, 2, 4, 8] and 128 in t and 136 not in t and t[-2:] == [192, 256]
+    assert bucket_sizes("pow2", 64) == [1, 2, 4, 8, 16, 32, 64] and bucket_sizes("exact", 64) == []
+    assert all(p.source and p.cap for p in PRESETS.values())
+    assert PRESETS["vllm"].sizes(8) == [1, 2, 4, 8]
+    with pytest.raises(KeyError, match="unknown preset"):
+        bucket_sizes("nope", 8)
+    with pytest.raises(ValueError, match="positive"):
+        bucket_sizes("vllm", 0)
+
+
+def test_next_bucket_and_padding_report():
+    assert next_bucket(3, [1, 2, 4, 8]) == 4 and next_bucket(8, [1, 2, 4, 8]) == 8
+    assert next_bucket(9, [1, 2, 4, 8]) is None and next_bucket(7, []) == 7
+    with pytest.raises(ValueError, match="at least one row"):
+        next_bucket(0, [1])
+    r = padding_report([3, 3, 8, 9], [4, 8])
+    assert r == {"rows": 23, "padded_rows": 2, "waste": 2 / 25, "graphs": 2, "eager_calls": 1}
+    assert padding_report([3, 5, 5], [])["graphs"] == 2
+
+
+def test_decode_trace_is_deterministic_and_varied():
+    a, b = decode_trace(200, 32, seed=3), decode_trace(200, 32, seed=3)
+    assert a == b and len(a) == 200 and 1 <= min(a) and max(a) <= 32 and len(set(a)) > 10
+    # the lesson's claim: the best preset wastes <= 10 % of rows with <= 1/3 of the exact-shape graphs
+    tr = decode_trace()
+    exact = padding_report(tr, [])["graphs"]
+    best = min((padding_report(tr, bucket_sizes(p, 64)) for p in PRESETS), key=lambda r: r["waste"])
+    assert best["waste"] <= 0.10 and best["graphs"] <= exact / 3
+
+
+# ----------------------------------------------------------------------------- GraphCache on the recording backend
+def _mlp():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=g).to(DEV)
+
+    def forward(x):
+        return torch.relu(x @ w) + 1
+    return forward
+
+
+def _cache(fn, **kw):
+    return GraphCache(fn, backend=RecordingBackend(), **kw)
+
+
+def test_key_includes_shape_dtype_and_values():
+    c = _cache(lambda x, k: x * k)
+    k32, n, b = c.key_of((torch.ones(3, 2, dtype=torch.int32), 2))
+    k64, _, _ = c.key_of((torch.ones(3, 2, dtype=torch.int64), 2))
+    k3, _, _ = c.key_of((torch.ones(3, 2, dtype=torch.int32), 3))
+    assert (n, b) == (3, 3) and len({k32, k64, k3}) == 3
+    assert key_str(k32) == "int32[3,2] 2"
+    with pytest.raises(TypeError, match="not hashable"):
+        c.key_of((torch.ones(2), [1, 2]))
+    with pytest.raises(ValueError, match="batch size"):
+        c.key_of((torch.ones(2), torch.ones(3)))
+    with pytest.raises(ValueError, match="batched="):
+        c.key_of((torch.tensor(1.0),))
+
+
+def test_hits_misses_and_outputs_match_eager():
+    f = _mlp()
+    c = _cache(f)
+    xs = [torch.randn(4, 8, device=DEV) for _ in range(3)] + [torch.randn(2, 8, device=DEV)]
+    outs = [c(x) for x in xs]
+    for x, o in zip(xs, outs):
+        assert torch.allclose(o, f(x))
+    s = c.get_stats()
+    assert (s["cache_misses"], s["cache_hits"], s["recordings"], s["cache_size"]) == (2, 2, 2, 2)
+    assert s["fusion_modes"] == {"float32[4,8]": "graph_replay", "float32[2,8]": "graph_replay"}
+    assert c.hit_rate() == 0.5 and s["backend"] == "recording" and "2 graphs" in repr(c)
+    assert set(s) >= {"enabled", "cache_size", "cache_hits", "cache_misses", "recordings", "fusion_attempts",
+                      "fusion_successes", "fusion_fallbacks", "cached_shapes", "fusion_modes"}
+
+
+def test_outputs_are_cloned_unless_zero_copy():
+    f = _mlp()
+    safe, fast = _cache(f), _cache(f, copy_outputs=False)
+    a, b = torch.randn(4, 8, device=DEV), torch.randn(4, 8, device=DEV)
+    out_a = safe(a)
+    safe(b)
+    assert torch.allclose(out_a, f(a)), "a cloned output must survive the next replay"
+    view_a = fast(a)
+    fast(b)
+    assert torch.allclose(view_a, f(b)), "zero-copy outputs are the static buffer, overwritten by the next replay"
+
+
+def test_padding_slices_back_and_fills_pad_rows():
+    seen = []
+
+    def fn(x, tag):
+        seen.append(x.clone())
+        return x * 2, tag
+    c = _cache(fn, buckets=[4, 8], pad_value=-1)
+    out, tag = c(torch.ones(3, device=DEV), "t")
+    assert out.shape == (3,) and torch.equal(out, torch.full((3,), 2.0, device=DEV)) and tag == "t"
+    assert seen[-1].tolist() == [1, 1, 1, -1], "padding rows take pad_value"
+    c(torch.ones(2, device=DEV), "t")  # the same bucket: a hit, the pad rows are refilled
+    assert seen[-1].tolist() == [1, 1, -1, -1]
+    s = c.get_stats()
+    assert (s["real_rows"], s["padded_rows"], s["cache_hits"]) == (5, 3, 1)
+    assert s["padding_waste"] == pytest.approx(3 / 8) and s["buckets"] == [4, 8]
+    out = c(torch.ones(9, device=DEV), "t")[0]  # above the largest bucket: eager
+    assert out.shape == (9,) and c.get_stats()["above_largest_bucket"] == 1 and c.get_stats()["eager_calls"] == 1
+
+
+def test_pad_value_per_argument_and_batched_subset():
+    c = _cache(lambda x, y, w: x + y + w.sum(), buckets=[4], pad_value=(0, 5, 0), batched=(0, 1))
+    out = c(torch.ones(2, device=DEV), torch.ones(2, device=DEV), torch.ones(3, device=DEV))
+    assert out.tolist() == [5.0, 5.0]
+    assert key_str(c.key_of((torch.ones(2), torch.ones(2), torch.ones(3)))[0]) == "float32[4] float32[4] float32[3]"
+
+
+def hazardous_forward(x):
+    """A forward with a host read: its capture fails."""
+    scale = x.abs().max().item()
+    return x / scale
+
+
+def test_fallback_keeps_the_reason_and_everything_else_working():
+    f = _mlp()
+    c = _cache(lambda x, hazard: hazardous_forward(x) if hazard else f(x))
+    x = torch.randn(4, 8, device=DEV)
+    bad = c(x, True)
+    assert torch.allclose(bad, hazardous_forward(x)), "the fallback key runs eager and gives the right answer"
+    c(x, True)
+    good = c(x, False)  # another key still captures
+    assert torch.allclose(good, f(x))
+    s = c.get_stats()
+    reason = s["fallback_reasons"]["float32[4,8] True"]
+    assert ".item()" in reason and "scale = x.abs().max().item()" in reason
+    assert s["fusion_modes"] == {"float32[4,8] True": "eager", "float32[4,8] False": "graph_replay"}
+    assert (s["cache_size"], s["eager_calls"], s["cache_misses"]) == (1, 2, 2)
+
+
+def test_host_read_watch_and_diagnose():
+    with host_read_watch():
+        with pytest.raises(RuntimeError, match="item"):
+            torch.ones(2).sum().item()
+        with pytest.raises(RuntimeError, match="CPU"):
+            torch.ones(2).to("cpu")
+        with pytest.raises(RuntimeError, match="nonzero"):
+            torch.ones(2).nonzero()
+    assert torch.ones(2).sum().item() == 2.0, "the watch is undone after the block"
+    assert diagnose("E", "boom", [("/x/user.py", 3, "f", "y = 1")]) == "E: boom (at user.py:3: y = 1)"
+    with pytest.raises(CaptureFailed, match="item"):
+        RecordingBackend().capture(hazardous_forward, [torch.ones(2)], warmup=0)
+    rec = RecordingBackend().capture(lambda x: x + 1, [torch.ones(2)])
+    assert isinstance(rec, Recorded) and rec.memory_bytes == 0
+
+
+def test_enable_clear_and_reset():
+    f = _mlp()
+    c = _cache(f)
+    x = torch.randn(4, 8, device=DEV)
+    c(x)
+    c.set_enabled(False)
+    assert torch.allclose(c(x), f(x)) and c.get_stats()["eager_calls"] == 1 and not c.get_stats()["enabled"]
+    c.set_enabled(True)
+    c(x)
+    assert c.get_stats()["cache_hits"] == 1
+    freed = c.clear_cache()
+    assert set(freed) == {"before_bytes", "after_bytes", "freed_bytes"}
+    assert c.get_stats()["cache_size"] == 0
+    c(x)
+    assert c.get_stats()["cache_misses"] == 2, "after clear_cache the next call records again"
+    c.reset_stats()
+    assert c.get_stats()["calls"] == 0 and c.get_stats()["cache_size"] == 1
+
+
+def test_fusion_mode_is_counted_like_the_seed():
+    f = _mlp()
+    c = _cache(f, fusion=True)
+    c(torch.randn(4, 8, device=DEV))
+    c.set_fusion_enabled(False)
+    c(torch.randn(2, 8, device=DEV))
+    s = c.get_stats()
+    assert (s["fusion_attempts"], s["fusion_successes"], s["fusion_fallbacks"]) == (1, 1, 0)
+    assert sorted(s["fusion_modes"].values()) == ["fusion", "graph_replay"]
+    hz = _cache(lambda x: x, fusion=True, fused=hazardous_forward)  # the fused forward fails: graph replay instead
+    hz(torch.ones(2, device=DEV))
+    s = hz.get_stats()
+    assert (s["fusion_attempts"], s["fusion_fallbacks"], list(s["fusion_modes"].values())) == (1, 1, ["graph_replay"])
+
+
+def test_warmup_records_largest_first():
+    order = []
+    c = _cache(lambda x: (order.append(x.shape[0]), x + 1)[1], buckets=[1, 2, 4, 8])
+    done = c.warmup([1, 3, 8, 20], lambda n: (torch.zeros(n, device=DEV),))
+    assert [d["size"] for d in done] == [8, 4, 1] and order[0] == 8
+    assert c.get_stats()["recordings"] == 3 and c.get_stats()["cache_misses"] == 0
+    with pytest.raises(ValueError, match="order"):
+        c.warmup([1], lambda n: (torch.zeros(n),), order="random")
+
+
+def test_bad_construction_is_refused():
+    with pytest.raises(TypeError, match="callable"):
+        GraphCache(3)
+    with pytest.raises(ValueError, match="positive ints"):
+        GraphCache(lambda x: x, buckets=[0, 4])
+    with pytest.raises(ValueError, match="warmup_iters"):
+        GraphCache(lambda x: x, warmup_iters=-1)
+    with pytest.raises(ValueError, match="pools"):
+        CudaGraphBackend("weird")
+    assert default_backend().name == ("cuda-graph" if ON_GPU else "recording")
+
+
+# ----------------------------------------------------------------------------- the tiny decoder
+def test_decoder_step_matches_the_uncached_reference():
+    m = TinyDecoder(DecoderConfig(layers=2, max_seq=16, slots=4))
+    toks = torch.randint(0, m.cfg.vocab, (6,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    ref = m.reference_logits(toks)
+    for t in range(6):
+        out = m.step(toks[t:t + 1], torch.tensor([t], device=DEV), torch.tensor([2], device=DEV))
+        assert torch.allclose(out[0], ref[t], atol=1e-4), f"decode step {t} differs from the reference"
+    e = numba_embedding(toks, m.tok)
+    assert torch.equal(e, m.tok[toks])
+
+
+def test_decoder_through_the_cache_matches_eager_and_padding_stays_out():
+    cfg = DecoderConfig(layers=1, max_seq=8, slots=6)
+    eager, cached, leaky = TinyDecoder(cfg), TinyDecoder(cfg), TinyDecoder(cfg)
+    c = _cache(cached.step, buckets=[2, 4, 8], pad_value=cached.pad_values())
+    bad = _cache(leaky.step, buckets=[2, 4, 8], pad_value=0)  # padding rows write into slot 0's cache
+    for step, batch in enumerate([3, 3, 1, 3]):
+        args = eager.example_args(batch, step)
+        want = eager.step(*args)
+        assert torch.allclose(c(*args), want, atol=1e-5), f"cached step {step} differs from eager"
+        got_bad = bad(*args)
+    assert not torch.allclose(got_bad, want, atol=1e-5), "padding rows written to a real slot must leak"
+    assert c.get_stats()["padded_rows"] == 1 + 1 + 1 + 1
+    assert cached.scratch_slot == cfg.slots
+    with pytest.raises(ValueError, match="batch must be"):
+        eager.example_args(7)
+    with pytest.raises(ValueError, match="step must be"):
+        eager.example_args(1, 8)
+    eager.reset_cache()
+    assert float(eager.k_cache.abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="even size"):
+        TinyDecoder(DecoderConfig(dim=30, heads=4))
+
+
+def test_decoder_forward_is_the_step():
+    m = TinyDecoder(DecoderConfig(layers=1, max_seq=4, slots=2))
+    args = m.example_args(2, 0)
+    assert torch.allclose(m(*args), m.step(*args))
+
+
+# ----------------------------------------------------------------------------- experiments and GPU
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiments_registered_with_valid_quick_params(name):
+    exp = reference.get(name)
+    assert exp.gpu_only
+    assert set(exp.quick) <= set(inspect.signature(exp.fn).parameters)
+
+
+@gpu
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_quick_run_on_gpu(name):
+    exp = reference.get(name)
+    res = exp.fn(**exp.quick)
+    assert res.rows and res.live
+
+
+@gpu
+def test_cuda_backend_decoder_replays_like_eager():
+    eager, cached = TinyDecoder(), TinyDecoder()
+    c = GraphCache(cached.step, buckets=[1, 2, 4, 8], pad_value=cached.pad_values())
+    assert c.backend.name == "cuda-graph"
+    for step, batch in enumerate([3, 3, 4, 1, 3, 8]):
+        args = eager.example_args(batch, step)
+        assert torch.allclose(c(*args), eager.step(*args), atol=1e-4), f"step {step}"
+    s = c.get_stats()
+    assert s["recordings"] == 3 and s["cache_hits"] == 3 and s["graph_memory_bytes"] >= 0
+
+
+@gpu
+def test_cuda_backend_fallback_then_other_keys_capture():
+    m = TinyDecoder()
+    host = lambda ids, pos, slots: course.embedding.embedding(ids, m.tok, bounds="host")  # noqa: E731
+    c = GraphCache(lambda ids, pos, slots, hz: host(ids, pos, slots) if hz else m.step(ids, pos, slots),
+                   pad_value=m.pad_values() + (False,))
+    args = m.example_args(2, 0)
+    c(*args, True)
+    c(*args, False)
+    s = c.get_stats()
+    assert list(s["fusion_modes"].values()) == ["eager", "graph_replay"]
+    assert "bounds='host'" in next(iter(s["fallback_reasons"].values()))
+    torch.randn(2, device="cuda")  # the RNG still works after the failed capture
+
+
+@gpu
+def test_cuda_backend_clear_cache_frees_separate_pools():
+    m = TinyDecoder()
+    c = GraphCache(m.step, buckets=[1, 2, 4, 8, 16, 32, 64], pad_value=m.pad_values(),
+                   backend=CudaGraphBackend("separate"))
+    c.warmup([1, 2, 4, 8, 16, 32, 64], m.example_args)
+    held = c.get_stats()["graph_memory_bytes"]
+    freed = c.clear_cache()
+    assert held > 0 and freed["freed_bytes"] > 0
