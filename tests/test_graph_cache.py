@@ -331,3 +331,37 @@ def test_cuda_backend_clear_cache_frees_separate_pools():
     held = c.get_stats()["graph_memory_bytes"]
     freed = c.clear_cache()
     assert held > 0 and freed["freed_bytes"] > 0
+
+
+def test_preset_sizes_from_segments():
+    from course.lessons.graph_cache.buckets import Preset
+    p = Preset("toy", ((1, 2, 1), (8, None, 8)), "a test")
+    assert p.sizes(20) == [1, 2, 8, 16] and p.sizes(1) == [1]
+
+
+def test_replay_trace_every_call_misses_without_buckets():
+    """The seed's Q2: with exact shapes every new batch size is a miss; buckets bound the misses."""
+    from course.lessons.graph_cache.faq import replay_trace
+    m = TinyDecoder(DecoderConfig(layers=1, max_seq=8, slots=8))
+    trace = [1, 2, 3, 5, 6, 7, 3, 8]
+    exact = replay_trace(_cache(m.step, pad_value=m.pad_values()), m, trace)
+    bucketed = replay_trace(_cache(m.step, buckets=[4, 8], pad_value=m.pad_values()), m, trace)
+    assert exact["cache_misses"] == 7 and exact["cache_hits"] == 1
+    assert bucketed["cache_misses"] == 2 and bucketed["cache_hits"] == 6 and bucketed["padded_rows"] > 0
+
+
+def test_fresh_compile_runs_anywhere():
+    from course.lessons.graph_cache.experiments import fresh_compile
+    fresh_compile()
+
+
+@gpu
+def test_graph_launches_counts_replays():
+    from course.lessons.graph_cache.experiments import graph_launches
+    m = TinyDecoder()
+    args = m.example_args(2, 0)
+    c = GraphCache(m.step)
+    c(*args)
+    assert graph_launches(lambda: c(*args))["graph_launches"] == 1
+    eager = graph_launches(lambda: m.step(*args))
+    assert eager["graph_launches"] == 0 and eager["kernel_launches"] > 10

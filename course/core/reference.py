@@ -26,6 +26,8 @@ EXPERIMENT_MODULES = (
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
     "course.embedding.bench",
+    "course.lessons.graph_cache.experiments",
+    "course.lessons.graph_cache.faq",
 )
 
 

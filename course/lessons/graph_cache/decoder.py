@@ -24,13 +24,13 @@ from course import embedding as E
 
 
 @torch.library.custom_op("course::numba_embedding", mutates_args=())
-def numba_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def numba_embedding(ids: torch.Tensor, weight: torch.Tensor, bounds: str = "device") -> torch.Tensor:
     """The course's Numba gather as a torch operator (so ``torch.compile`` keeps it as one opaque call)."""
-    return E.embedding(ids, weight, bounds="device")
+    return E.embedding(ids, weight, bounds=bounds)
 
 
 @numba_embedding.register_fake
-def _(ids, weight):
+def _(ids, weight, bounds="device"):
     return ids.new_empty((*ids.shape, weight.shape[1]), dtype=weight.dtype)
 
 
@@ -63,9 +63,13 @@ def _rope(x, cos, sin):
 class TinyDecoder(torch.nn.Module):
     """The tiny decoder; ``step(ids, pos, slots)`` is the decode step a graph cache wraps."""
 
-    def __init__(self, cfg: DecoderConfig | None = None, device=None, seed: int = 0):
+    def __init__(self, cfg: DecoderConfig | None = None, device=None, seed: int = 0, bounds: str = "device"):
         super().__init__()
         import course
+
+        if bounds not in ("device", "host"):
+            raise ValueError(f"bounds must be 'device' (capturable) or 'host' (capture fails), got {bounds!r}")
+        self.bounds = bounds
 
         cfg = cfg or DecoderConfig()
         if cfg.dim % cfg.heads or cfg.heads % cfg.kv_heads or (cfg.dim // cfg.heads) % 2:
@@ -117,9 +121,9 @@ class TinyDecoder(torch.nn.Module):
         vc = self.v_cache if v_cache is None else v_cache
         b, hd = ids.shape[0], cfg.dim // cfg.heads
         if torch.compiler.is_compiling():
-            h = numba_embedding(ids, self.tok)  # an opaque operator for the compiler
+            h = numba_embedding(ids, self.tok, self.bounds)  # an opaque operator for the compiler
         else:
-            h = E.embedding(ids, self.tok, bounds="device")  # eager: the kernel launch without operator overhead
+            h = E.embedding(ids, self.tok, bounds=self.bounds)  # eager: the launch without operator overhead
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
         future = torch.arange(cfg.max_seq, device=ids.device)[None, :] > pos[:, None]  # [B, S]
         for i in range(cfg.layers):

@@ -1,0 +1,242 @@
+"""Lesson 04's performance experiments (GPU): one decode step, and the whole comparison on a request trace.
+
+- :func:`step_experiment`: a batch-1 decode step of the tiny decoder: eager, the cache (eager kernels
+  captured, "graph_replay"; compiled kernels captured, "fusion"), torch.compile default, and
+  reduce-overhead with the KV cache as module buffers or passed in as inputs. Whether graphs were
+  really replayed is measured: ``cudaGraphLaunch`` calls in a profiler trace of steady-state calls.
+- :func:`trace_experiment`: the same decoder on a trace of a few hundred decode steps with varying
+  batch sizes: eager, exact-shape cache, each bucket preset, fusion, reduce-overhead (default and
+  ``dynamic=False``): step latency p50/p99, recordings, time to make the first 8 sizes fast, memory
+  held, padding waste, graph launches per steady step; all in one run.
+
+Helpers :func:`graph_launches` and :func:`fresh_compile` are shared with :mod:`~course.lessons.graph_cache.faq`.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+from course.core.capture import require_gpu
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.timing import time_device
+from course.lessons.graph_cache.buckets import bucket_sizes, decode_trace
+from course.lessons.graph_cache.cache import GraphCache
+from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
+
+
+def graph_launches(fn, calls: int = 5) -> dict:
+    """Profile ``calls`` steady-state calls of ``fn``; per call: cudaGraphLaunch and kernel-launch API calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    graphs = sum("cudaGraphLaunch" in n for n in names)
+    kernels = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx") for n in names)
+    return {"graph_launches": graphs / calls, "kernel_launches": kernels / calls}
+
+
+def fresh_compile() -> None:
+    """Forget every torch.compile result and counter (each compiled variant starts cold)."""
+    from course.lessons.reduce_overhead import _reset_compile
+
+    _reset_compile()
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _close(a, b, atol: float = 2e-3) -> bool:
+    import torch
+
+    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3))
+
+
+@experiment("graph_cache_step", gpu_only=True, quick={"repeats": 5, "compile_variants": False})
+def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = True, layers: int = 2) -> Result:
+    """One decode step of the tiny decoder, each way of running it: time per step and graphs really replayed."""
+    require_gpu("timing the decode step")
+    import torch
+
+    from course.lessons.reduce_overhead import torch_log_messages
+
+    fresh_compile()
+    model = TinyDecoder(DecoderConfig(layers=layers))
+    args = model.example_args(batch, 5)
+    want = model.step(*args)
+    kc, vc = model.k_cache.clone(), model.v_cache.clone()
+    variants = [("eager", lambda: model.step)]
+    variants.append(("cache: graph_replay (eager kernels captured)", lambda: GraphCache(model.step)))
+    if compile_variants:
+        variants += [
+            ("cache: fusion (compiled kernels captured)", lambda: GraphCache(model.step, fusion=True)),
+            ("torch.compile default (no graphs)", lambda: torch.compile(model.step)),
+            ("reduce-overhead, KV cache as module buffers", lambda: torch.compile(model, mode="reduce-overhead")),
+            ("reduce-overhead, KV cache passed in", lambda: torch.compile(
+                lambda i, p, s, k, v: model.step(i, p, s, k, v), mode="reduce-overhead")),
+        ]
+    rows = []
+    for label, build in variants:
+        fresh_compile()
+        passed_in = label.endswith("passed in")
+        call_args = (*args, kc, vc) if passed_in else args
+        with torch.no_grad(), torch_log_messages(perf_hints=True, cudagraphs=True) as msgs:
+            fn = build()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):  # compile / record / first replays
+                out = fn(*call_args)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+            ok = _close(out, want)
+            t = time_device(lambda: fn(*call_args), warmup=3, repeats=repeats, inner=10)
+            launches = graph_launches(lambda: fn(*call_args))
+        skips = [m.strip().splitlines()[0][:200] for m in msgs if "skipping cudagraphs" in m]
+        rows.append({"variant": label, "us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6,
+                     "first_3_calls_s": first_s, "graph_launches": launches["graph_launches"],
+                     "kernel_launches": launches["kernel_launches"], "matches_eager": ok,
+                     "skip_reason": skips[0] if skips else ""})
+        del fn
+        _free()
+    fresh_compile()
+    res = Result("graph_cache_step", f"Tiny decoder, one decode step at batch {batch}: time per step (CUDA events, "
+                 "10 back-to-back steps per repeat) and API calls per step in a profiler trace",
+                 {"variant": "", "us": "us", "q1_us": "us", "q3_us": "us", "first_3_calls_s": "s",
+                  "graph_launches": "per step", "kernel_launches": "per step", "matches_eager": "",
+                  "skip_reason": ""}, rows,
+                 params={"batch": batch, "repeats": repeats, "layers": layers, "torch": torch.__version__})
+    us = {r["variant"].split(" (")[0].split(",")[0]: r["us"] for r in rows}
+    res.add_summary("eager / cache graph_replay", us["eager"] / us["cache: graph_replay"], "x")
+    if compile_variants:
+        ro = [r["us"] for r in rows if r["variant"].startswith("reduce-overhead, KV cache as")][0]
+        res.add_summary("cache fusion / reduce-overhead (buffers)", us["cache: fusion"] / ro, "x")
+        res.add_summary("cache graph_replay / reduce-overhead (buffers)", us["cache: graph_replay"] / ro, "x")
+    return res
+
+
+def _trace_args(model, trace):
+    """Device arguments for every step of ``trace`` (made before any timing)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, b in enumerate(trace):
+        ids = torch.randint(0, model.cfg.vocab, (b,), generator=g).to(model.tok.device)
+        pos = torch.full((b,), i % model.cfg.max_seq, dtype=torch.long, device=ids.device)
+        out.append((ids, pos, torch.arange(b, device=ids.device)))
+    return out
+
+
+def _variants(model, presets, max_batch, compile_variants):
+    """(label, kind, builder) for every way of running the trace; builder() -> callable."""
+    import torch
+
+    pad = model.pad_values()
+    out = [("eager", "eager", lambda: model.step),
+           ("cache, exact shapes", "cache", lambda: GraphCache(model.step, pad_value=pad))]
+    for p in presets:
+        out.append((f"cache, {p} buckets", "cache",
+                    lambda p=p: GraphCache(model.step, buckets=bucket_sizes(p, max_batch), pad_value=pad)))
+    if compile_variants:
+        first = presets[0]
+        out += [(f"cache, {first} buckets, fusion", "cache",
+                 lambda: GraphCache(model.step, buckets=bucket_sizes(first, max_batch), pad_value=pad, fusion=True)),
+                ("reduce-overhead", "compile", lambda: torch.compile(model, mode="reduce-overhead")),
+                ("reduce-overhead, dynamic=False", "compile",
+                 lambda: torch.compile(model, mode="reduce-overhead", dynamic=False))]
+    return out
+
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+@experiment("graph_cache_trace", gpu_only=True,
+            quick={"steps": 24, "presets": ("vllm",), "compile_variants": False})
+def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sglang", "trtllm", "pow2"),
+                     compile_variants: bool = True, layers: int = 2, seed: int = 0) -> Result:
+    """Every way of running the tiny decoder on one decode trace, same run: latency, recordings, setup, memory."""
+    require_gpu("the graph-cache trace benchmark")
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from course.lessons.reduce_overhead import torch_log_messages
+
+    trace = decode_trace(steps, max_batch, seed=seed)
+    model = TinyDecoder(DecoderConfig(layers=layers, slots=max_batch))
+    all_args = _trace_args(model, trace)
+    first8 = []
+    for i, b in enumerate(trace):
+        if b not in {trace[j] for j in first8} and len(first8) < 8:
+            first8.append(i)
+    rows = []
+    for label, kind, build in _variants(model, list(presets), max_batch, compile_variants):
+        fresh_compile()
+        _free()
+        before = torch.cuda.memory_reserved()
+        with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+                torch_log_messages(recompiles=True, cudagraphs=True, perf_hints=True) as msgs:
+            fn = build()
+            cold = []
+            for a in all_args:  # pass 1, cold: records / compiles as new shapes arrive
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(*a)
+                torch.cuda.synchronize()
+                cold.append(time.perf_counter() - t0)
+            steady = []
+            for a in all_args:  # pass 2, steady state: host-synchronized step latency
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(*a)
+                torch.cuda.synchronize()
+                steady.append(time.perf_counter() - t0)
+            tail = all_args[-5:]
+            launches = graph_launches(lambda: [fn(*a) for a in tail], calls=1)
+        gc.collect()
+        held = torch.cuda.memory_reserved() - before
+        stats = fn.get_stats() if kind == "cache" else {}
+        recorded = stats.get("recordings", sum("Recording function" in m for m in msgs))
+        limit = [m.strip().splitlines()[0][:160] for m in msgs if "recompile_limit" in m or "cache_size_limit" in m]
+        rows.append({
+            "variant": label, "p50_us": _percentile(steady, 0.5) * 1e6, "p99_us": _percentile(steady, 0.99) * 1e6,
+            "mean_us": statistics.fmean(steady) * 1e6, "recordings": recorded,
+            "first_8_sizes_s": sum(cold[i] for i in first8), "cold_pass_s": sum(cold),
+            "memory_MB": held / 2**20, "padding_waste": stats.get("padding_waste", 0.0),
+            "eager_calls": stats.get("eager_calls", steps if kind == "eager" else 0),
+            "graph_launches_last5": launches["graph_launches"], "note": limit[0] if limit else ""})
+        del fn
+        _free()
+    fresh_compile()
+    res = Result("graph_cache_trace", f"Tiny decoder on a decode trace of {steps} steps (batch 1..{max(trace)}, "
+                 f"{len(set(trace))} distinct sizes): every way of running it, same run; step latency is "
+                 "host-synchronized per step in the second (steady) pass",
+                 {"variant": "", "p50_us": "us", "p99_us": "us", "mean_us": "us", "recordings": "count",
+                  "first_8_sizes_s": "s", "cold_pass_s": "s", "memory_MB": "MiB", "padding_waste": "fraction",
+                  "eager_calls": "count", "graph_launches_last5": "count", "note": ""}, rows,
+                 params={"steps": steps, "max_batch": max_batch, "presets": list(presets), "layers": layers,
+                         "seed": seed, "compile_variants": compile_variants, "torch": torch.__version__,
+                         "trace": trace})
+    by = {r["variant"]: r for r in rows}
+    res.add_summary("eager p50 / exact-cache p50", by["eager"]["p50_us"] / by["cache, exact shapes"]["p50_us"], "x")
+    if compile_variants:
+        ro = by["reduce-overhead"]
+        fused = by[f"cache, {presets[0]} buckets, fusion"]
+        res.add_summary("fusion cache mean / reduce-overhead mean", fused["mean_us"] / ro["mean_us"], "x")
+        res.add_summary(f"{presets[0]} cache (graph_replay) mean / reduce-overhead mean",
+                        by[f"cache, {presets[0]} buckets"]["mean_us"] / ro["mean_us"], "x")
+        res.add_summary("first 8 sizes: exact cache / reduce-overhead",
+                        by["cache, exact shapes"]["first_8_sizes_s"] / ro["first_8_sizes_s"], "x")
+    return res
