@@ -365,3 +365,130 @@ def test_graph_launches_counts_replays():
     assert graph_launches(lambda: c(*args))["graph_launches"] == 1
     eager = graph_launches(lambda: m.step(*args))
     assert eager["graph_launches"] == 0 and eager["kernel_launches"] > 10
+
+
+# ----------------------------------------------------------------------------- lab 3's checks catch wrong caches
+from course.core.checks import ExerciseFailed  # noqa: E402
+from course.lessons.graph_cache import lab  # noqa: E402
+
+
+def _key(args, bucket):
+    return tuple(("tensor", (bucket, *a.shape[1:]), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor)
+                 else ("value", a) for a in args)
+
+
+def _make_static(args, bucket):
+    return [torch.empty((bucket, *a.shape[1:]), dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor)
+            else a for a in args]
+
+
+def _copy_in(static, args, n, pads, refill=True):
+    for s, a, p in zip(static, args, pads):
+        if isinstance(a, torch.Tensor):
+            s[:n].copy_(a)
+            if refill:
+                s[n:].fill_(p)
+
+
+def _copy_out(out, n, bucket, copy=True):
+    if isinstance(out, torch.Tensor):
+        out = out[:n] if out.dim() and out.shape[0] == bucket else out
+        return out.clone() if copy else out
+    return type(out)(_copy_out(o, n, bucket, copy) for o in out)
+
+
+class _LabCache:
+    """The lab's answer, with switches that break it the classic ways."""
+
+    def __init__(self, fn, buckets=(), pad_value=0, backend=None, bug=None):
+        self.fn, self.sizes, self.pad_value, self.backend, self.bug = fn, sorted(buckets), pad_value, backend, bug
+        self.entries, self.enabled = {}, True
+        self.stats = {"cache_hits": 0, "cache_misses": 0, "recordings": 0, "eager_calls": 0, "padded_rows": 0,
+                      "fallbacks": {}}
+
+    def pads(self, args):
+        return self.pad_value if isinstance(self.pad_value, tuple) else (self.pad_value,) * len(args)
+
+    def __call__(self, *args):
+        n = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+        bucket = next_bucket(n, self.sizes)
+        if not self.enabled or bucket is None:
+            self.stats["eager_calls"] += 1
+            return self.fn(*args)
+        key = _key(args, bucket)
+        e = self.entries.get(key)
+        if e is None:
+            self.stats["cache_misses"] += 1
+            static = _make_static(args, bucket)
+            _copy_in(static, args, n, self.pads(args))
+            try:
+                e = {"eager": False, "static": static, "rec": self.backend.capture(self.fn, static)}
+                self.stats["recordings"] += 1
+            except CaptureFailed as err:
+                e = {"eager": True}
+                self.stats["fallbacks"][key] = err.reason
+            self.entries[key] = e
+        elif not e["eager"]:
+            self.stats["cache_hits"] += 1
+            if self.bug == "eager_hit":
+                return self.fn(*args)
+            if self.bug != "no_copy_in":
+                _copy_in(e["static"], args, n, self.pads(args), refill=self.bug != "no_refill")
+        if e["eager"]:
+            self.stats["eager_calls"] += 1
+            return self.fn(*args)
+        e["rec"].replay()
+        self.stats["padded_rows"] += bucket - n
+        return _copy_out(e["rec"].output, n, bucket, copy=self.bug != "no_clone")
+
+    def set_enabled(self, flag):
+        self.enabled = flag
+
+    def clear_cache(self):
+        self.entries.clear()
+        self.backend.reset_pool()
+
+
+def _bugged(bug):
+    return lambda fn, **kw: _LabCache(fn, bug=bug, **kw)
+
+
+def test_lab_checks_pass_the_answer():
+    lab.check_key(_key)
+    lab.check_static(_make_static, _copy_in)
+    lab.check_copy_out(_copy_out)
+    for check in (lab.check_miss_and_hit, lab.check_buckets, lab.check_fallback, lab.check_enable_clear):
+        check(_LabCache)
+
+
+@pytest.mark.parametrize("check,args,message", [
+    (lab.check_key, (lambda args, b: tuple((tuple(a.shape[1:]),) if isinstance(a, torch.Tensor) else a
+                                           for a in args) + (b,),), "dtype"),
+    (lab.check_static, (lambda args, b: list(args), _copy_in), "caller's tensor itself"),
+    (lab.check_static, (_make_static, lambda s, a, n, p: _copy_in(s, a, n, p, refill=False)), "pad_value"),
+    (lab.check_copy_out, (lambda out, n, b, copy=True: tuple(o[:n] if o.shape[0] == b else o for o in out)
+                          if isinstance(out, tuple) else out[:n],), "Clone"),
+    (lab.check_miss_and_hit, (_bugged("eager_hit"),), "replayed"),
+    (lab.check_miss_and_hit, (_bugged("no_copy_in"),), "copied"),
+    (lab.check_miss_and_hit, (_bugged("no_clone"),), "overwritten"),
+    (lab.check_buckets, (_bugged("no_refill"),), "padding rows leaked"),
+])
+def test_lab_checks_diagnose_wrong_caches(check, args, message, capsys):
+    with pytest.raises(ExerciseFailed, match=message):
+        check(*args)
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_lab_check_says_not_done_yet(capsys):
+    def todo(*_):
+        raise NotImplementedError("your code goes here")
+    lab.check_key(todo)
+    assert "not done yet" in capsys.readouterr().out
+
+
+def test_counting_backend_counts():
+    b = lab.CountingBackend(RecordingBackend())
+    rec = b.capture(lambda x: x + 1, [torch.ones(2)])
+    rec.replay()
+    assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 0, "recording")
+    b.reset_pool()
