@@ -492,3 +492,12 @@ def test_counting_backend_counts():
     rec.replay()
     assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 0, "recording")
     b.reset_pool()
+
+
+def test_time_to_fast_sums_calls_until_the_first_fast_one():
+    from course.lessons.graph_cache.experiments import time_to_fast
+    trace = [1, 2, 1, 2, 1, 3]
+    cold = [5.0, 4.0, 3.0, 0.1, 0.1, 9.0]   # size 1: compile 5, record 3, then fast; size 2: 4, then fast
+    steady = [0.1, 0.1, 0.1, 0.1, 0.1, 0.2]
+    assert time_to_fast(trace, cold, steady, [1, 2]) == pytest.approx(5.0 + 3.0 + 0.1 + 4.0 + 0.1)
+    assert time_to_fast(trace, cold, steady, [3]) == pytest.approx(9.0), "never fast: counted in full"

@@ -51,7 +51,15 @@ class DecoderConfig:
 
 
 def _rms(x, w, eps):
+    if hasattr(F, "rms_norm"):  # one op (torch >= 2.4)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _groups(kv, heads):
+    """Repeat each KV head for its group of query heads along dim -2 (an expand: no sync, any shape)."""
+    *lead, kvh, hd = kv.shape
+    return kv.unsqueeze(-2).expand(*lead, kvh, heads // kvh, hd).reshape(*lead, heads, hd)
 
 
 def _rope(x, cos, sin):
@@ -81,12 +89,9 @@ class TinyDecoder(torch.nn.Module):
         rand = lambda *shape, scale: (torch.randn(*shape, generator=g) * scale).to(device)  # noqa: E731
         self.tok = torch.nn.Parameter(rand(cfg.vocab, cfg.dim, scale=1.0), requires_grad=False)
         for i in range(cfg.layers):
-            blk = {"wq": rand(cfg.dim, cfg.dim, scale=cfg.dim ** -0.5),
-                   "wk": rand(cfg.dim, cfg.kv_heads * hd, scale=cfg.dim ** -0.5),
-                   "wv": rand(cfg.dim, cfg.kv_heads * hd, scale=cfg.dim ** -0.5),
+            blk = {"wqkv": rand(cfg.dim, (cfg.heads + 2 * cfg.kv_heads) * hd, scale=cfg.dim ** -0.5),
                    "wo": rand(cfg.dim, cfg.dim, scale=cfg.dim ** -0.5),
-                   "w_gate": rand(cfg.dim, cfg.ffn, scale=cfg.dim ** -0.5),
-                   "w_up": rand(cfg.dim, cfg.ffn, scale=cfg.dim ** -0.5),
+                   "w_gate_up": rand(cfg.dim, 2 * cfg.ffn, scale=cfg.dim ** -0.5),
                    "w_down": rand(cfg.ffn, cfg.dim, scale=cfg.ffn ** -0.5),
                    "n1": 1 + rand(cfg.dim, scale=0.1), "n2": 1 + rand(cfg.dim, scale=0.1)}
             for k, v in blk.items():
@@ -128,21 +133,20 @@ class TinyDecoder(torch.nn.Module):
         future = torch.arange(cfg.max_seq, device=ids.device)[None, :] > pos[:, None]  # [B, S]
         for i in range(cfg.layers):
             x = _rms(h, self._w(i, "n1"), cfg.eps)
-            q = _rope((x @ self._w(i, "wq")).view(b, cfg.heads, hd), cos, sin)
-            k = _rope((x @ self._w(i, "wk")).view(b, cfg.kv_heads, hd), cos, sin)
-            v = (x @ self._w(i, "wv")).view(b, cfg.kv_heads, hd)
+            q, k, v = (x @ self._w(i, "wqkv")).split([cfg.dim, cfg.kv_heads * hd, cfg.kv_heads * hd], dim=-1)
+            q = _rope(q.reshape(b, cfg.heads, hd), cos, sin)
+            k = _rope(k.reshape(b, cfg.kv_heads, hd), cos, sin)
+            v = v.reshape(b, cfg.kv_heads, hd)
             kc[i].index_put_((slots, pos), k)
             vc[i].index_put_((slots, pos), v)
-            keys, vals = kc[i][slots], vc[i][slots]  # [B, S, KVH, hd]
-            group = cfg.heads // cfg.kv_heads
-            keys = keys.repeat_interleave(group, dim=2)
-            vals = vals.repeat_interleave(group, dim=2)
+            keys, vals = _groups(kc[i][slots], cfg.heads), _groups(vc[i][slots], cfg.heads)  # [B, S, H, hd]
             scores = torch.einsum("bhd,bshd->bhs", q, keys) / math.sqrt(hd)
             scores = scores.masked_fill(future[:, None, :], float("-inf"))
             att = torch.einsum("bhs,bshd->bhd", scores.softmax(-1), vals).reshape(b, cfg.dim)
             h = h + att @ self._w(i, "wo")
             x = _rms(h, self._w(i, "n2"), cfg.eps)
-            h = h + (F.silu(x @ self._w(i, "w_gate")) * (x @ self._w(i, "w_up"))) @ self._w(i, "w_down")
+            gate, up = (x @ self._w(i, "w_gate_up")).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ self._w(i, "w_down")
         return _rms(h, self.norm, cfg.eps) @ self.lm_head.t()
 
     def forward(self, ids, pos, slots):
@@ -158,16 +162,16 @@ class TinyDecoder(torch.nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).triu(1)
         for i in range(cfg.layers):
             x = _rms(h, self._w(i, "n1"), cfg.eps)
-            q = _rope((x @ self._w(i, "wq")).view(t, cfg.heads, hd), cos, sin)
-            k = _rope((x @ self._w(i, "wk")).view(t, cfg.kv_heads, hd), cos, sin)
-            v = (x @ self._w(i, "wv")).view(t, cfg.kv_heads, hd)
-            group = cfg.heads // cfg.kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            w, kvd = self._w(i, "wqkv"), cfg.kv_heads * hd  # separate products: an independent check of the split
+            q = _rope((x @ w[:, :cfg.dim]).view(t, cfg.heads, hd), cos, sin)
+            k = _rope((x @ w[:, cfg.dim:cfg.dim + kvd]).view(t, cfg.kv_heads, hd), cos, sin)
+            v = (x @ w[:, cfg.dim + kvd:]).view(t, cfg.kv_heads, hd)
+            k, v = _groups(k, cfg.heads), _groups(v, cfg.heads)
             scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
             att = scores.masked_fill(causal, float("-inf")).softmax(-1)
             h = h + torch.einsum("hqk,khd->qhd", att, v).reshape(t, cfg.dim) @ self._w(i, "wo")
-            x = _rms(h, self._w(i, "n2"), cfg.eps)
-            h = h + (F.silu(x @ self._w(i, "w_gate")) * (x @ self._w(i, "w_up"))) @ self._w(i, "w_down")
+            x, w = _rms(h, self._w(i, "n2"), cfg.eps), self._w(i, "w_gate_up")
+            h = h + (F.silu(x @ w[:, :cfg.ffn]) * (x @ w[:, cfg.ffn:])) @ self._w(i, "w_down")
         return _rms(h, self.norm, cfg.eps) @ self.lm_head.t()
 
     def reset_cache(self) -> None:
