@@ -501,3 +501,10 @@ def test_time_to_fast_sums_calls_until_the_first_fast_one():
     steady = [0.1, 0.1, 0.1, 0.1, 0.1, 0.2]
     assert time_to_fast(trace, cold, steady, [1, 2]) == pytest.approx(5.0 + 3.0 + 0.1 + 4.0 + 0.1)
     assert time_to_fast(trace, cold, steady, [3]) == pytest.approx(9.0), "never fast: counted in full"
+
+
+def test_calls_without_a_batch_run_eager():
+    c = _cache(lambda *a: len(a))
+    assert c(1, 2) == 2 and c(torch.ones(0, 3, device=DEV)) == 1
+    s = c.get_stats()
+    assert (s["eager_calls"], s["cache_misses"], s["above_largest_bucket"]) == (2, 0, 0)

@@ -9,8 +9,9 @@
   into the static inputs (padding rows filled with ``pad_value``), replays, and returns the
   outputs sliced back to the real batch, cloned (``copy_outputs=True``) or as views of the static
   outputs (``copy_outputs=False``: zero-copy, valid only until the next call with the same key);
-- a batch above the largest bucket runs eager; a key whose capture fails runs eager from then on,
-  with the reason kept in :meth:`GraphCache.get_stats`;
+- a batch above the largest bucket runs eager (so does a call without tensor arguments, or with zero
+  rows); a key whose capture fails runs eager from then on, with the reason kept in
+  :meth:`GraphCache.get_stats`;
 - ``fusion=True`` captures the forward compiled by ``torch.compile`` (default mode: no CUDA graphs
   of its own) instead of the eager kernels, like the seed's "fused" mode; a key whose fused capture
   fails falls back to capturing the eager kernels, then to eager.
@@ -219,9 +220,9 @@ class GraphCache:
             self.eager_calls += 1
             return self.fn(*args)
         key, n, bucket = self.key_of(args)
-        if bucket is None or n is None:
+        if bucket is None or not n:  # above the largest bucket, or no batch (no tensor argument, zero rows)
             self.eager_calls += 1
-            self.above_largest += bucket is None and n is not None
+            self.above_largest += bucket is None and bool(n)
             return self.fn(*args)
         entry = self._entries.get(key)
         if entry is None:
