@@ -185,15 +185,22 @@ class CudaGraphBackend:
         return torch.cuda.memory_reserved()
 
     def capture(self, fn, static_args, warmup: int = 1) -> Recorded:
-        """Warm up on a side stream, capture ``fn(*static_args)``; raise CaptureFailed with the line that broke it."""
+        """Warm up on a side stream, capture ``fn(*static_args)``; raise CaptureFailed with the line that broke it.
+
+        ``memory_bytes`` of the result is what the capture itself reserved (measured after the warm-up);
+        ``capture_ms`` includes the warm-up (the time to the first replay).
+        """
         import torch
 
-        from course.core.capture import try_capture
+        from course.core.capture import try_capture, warm_up
 
+        call = lambda: fn(*static_args)  # noqa: E731
+        t0 = time.perf_counter()
+        if warmup > 0:
+            warm_up(call, warmup)  # first: the eager allocations of a warm-up are not the graph's memory
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
-        t0 = time.perf_counter()
-        outcome = try_capture(lambda: fn(*static_args), warmup=max(warmup, 0), pool=self.new_pool())
+        outcome = try_capture(call, warmup=0, pool=self.new_pool())
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
         if not outcome.ok:
