@@ -8,7 +8,9 @@
   static input buffers of the bucket's size, and replays; a **hit** copies the caller's tensors
   into the static inputs (padding rows filled with ``pad_value``), replays, and returns the
   outputs sliced back to the real batch, cloned (``copy_outputs=True``) or as views of the static
-  outputs (``copy_outputs=False``: zero-copy, valid only until the next call with the same key);
+  outputs (``copy_outputs=False``: zero-copy views, valid only until the next call: the next replay of
+  the same key overwrites them, and so can a replay of another key, since the graphs share one memory
+  pool in which a graph's temporaries may reuse memory that holds another graph's output);
 - a batch above the largest bucket runs eager (so does a call without tensor arguments, or with zero
   rows); a key whose capture fails runs eager from then on, with the reason kept in
   :meth:`GraphCache.get_stats`;
