@@ -210,6 +210,7 @@ def test_fusion_mode_is_counted_like_the_seed():
     s = c.get_stats()
     assert (s["fusion_attempts"], s["fusion_successes"], s["fusion_fallbacks"]) == (1, 1, 0)
     assert sorted(s["fusion_modes"].values()) == ["fusion", "graph_replay"]
+    assert s["fusion_scheduler_available"] is False, "the recording backend compiles nothing"
     hz = _cache(lambda x: x, fusion=True, fused=hazardous_forward)  # the fused forward fails: graph replay instead
     hz(torch.ones(2, device=DEV))
     s = hz.get_stats()

@@ -243,12 +243,17 @@ class GraphCache:
 
     # ------------------------------------------------------------------ the seed's API
     def get_stats(self) -> dict:
-        """The seed's statistics (same keys) plus padding waste, capture time, graph memory and fallback reasons."""
+        """The seed's statistics (same keys) plus padding waste, capture time, graph memory and fallback reasons.
+
+        ``fusion_scheduler_available`` is True where "fusion" really compiles (the GPU path, or a ``fused=``
+        forward was given); on the recording backend without one, fusion mode runs the same kernels.
+        """
         modes = {key_str(k): e.mode for k, e in self._entries.items()}
         held = [e for e in self._entries.values() if e.recorded is not None]
         computed = self.real_rows + self.padded_rows
         return {
             "enabled": self.enabled, "fusion_enabled": self.fusion, "backend": self.backend.name,
+            "fusion_scheduler_available": self.backend.name != "recording" or self._fused is not None,
             "cache_size": sum(e.mode != "eager" for e in self._entries.values()),
             "cache_hits": self.cache_hits, "cache_misses": self.cache_misses, "recordings": self.recordings,
             "fusion_attempts": self.fusion_attempts, "fusion_successes": self.fusion_successes,

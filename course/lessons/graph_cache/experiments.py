@@ -224,7 +224,8 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
         held = torch.cuda.memory_reserved() - before
         stats = fn.get_stats() if kind == "cache" else {}
         recorded = stats.get("recordings", sum("Recording function" in m for m in msgs))
-        limit = [m.strip().splitlines()[0][:160] for m in msgs if "recompile_limit" in m or "cache_size_limit" in m]
+        flags = ("recompile_limit", "cache_size_limit", "distinct input size", "skipping cudagraphs")
+        limit = list(dict.fromkeys(m.strip().splitlines()[0][:160] for m in msgs if any(f in m for f in flags)))
         rows.append({
             "variant": label, "p50_us": _percentile(steady, 0.5) * 1e6, "p99_us": _percentile(steady, 0.99) * 1e6,
             "mean_us": statistics.fmean(steady) * 1e6, "recordings": recorded,
@@ -232,7 +233,7 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
             "steady_pass_s": sum(steady),
             "memory_MB": held / 2**20, "padding_waste": stats.get("padding_waste", 0.0),
             "eager_calls": stats.get("eager_calls", steps if kind == "eager" else 0),
-            "graph_launches_last5": launches["graph_launches"], "note": limit[0] if limit else ""})
+            "graph_launches_last5": launches["graph_launches"], "note": " | ".join(limit[:2])})
         del fn
         _free()
     fresh_compile()
