@@ -83,6 +83,9 @@ def test_key_includes_shape_dtype_and_values():
     k3, _, _ = c.key_of((torch.ones(3, 2, dtype=torch.int32), 3))
     assert (n, b) == (3, 3) and len({k32, k64, k3}) == 3
     assert key_str(k32) == "int32[3,2] 2"
+    assert c.key_of((torch.ones(2), True))[0] != c.key_of((torch.ones(2), 1))[0], "True and 1 are different keys"
+    with pytest.raises(ValueError, match="one per argument"):
+        _cache(lambda x: x, pad_value=(0, 0)).key_of((torch.ones(2),))
     with pytest.raises(TypeError, match="not hashable"):
         c.key_of((torch.ones(2), [1, 2]))
     with pytest.raises(ValueError, match="batch size"):

@@ -52,7 +52,7 @@ def key_str(key) -> str:
             shape, dtype, _ = rest
             parts.append(f"{dtype.replace('torch.', '')}[{','.join(str(s) for s in shape)}]")
         else:
-            parts.append(repr(rest[0]))
+            parts.append(repr(rest[-1]))
     return " ".join(parts)
 
 
@@ -89,6 +89,9 @@ class GraphCache:
     def key_of(self, args) -> tuple:
         """(key, batch size, bucket) for a call; bucket None means "above the largest bucket: run eager"."""
         T = _tensor_type()
+        if isinstance(self.pad_value, (tuple, list)) and len(self.pad_value) != len(args):
+            raise ValueError(f"pad_value has {len(self.pad_value)} entries but the call has {len(args)} arguments: "
+                             "give one per argument (any value for a non-tensor one), or a single number.")
         n = None
         for i, a in enumerate(args):
             if self._is_batched(i, a):
@@ -116,7 +119,7 @@ class GraphCache:
                 except TypeError:
                     raise TypeError(f"argument {i} ({type(a).__name__}) is not hashable, so it cannot be part of a "
                                     "cache key: pass tensors, numbers, strings or tuples.") from None
-                parts.append(("value", a))
+                parts.append(("value", type(a).__name__, a))  # the type too: True == 1, but not as a key here
         return tuple(parts), n, bucket
 
     def _pad_for(self, i: int):
