@@ -121,6 +121,13 @@ def test_outputs_are_cloned_unless_zero_copy():
     assert torch.allclose(view_a, f(b)), "zero-copy outputs are the static buffer, overwritten by the next replay"
 
 
+def test_dict_outputs_are_sliced_and_cloned():
+    c = _cache(lambda x: {"y": x * 2, "n": 3}, buckets=[4])
+    a = c(torch.ones(3, device=DEV))
+    c(torch.zeros(3, device=DEV))
+    assert a["y"].tolist() == [2.0, 2.0, 2.0] and a["n"] == 3
+
+
 def test_padding_slices_back_and_fills_pad_rows():
     seen = []
 

@@ -109,6 +109,9 @@ def _copy_into(static, fresh) -> None:
     elif isinstance(static, (tuple, list)):
         for s, f in zip(static, fresh):
             _copy_into(s, f)
+    elif isinstance(static, dict):
+        for k, s in static.items():
+            _copy_into(s, fresh[k])
 
 
 class RecordingBackend:

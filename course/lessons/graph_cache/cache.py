@@ -162,6 +162,8 @@ class GraphCache:
             return out.clone() if self.copy_outputs else out
         if isinstance(out, (tuple, list)):
             return type(out)(self._outputs(o, n, bucket) for o in out)
+        if isinstance(out, dict):
+            return {k: self._outputs(v, n, bucket) for k, v in out.items()}
         return out
 
     # ------------------------------------------------------------------ recording
