@@ -227,6 +227,17 @@ def test_fusion_mode_is_counted_like_the_seed():
     assert (s["fusion_attempts"], s["fusion_fallbacks"], list(s["fusion_modes"].values())) == (1, 1, ["graph_replay"])
 
 
+def test_fusion_falls_back_when_the_compiled_forward_fails():
+    def broken(x):
+        raise RuntimeError("inductor exploded")
+    c = _cache(lambda x: x + 1, fusion=True, fused=broken)
+    assert c(torch.ones(2, device=DEV)).tolist() == [2.0, 2.0]
+    s = c.get_stats()
+    assert (s["fusion_fallbacks"], list(s["fusion_modes"].values())) == (1, ["graph_replay"])
+    with pytest.raises(RuntimeError, match="inductor exploded"):
+        _cache(broken)(torch.ones(2, device=DEV))  # a broken forward is the caller's error, not a fallback
+
+
 def test_warmup_records_largest_first():
     order = []
     c = _cache(lambda x: (order.append(x.shape[0]), x + 1)[1], buckets=[1, 2, 4, 8])

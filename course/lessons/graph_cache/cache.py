@@ -192,6 +192,12 @@ class GraphCache:
                 reason = e.reason
                 self.fusion_fallbacks += mode == "fusion"
                 continue
+            except Exception as e:  # noqa: BLE001 - the compiled forward failed to run: fall back to the eager kernels
+                if mode != "fusion":
+                    raise  # the forward itself is broken: that is the caller's error, not a fallback
+                reason = f"the compiled forward failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                self.fusion_fallbacks += 1
+                continue
             self.fusion_successes += mode == "fusion"
             self.recordings += 1
             return Entry(key, mode, bucket, static, rec)

@@ -191,5 +191,5 @@ class TinyDecoder(torch.nn.Module):
         return ids, torch.full((batch,), step, dtype=torch.long, device=dev), torch.arange(batch, device=dev)
 
     def pad_values(self) -> tuple:
-        """GraphCache's ``pad_value`` for (ids, pos, slots): padding rows read token 0 at position 0 of the scratch slot."""
+        """GraphCache's ``pad_value`` for (ids, pos, slots): padding rows read token 0 at position 0, scratch slot."""
         return (0, 0, self.scratch_slot)

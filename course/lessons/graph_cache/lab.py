@@ -66,7 +66,8 @@ def check_key(cache_key) -> None:
                                               "graph, whose kernels and buffers were made for one of them")
         assert k != cache_key((torch.zeros(3, 5, dtype=torch.int64, device=d), 5), 4), \
             "your key ignores the shape after the batch dimension"
-        assert k != cache_key((ids64, 6), 4), "your key ignores the non-tensor arguments (their values change the graph)"
+        assert k != cache_key((ids64, 6), 4), \
+            "your key ignores the non-tensor arguments (their values change the graph)"
         assert k == cache_key((torch.zeros(4, 2, dtype=torch.int64, device=d), 5), 4), \
             "batches padded to the same bucket must share a key: use the bucket, not the batch size, for dim 0"
         assert k != cache_key((ids64, 5), 8), "different buckets need different keys"
