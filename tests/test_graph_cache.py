@@ -234,6 +234,7 @@ def test_fusion_falls_back_when_the_compiled_forward_fails():
     assert c(torch.ones(2, device=DEV)).tolist() == [2.0, 2.0]
     s = c.get_stats()
     assert (s["fusion_fallbacks"], list(s["fusion_modes"].values())) == (1, ["graph_replay"])
+    assert "inductor exploded" in s["fallback_reasons"]["float32[2]"]
     with pytest.raises(RuntimeError, match="inductor exploded"):
         _cache(broken)(torch.ones(2, device=DEV))  # a broken forward is the caller's error, not a fallback
 

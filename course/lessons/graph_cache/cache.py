@@ -41,7 +41,7 @@ class Entry:
     bucket: int | None
     inputs: list | None = None  # static input buffers (tensors) or plain values
     recorded: object = None  # backends.Recorded
-    reason: str = ""  # why this key runs eager
+    reason: str = ""  # why this key runs eager, or why its fused capture fell back to the eager kernels
 
 
 def key_str(key) -> str:
@@ -200,7 +200,7 @@ class GraphCache:
                 continue
             self.fusion_successes += mode == "fusion"
             self.recordings += 1
-            return Entry(key, mode, bucket, static, rec)
+            return Entry(key, mode, bucket, static, rec, reason=reason)  # reason: why fusion fell back, if it did
         return Entry(key, "eager", bucket, reason=reason)
 
     def warmup(self, sizes, make_args, order: str = "largest_first") -> list:
@@ -256,7 +256,8 @@ class GraphCache:
     def get_stats(self) -> dict:
         """The seed's statistics (same keys) plus padding waste, capture time, graph memory and fallback reasons.
 
-        ``fusion_scheduler_available`` is True where "fusion" really compiles (the GPU path, or a ``fused=``
+        ``fallback_reasons`` maps a key to why it runs eager (mode "eager") or why its fused capture fell back
+        to the eager kernels (mode "graph_replay"). ``fusion_scheduler_available`` is True where "fusion" really compiles (the GPU path, or a ``fused=``
         forward was given); on the recording backend without one, fusion mode runs the same kernels.
         """
         modes = {key_str(k): e.mode for k, e in self._entries.items()}
@@ -270,7 +271,7 @@ class GraphCache:
             "fusion_attempts": self.fusion_attempts, "fusion_successes": self.fusion_successes,
             "fusion_fallbacks": self.fusion_fallbacks, "cached_shapes": list(modes), "fusion_modes": modes,
             "calls": self.calls, "eager_calls": self.eager_calls, "above_largest_bucket": self.above_largest,
-            "fallback_reasons": {key_str(e.key): e.reason for e in self._entries.values() if e.mode == "eager"},
+            "fallback_reasons": {key_str(e.key): e.reason for e in self._entries.values() if e.reason},
             "buckets": list(self.sizes),
             "real_rows": self.real_rows, "padded_rows": self.padded_rows,
             "padding_waste": self.padded_rows / computed if computed else 0.0,
