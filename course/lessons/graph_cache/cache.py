@@ -256,9 +256,10 @@ class GraphCache:
     def get_stats(self) -> dict:
         """The seed's statistics (same keys) plus padding waste, capture time, graph memory and fallback reasons.
 
-        ``fallback_reasons`` maps a key to why it runs eager (mode "eager") or why its fused capture fell back
-        to the eager kernels (mode "graph_replay"). ``fusion_scheduler_available`` is True where "fusion" really compiles (the GPU path, or a ``fused=``
-        forward was given); on the recording backend without one, fusion mode runs the same kernels.
+        ``fallback_reasons`` maps a key to why it runs eager (mode "eager") or why its fused capture fell
+        back to the eager kernels (mode "graph_replay"). ``fusion_scheduler_available`` is True where
+        "fusion" really compiles (the GPU path, or a ``fused=`` forward was given); on the recording
+        backend without one, fusion mode runs the same kernels.
         """
         modes = {key_str(k): e.mode for k, e in self._entries.items()}
         held = [e for e in self._entries.values() if e.recorded is not None]
