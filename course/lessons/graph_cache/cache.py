@@ -50,7 +50,7 @@ def key_str(key) -> str:
     for kind, *rest in key:
         if kind == "tensor":
             shape, dtype, _ = rest
-            parts.append(f"{dtype.replace('torch.', '')}[{','.join(str(s) for s in shape)}]")
+            parts.append(f"{str(dtype).replace('torch.', '')}[{','.join(str(s) for s in shape)}]")
         else:
             parts.append(repr(rest[-1]))
     return " ".join(parts)
@@ -112,7 +112,7 @@ class GraphCache:
                 shape = list(a.shape)
                 if self._is_batched(i, a) and bucket is not None:
                     shape[self.batch_dim] = bucket
-                parts.append(("tensor", tuple(shape), str(a.dtype), str(a.device)))
+                parts.append(("tensor", tuple(shape), a.dtype, a.device))  # torch objects: hashable, no str() per call
             else:
                 try:
                     hash(a)
