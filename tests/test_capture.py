@@ -37,7 +37,7 @@ def test_frames_name_the_raising_line():
     try:
         boom()
     except KeyError as e:
-        frames = capture._frames(e)
+        frames = capture.exception_frames(e)
     assert frames[-1][2] == "boom" and "raise KeyError" in frames[-1][3]
 
 

@@ -62,3 +62,8 @@ def test_human_bytes():
     assert plots.human_bytes(65536) == "64 KiB"
     assert plots.human_bytes(3 * 2**20 // 2) == "1.5 MiB"
     assert plots.human_bytes(None) == "none"
+
+
+def test_number_never_uses_exponents_for_bar_labels():
+    assert plots.number(2430.4) == "2430" and plots.number(3.14159) == "3.14"
+    assert plots.number(12.34) == "12.3" and plots.number(0.01234) == "0.0123" and plots.number(0) == "0"

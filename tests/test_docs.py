@@ -37,7 +37,7 @@ def test_public_definition_has_docstring(module, node):
 
 @pytest.mark.parametrize("module,node", DEFS, ids=[f"{m}:{n.name}" for m, n in DEFS])
 def test_public_definition_is_used_by_a_test(module, node):
-    # experiments are registered and run through course.reference; their names count too
+    # experiments are registered and run through course.core.reference; their names count too
     names = {node.name}
     for dec in getattr(node, "decorator_list", []):
         if isinstance(dec, ast.Call) and dec.args and isinstance(dec.args[0], ast.Constant):

@@ -164,3 +164,33 @@ def test_mlp_and_op_count():
     assert net(x).shape == (4, 64)
     ops = capture_replay.gpu_ops_per_call(lambda: net(x))
     assert ops is None or ops >= 4  # two matmuls (+ bias) and two ReLUs at least
+
+
+def test_condense_cuts_machine_paths():
+    msg = 'skipping cudagraphs due to mutated inputs\n File "/work/main/course/x/graphs.py", line 3, in forward'
+    out = reduce_overhead._condense(msg)
+    assert "/work" not in out and '"graphs.py", line 3' in out
+
+
+def test_why_slower_reads_the_row():
+    row = {"compiled_us": 300.0, "eager_us": 200.0, "graph_launches": 0, "cudagraph_skips": 1, "graph_breaks": 0}
+    assert "no CUDA graph" in reduce_overhead.why_slower(row)
+    assert "graph break" in reduce_overhead.why_slower({**row, "graph_launches": 2, "graph_breaks": 1})
+    assert reduce_overhead.why_slower({**row, "compiled_us": 100.0}) == ""
+
+
+@gpu
+def test_launch_counts_sees_a_graph_launch():
+    import torch
+
+    x = torch.zeros(16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x.add_(1)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    assert reduce_overhead.launch_counts(g.replay)["graph_launches"] == 1
+    eager = reduce_overhead.launch_counts(lambda: x.add_(1))
+    assert eager["graph_launches"] == 0 and eager["kernel_launches"] >= 1

@@ -457,3 +457,25 @@ def test_event_test_experiment_quick():
     nb = rows["numba tiny kernel (launch_tiny)"]
     assert not nb["blocked"], "a Numba launch does not wait for the GPU"
     assert res.value("launch / kernel") > 1
+
+
+def _adds_a_cpu_vector(x):
+    return x + torch.ones(1, 3)  # shape mismatch on any device: fails before any capture
+
+
+def test_eager_failure_is_a_finding_at_the_users_line():
+    try:
+        _adds_a_cpu_vector(torch.ones(2, 2))
+    except Exception as e:  # noqa: BLE001
+        f = dynamic.eager_failure(e)
+    assert f.rule == "fails" and f.source == "eager"
+    assert f.file == __file__ and "torch.ones(1, 3)" in f.code
+    assert "RuntimeError" in f.why and "without any capture" in f.why
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="the dynamic finder needs a GPU")
+def test_finder_reports_a_function_that_fails_without_capture():
+    x = torch.ones(4, device="cuda")
+    rep = hazards.find_hazards(lambda t: t + torch.ones(1, 3), x)  # a CUDA tensor plus a CPU tensor of shape [1, 3]
+    assert rep.flagged and rep.dynamic.findings[0].rule == "fails"
+    assert "without any capture" in str(rep)

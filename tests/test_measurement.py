@@ -69,7 +69,10 @@ def test_reference_registry_and_files_are_valid():
     assert {"launch_costs", "launch_sweep", "launch_timeline", "cpu_dispatch"} <= set(reg)
     for name, exp in reg.items():
         if exp.gpu_only:
+            if exp.gpus > 1 and not reference.reference_path(name).exists():
+                continue  # multi-GPU data exists only once `course bench` ran on a machine with that many GPUs
             res = reference.load_reference(name)  # verifies the checksum
+            assert res.provenance.get("gpus", 1) >= exp.gpus, f"{name}: recorded on fewer GPUs than it needs"
             assert res.provenance["path"] == "cuda", f"{name}: reference data must come from a GPU"
             assert res.provenance["driver"], f"{name}: reference data must name the driver"
             assert res.params.get("quick") is False, f"{name}: reference data must be a full (not --quick) bench run"
@@ -122,3 +125,101 @@ def test_time_graph_replay_is_per_replay():
     per_call = graph_time(lambda: x.add_(1), calls=8, repeats=3)
     assert per_replay.clock == "cuda-events" and per_call.clock == "cuda-graph-replay"
     assert per_replay.median > per_call.median > 0
+
+
+def test_time_interleaved_rotates_and_times_every_variant():
+    from course.core.timing import time_interleaved
+
+    order = []
+    res = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                           clock="wall", warmup=0, repeats=4, inner=1)
+    assert set(res) == {"a", "b"} and all(t.repeats == 4 for t in res.values())
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"], order  # rotated: neither always runs last
+
+
+def test_time_interleaved_rejects_bad_input():
+    from course.core.timing import time_interleaved
+
+    with pytest.raises(ValueError, match="clock"):
+        time_interleaved({"a": lambda: None}, clock="sundial")
+    with pytest.raises(ValueError, match="at least one"):
+        time_interleaved({})
+
+
+def test_time_interleaved_sees_a_real_difference():
+    import time as _t
+
+    from course.core.timing import speedup, time_interleaved
+
+    res = time_interleaved({"slow": lambda: _t.sleep(0.002), "fast": lambda: None}, clock="wall",
+                           warmup=1, repeats=6, inner=1)
+    s = speedup("slow", res["slow"], "fast", res["fast"])
+    from course.core.timing import Speedup
+    assert isinstance(s, Speedup) and not s.noise and s.ratio > 10
+    text = str(s)
+    assert "slow" in text and "fast" in text and "IQR" in text and "x" in text
+
+
+def test_speedup_calls_overlapping_spreads_noise():
+    from course.core.timing import Timing, speedup
+
+    a = Timing(10e-6, 9e-6, 11e-6, 8e-6, 12e-6, 5, 1, "cuda-events")
+    b = Timing(9.5e-6, 9e-6, 10e-6, 8e-6, 12e-6, 5, 1, "cuda-events")
+    s = speedup("eager", a, "replay", b)
+    assert s.noise and "noise" in str(s) and "eager 10.00 us (IQR 9.00-11.00)" in str(s)
+    c = Timing(1e-6, 0.9e-6, 1.1e-6, 0.8e-6, 1.2e-6, 5, 1, "cuda-events")
+    assert not speedup("eager", a, "replay", c).noise
+
+
+def test_peak_dram_bandwidth_from_clock_and_bus():
+    from course.core.hardware import peak_dram_gbps
+
+    # H100 SXM (HBM3): 2619 MHz memory clock, 5120-bit bus -> about 3.35 TB/s
+    assert abs(peak_dram_gbps(2_619_000, 5120) - 3352.3) < 1.0
+    with pytest.raises(ValueError):
+        peak_dram_gbps(0, 5120)
+
+
+def test_memory_facts_on_this_path():
+    from course.core.hardware import memory_facts
+
+    if not course.runtime().on_gpu:
+        with pytest.raises(RuntimeError, match="simulator"):
+            memory_facts()
+        return
+    facts = memory_facts()
+    assert facts["l2_bytes"] and facts["l2_bytes"] > 1 << 20
+    assert facts["peak_dram_GBps"] and 100 < facts["peak_dram_GBps"] < 20000
+
+
+def test_bench_names_follow_the_gpu_count():
+    """One GPU: the single-GPU experiments; two or more: only the multi-GPU ones that fit."""
+    reg = reference.load_all()
+    one, two, eight = (reference.bench_names(reg, n) for n in (1, 2, 8))
+    assert one and all(reg[n].gpus == 1 and reg[n].gpu_only for n in one)
+    assert "sharding_capture" in two and not set(one) & set(two)
+    assert set(two) <= set(eight) and all(reg[n].gpus >= 2 for n in eight)
+    assert reference.bench_names(reg, 0) == one
+    with pytest.raises(ValueError, match="gpu_only"):
+        reference.experiment("bad_multi_gpu", gpu_only=False, gpus=2)
+
+
+def test_provenance_names_the_gpu_count():
+    from course.core.provenance import provenance
+    from course.core.runtime import gpu_count
+    assert provenance(gpus=2)["device"].startswith("2x ") and provenance(gpus=2)["gpus"] == 2
+    assert provenance()["gpus"] == (1 if course.runtime().on_gpu else 0)
+    assert gpu_count() == (0 if not course.runtime().on_gpu else torch.cuda.device_count())
+
+
+def test_run_loads_reference_when_the_machine_has_too_few_gpus(monkeypatch, tmp_path):
+    """A 1-GPU machine (the H100 lane) must not try a 2-GPU experiment live: it reads the reference data."""
+    import types
+    monkeypatch.setattr(reference, "runtime", lambda: types.SimpleNamespace(on_gpu=True))
+    monkeypatch.setattr(reference, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="No reference data for 'sharding_capture'"):
+        reference.run("sharding_capture")
+    with pytest.raises(RuntimeError, match=r"need 2 GPUs; this machine has 1"):
+        reference.bench(["sharding_capture"], out_dir=tmp_path)
+    assert not list(tmp_path.iterdir())

@@ -70,3 +70,28 @@ def test_ci_runs_exactly_the_readme_test_command():
     cmd = m.group(1).strip()
     ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
     assert cmd in ci, f".ci/run must call exactly the README's test command {cmd!r}"
+
+
+def _code_cells(path):
+    return [("".join(c["source"]), i) for i, c in enumerate(json.loads(path.read_text())["cells"])
+            if c["cell_type"] == "code"]
+
+
+@pytest.mark.parametrize("path", catalog.all_notebooks_on_disk(), ids=lambda p: p.name)
+def test_no_markdown_heading_inside_a_code_cell(path):
+    bad = [i for src, i in _code_cells(path) if re.search(r"^#+ *#{1,3} ", src, re.M)]
+    assert not bad, f"{path.name}: cells {bad} hide a markdown heading in a code comment; make it a markdown cell"
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|tmp|home|root|opt|Users)/[^\s\"']+")
+
+
+def test_machine_path_pattern_can_fail():
+    assert MACHINE_PATH.search('File "/work/main/course/graphs.py", line 3')
+    assert not MACHINE_PATH.search("recorded on NVIDIA H100 80GB HBM3, 3.35 TB/s")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "course" / "reference").glob("*.json")), ids=lambda p: p.name)
+def test_reference_data_carries_no_machine_path(path):
+    hits = MACHINE_PATH.findall(path.read_text())
+    assert not hits, f"{path.name} carries paths of the recording machine: {hits[:3]} (cut them in the experiment)"

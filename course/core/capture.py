@@ -4,7 +4,7 @@ A failed capture must never poison later work: :func:`try_capture` catches the
 error, makes sure no stream is left capturing, synchronizes, and checks that a
 fresh op still runs, so the next cell (or test) starts clean. The outcome keeps
 the root-cause error *and* the Python frames it came from, so a tool (the hazard
-finder in :mod:`course.hazards`) can point at the line that broke the capture.
+finder in :mod:`course.lessons.what_breaks`) can point at the line that broke the capture.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     return seen
 
 
-def _frames(exc: BaseException) -> tuple:
+def exception_frames(exc: BaseException) -> tuple:
     """The traceback of ``exc`` as plain tuples (no frame objects, so no tensors are kept alive)."""
     return tuple((f.filename, f.lineno, f.name, (f.line or "").strip())
                  for f in traceback.extract_tb(exc.__traceback__))
@@ -100,9 +100,11 @@ def warm_up(fn, iters: int = 3):
     return out
 
 
-def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
+def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> CaptureOutcome:
     """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
 
+    ``mode`` is ``torch.cuda.graph``'s ``capture_error_mode``: "global" (torch's default), "thread_local" or
+    "relaxed" (CUDA then allows calls, such as allocating memory, that are unsafe during capture).
     Never raises for a capture failure: the outcome carries the root-cause error
     and its traceback frames. Errors during warm-up (the function is broken even
     eagerly) are raised as is.
@@ -115,11 +117,11 @@ def try_capture(fn, *, warmup: int = 3, pool=None) -> CaptureOutcome:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 out = fn()
     except Exception as e:  # noqa: BLE001 - we report every capture failure
         cause = _root_cause(e)
-        frames = _frames(cause)
+        frames = exception_frames(cause)
         msg = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
         etype = type(cause).__name__
         del e, cause, graph  # drop references to tensors from the failed capture before recovering

@@ -61,6 +61,16 @@ def human_bytes(n) -> str:
     return str(n)
 
 
+def number(v: float) -> str:
+    """A value as a person writes it: 2430 -> '2430', 3.14159 -> '3.14', 0.01234 -> '0.0123' (never '2.43e+03')."""
+    a = abs(v)
+    if a >= 100 or v == 0:
+        return f"{v:.0f}"
+    if a >= 1:
+        return f"{v:.3g}" if a < 10 else f"{v:.1f}"
+    return f"{v:.3g}"
+
+
 def bars(ax, labels, values, unit: str, *, errors=None, title: str = "", log: bool = False) -> None:
     """Horizontal bars with the value written at the end of each bar."""
     ys = range(len(labels))
@@ -70,7 +80,7 @@ def bars(ax, labels, values, unit: str, *, errors=None, title: str = "", log: bo
     if log:
         ax.set_xscale("log")
     for yv, v in zip(ys, values):
-        ax.text(v, yv, f" {v:.3g} {unit}", va="center", fontsize=8)
+        ax.text(v, yv, f" {number(v)} {unit}", va="center", fontsize=8)
     ax.set_xlabel(unit)
     if title:
         ax.set_title(title)

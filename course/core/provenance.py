@@ -43,14 +43,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def provenance() -> dict:
-    """A dict that travels with every result: path, device, driver, versions, date (UTC)."""
+def provenance(gpus: int | None = None) -> dict:
+    """A dict that travels with every result: path, device, driver, versions, date (UTC).
+
+    ``gpus``: how many GPUs the measurement used (default: 1 on the GPU path, 0 on the
+    simulator). With 2 or more the device reads "2x NVIDIA H200".
+    """
     import torch
 
     rt = runtime()
+    gpus = (1 if rt.on_gpu else 0) if gpus is None else int(gpus)
     return {
         "path": rt.path,
-        "device": rt.device_name,
+        "device": f"{gpus}x {rt.device_name}" if gpus > 1 else rt.device_name,
+        "gpus": gpus,
         "driver": driver_version() if rt.on_gpu else None,
         "cuda_runtime": torch.version.cuda,
         "cpu": cpu_model(),

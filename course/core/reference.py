@@ -1,11 +1,11 @@
 """Registered experiments and the reference results recorded for them on a real GPU.
 
 An experiment is a function decorated with :func:`experiment` that returns a
-:class:`~course.results.Result`. Notebooks call :func:`run`: on the GPU path a GPU
+:class:`~course.core.results.Result`. Notebooks call :func:`run`: on the GPU path a GPU
 experiment runs live; on the simulator path it is loaded from
 ``course/reference/<name>.json``. Those files are written only by
 ``python -m course bench`` on a GPU (:func:`bench`), never by hand; each carries a
-checksum that :class:`~course.results.Result` verifies when it loads.
+checksum that :class:`~course.core.results.Result` verifies when it loads.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from course.core.results import Result
-from course.core.runtime import runtime
+from course.core.runtime import gpu_count, runtime
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 
@@ -23,11 +23,15 @@ REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 EXPERIMENT_MODULES = (
     "course.lessons.launch_overhead",
     "course.lessons.capture_replay",
+    "course.lessons.capture_more",
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
+    "course.lessons.what_breaks.numba_zoo",
     "course.embedding.bench",
     "course.lessons.graph_cache.experiments",
     "course.lessons.graph_cache.faq",
+    "course.embedding.launch_cost",
+    "course.lessons.sharding.experiments",
 )
 
 
@@ -39,21 +43,25 @@ class Experiment:
     fn: object
     gpu_only: bool
     quick: dict  # keyword arguments for a fast live run (used by tests and the CPU path)
+    gpus: int = 1  # GPUs a live run needs (2 or more: a multi-GPU experiment, one process per GPU)
 
 
 _REGISTRY: dict = {}
 
 
-def experiment(name: str, *, gpu_only: bool = True, quick: dict | None = None):
+def experiment(name: str, *, gpu_only: bool = True, quick: dict | None = None, gpus: int = 1):
     """Register ``fn(**params) -> Result`` under ``name``.
 
     ``gpu_only`` experiments need a real GPU; on the simulator path :func:`run` loads
     their reference result instead. ``quick`` gives small parameters for smoke tests.
+    ``gpus``: how many GPUs a live run needs; a machine with fewer loads the reference.
     """
+    if gpus < 1 or (gpus > 1 and not gpu_only):
+        raise ValueError(f"experiment {name!r}: gpus={gpus} needs gpu_only=True and gpus >= 1")
     def deco(fn):
         if name in _REGISTRY and _REGISTRY[name].fn.__qualname__ != fn.__qualname__:
             raise ValueError(f"experiment {name!r} is registered twice")
-        _REGISTRY[name] = Experiment(name, fn, gpu_only, dict(quick or {}))
+        _REGISTRY[name] = Experiment(name, fn, gpu_only, dict(quick or {}), int(gpus))
         return fn
     return deco
 
@@ -96,12 +104,12 @@ def load_reference(name: str) -> Result:
 def run(name: str, **params) -> Result:
     """Run ``name`` live when this machine can, else load the GPU reference result.
 
-    GPU path: always live. Simulator path: live for experiments that are not GPU-only,
-    reference data for GPU-only ones (the returned result says so in ``source`` and
-    in its caption).
+    GPU path: live, unless the experiment needs more GPUs than the machine has.
+    Simulator path: live for experiments that are not GPU-only, reference data for
+    GPU-only ones (the returned result says so in ``source`` and in its caption).
     """
     exp = get(name)
-    if exp.gpu_only and not runtime().on_gpu:
+    if exp.gpu_only and (not runtime().on_gpu or gpu_count() < exp.gpus):
         return load_reference(name)
     res = exp.fn(**params)
     if not isinstance(res, Result):
@@ -109,10 +117,22 @@ def run(name: str, **params) -> Result:
     return res
 
 
+def bench_names(registry: dict, gpus: int) -> list:
+    """The experiments ``course bench`` records by default on a machine with ``gpus`` GPUs.
+
+    One GPU: the single-GPU experiments. Two or more: only the multi-GPU ones (those
+    that need at most ``gpus``), leaving the single-GPU reference data alone.
+    """
+    if gpus < 2:
+        return sorted(n for n, e in registry.items() if e.gpu_only and e.gpus == 1)
+    return sorted(n for n, e in registry.items() if e.gpu_only and 2 <= e.gpus <= gpus)
+
+
 def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=print) -> list:
     """Run GPU experiments on a real GPU and write their reference JSON files.
 
-    Refuses on the simulator path: reference data must come from a GPU.
+    Refuses on the simulator path: reference data must come from a GPU. Without
+    ``names`` it records :func:`bench_names` for this machine's GPU count.
     Returns the list of files written.
     """
     rt = runtime()
@@ -120,10 +140,16 @@ def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=prin
         raise RuntimeError(f"`course bench` writes reference data and needs a real GPU. {rt.reason} "
                            + (f"Fix: {rt.fixes[0]}" if rt.fixes else ""))
     reg = load_all()
-    names = list(names) if names else sorted(n for n, e in reg.items() if e.gpu_only)
+    n_gpus = gpu_count()
+    names = list(names) if names else bench_names(reg, n_gpus)
     unknown = [n for n in names if n not in reg]
     if unknown:
         raise KeyError(f"unknown experiments {unknown}; known: {sorted(reg)}")
+    short = [n for n in names if reg[n].gpus > n_gpus]
+    if short:
+        raise RuntimeError(f"{short} need {max(reg[n].gpus for n in short)} GPUs; this machine has {n_gpus}. "
+                           "Record them on a multi-GPU machine.")
+    log(f"bench: this machine has {n_gpus} GPU(s); recording {names}")
     out_dir = Path(out_dir or REFERENCE_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -180,7 +180,7 @@ def _apply(rt: Runtime) -> None:
                 "numba was imported before the course chose its runtime, in the wrong mode "
                 f"({'simulator' if config.ENABLE_CUDASIM else 'GPU'}; the course needs "
                 f"{'the simulator' if want_sim else 'the GPU'}). Restart the kernel and run "
-                "`import course` (or `from course.runtime import runtime`) before importing numba.")
+                "`import course` (or `from course.core.runtime import runtime`) before importing numba.")
     if want_sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     else:
@@ -196,6 +196,17 @@ def runtime() -> Runtime:
     cache.update(python=sys.executable, force=os.environ.get(ENV_FORCE, ""))
     os.environ[ENV_CACHE] = json.dumps(cache)
     return rt
+
+
+def gpu_count() -> int:
+    """How many GPUs the course may use: 0 on the simulator path, else ``torch.cuda.device_count()``.
+
+    Multi-GPU lessons (the sharded embedding) start one process per GPU when this is 2 or more.
+    """
+    if not runtime().on_gpu:
+        return 0
+    import torch
+    return torch.cuda.device_count()
 
 
 def torch_device():

@@ -157,3 +157,88 @@ def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
     t = time_graph_replay(fn, calls=calls, warmup=2, repeats=repeats)
     return Timing(t.median / calls, t.q1 / calls, t.q3 / calls, t.min / calls, t.max / calls, t.repeats, calls,
                   "cuda-graph-replay")
+
+
+# =====================================================================================
+# Comparing variants: interleaved, and a speedup that names both sides
+# =====================================================================================
+_CLOCKS = {"device": "cuda-events", "wall": "host-synchronized", "enqueue": "host-enqueue"}
+
+
+def _one_sample(fn, inner: int, clock: str) -> float:
+    if clock == "device" and runtime().on_gpu:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+    synchronize()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    if clock != "enqueue":
+        synchronize()
+    return time.perf_counter() - t0
+
+
+def time_interleaved(variants: dict, *, clock: str = "device", warmup: int = 5, repeats: int = 25,
+                     inner: int = 10) -> dict:
+    """Time several variants of the same work *interleaved*: repeat r runs every variant once, in a rotated order.
+
+    A slow drift of the machine (clocks, other processes, the allocator) then lands on every variant alike,
+    instead of on whichever ran last. ``clock``: ``"device"`` (CUDA events; the host clock on the simulator),
+    ``"wall"`` (synchronized host clock) or ``"enqueue"`` (host issue cost). Returns ``{name: Timing}``.
+    """
+    _check(repeats, inner, warmup)
+    if clock not in _CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(_CLOCKS)}, not {clock!r}")
+    if not variants:
+        raise ValueError("time_interleaved needs at least one variant")
+    names = list(variants)
+    for name in names:
+        for _ in range(warmup):
+            variants[name]()
+    synchronize()
+    samples = {n: [] for n in names}
+    for r in range(repeats):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            samples[name].append(_one_sample(variants[name], inner, clock))
+    used = _CLOCKS[clock] if (clock != "device" or runtime().on_gpu) else "host-synchronized"
+    return {n: _stats(s, inner, used) for n, s in samples.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    """``slow`` vs ``fast``: the ratio of medians, and whether the difference is inside the spread."""
+
+    slow_name: str
+    slow: Timing
+    fast_name: str
+    fast: Timing
+
+    @property
+    def ratio(self) -> float:
+        """Median of ``slow`` divided by median of ``fast``."""
+        return self.slow.median / self.fast.median
+
+    @property
+    def noise(self) -> bool:
+        """True when the two interquartile ranges overlap: the difference is inside the spread."""
+        return not (self.slow.q1 > self.fast.q3 or self.fast.q1 > self.slow.q3)
+
+    def __str__(self) -> str:
+        def side(name, t):
+            return f"{name} {t.us:.2f} us (IQR {t.q1 * 1e6:.2f}-{t.q3 * 1e6:.2f})"
+        verdict = ("the difference is inside the spread: noise" if self.noise
+                   else f"{self.ratio:.1f}x")
+        return f"{side(self.slow_name, self.slow)} vs {side(self.fast_name, self.fast)}: {verdict}"
+
+
+def speedup(slow_name: str, slow: Timing, fast_name: str, fast: Timing) -> Speedup:
+    """A :class:`Speedup` of ``fast`` over ``slow``; print it to name both medians and IQRs."""
+    return Speedup(slow_name, slow, fast_name, fast)

@@ -1,4 +1,4 @@
-"""GPU experiments of the embedding labs (registered with :func:`course.reference.experiment`).
+"""GPU experiments of the embedding labs (registered with :func:`course.core.reference.experiment`).
 
 Kernel time here is **device time per call from CUDA-graph replay**: ``calls``
 back-to-back calls are captured into one graph, the graph is replayed between two CUDA
@@ -13,14 +13,12 @@ reads and writes its size once.
 from __future__ import annotations
 
 import gc
-import json
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from course import embedding as E
+from course.core import isolate
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import graph_time, time_device  # noqa: F401 (graph_time is part of this module's API)
@@ -29,21 +27,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def run_isolated(func: str, **kwargs):
-    """Run ``course.embedding_bench.<func>(**kwargs)`` in a fresh Python process and return its JSON result.
+    """``course.embedding.bench.<func>(**kwargs)`` in a fresh process (:func:`course.core.isolate.run_isolated`).
 
-    Used for the experiments that start ``torch.profiler``, as a precaution: whatever state
-    the profiler (CUPTI) leaves behind stays in that process, away from the timings of
-    the experiments that run after it in the bench.
+    Used for the experiments that start ``torch.profiler``, as a precaution: whatever state the profiler
+    (CUPTI) leaves behind stays in that process, away from the timings of the experiments after it.
     """
-    code = ("import json, sys\nfrom course.embedding import bench as B\n"
-            f"res = B.{func}(**json.loads(sys.argv[1]))\nprint('ISOLATED ' + json.dumps(res))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-                          timeout=600)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("ISOLATED "):
-            return json.loads(line[len("ISOLATED "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    raise RuntimeError(f"{func} failed in its own process (exit {proc.returncode}): {' / '.join(tail)}")
+    return isolate.run_isolated("course.embedding.bench", func, **kwargs)
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -57,6 +46,8 @@ def lookup_bytes(n_ids: int, dim: int, dtype, id_dtype=torch.int64) -> int:
     return 2 * n_ids * dim * el + n_ids * torch.empty((), dtype=id_dtype).element_size()
 
 
+SM_COPY = "copy on the SMs (torch.mul(src, 1, out=out))"  # the bound: a kernel that only reads and writes
+MEMCPY = "memcpy device-to-device (cudaMemcpyAsync)"
 NUMBA_KERNELS = {  # label -> keyword arguments of course.embedding.embedding
     "numba naive (1 thread per element)": dict(impl="naive"),
     "numba fast, 4-byte words": dict(impl="fast", word_bytes=4),
@@ -81,7 +72,10 @@ def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
         src = torch.empty_like(out).copy_(weight[ids])
         want = F.embedding(ids, weight)
         nbytes = lookup_bytes(n_ids, dim, dtype)
-        entries = [("device-to-device copy", lambda: out.copy_(src), 2 * out.numel() * out.element_size(), True),
+        copy_bytes = 2 * out.numel() * out.element_size()
+        entries = [(SM_COPY, lambda: torch.mul(src, 1, out=out), copy_bytes,
+                    True),
+                   (MEMCPY, lambda: out.copy_(src), copy_bytes, True),
                    ("F.embedding", lambda: F.embedding(ids, weight), nbytes, True)]
         for label, kw in NUMBA_KERNELS.items():
             E.embedding(ids, weight, out=out, bounds="device", **kw)
@@ -114,8 +108,8 @@ def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
         best = max(numba, key=lambda r: r["GB_per_s"])
         res.add_summary(f"best_numba_{dname}", best["kernel"])
         res.add_summary(f"best_numba_vs_F_embedding_{dname}", best["vs_F_embedding"], "x")
-        res.add_summary(f"copy_GB_per_s_{dname}", res.column("GB_per_s", dtype=dname, kernel="device-to-device copy")[0],
-                        "GB/s")
+        res.add_summary(f"copy_GB_per_s_{dname}", res.column("GB_per_s", dtype=dname, kernel=SM_COPY)[0], "GB/s")
+        res.add_summary(f"memcpy_GB_per_s_{dname}", res.column("GB_per_s", dtype=dname, kernel=MEMCPY)[0], "GB/s")
     return res
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from course.core.runtime import as_numba, numba_stream, runtime
+from course.embedding import lean
 from course.embedding.kernels import (IMPLS, BOUNDS, ID_DTYPES, WEIGHT_DTYPES, INT64_MAX, EmbeddingIndexError, as_words,
                                       element_view, fast_kernel, launch_config, naive_kernel, pick_word_bytes)
 
@@ -18,6 +19,8 @@ from course.embedding.kernels import (IMPLS, BOUNDS, ID_DTYPES, WEIGHT_DTYPES, I
 def _capturing() -> bool:
     return runtime().on_gpu and torch.cuda.is_current_stream_capturing()
 
+
+LEAN = True  # launch through course.embedding.lean (False: the plain Numba launch, for comparison)
 
 # --------------------------------------------------------------------------- the error flag
 _FLAGS: dict = {}
@@ -182,7 +185,10 @@ def embedding(ids, weight, padding_idx=None, impl: str = "fast", *, bounds: str 
         w, o = as_words(weight, wb), as_words(out2, wb)
         blocks, threads = launch_config("fast", n, w.shape[1] // (4 if wb == 16 else 1))
         kernel = fast_kernel(wb)
-    kernel[blocks, threads, numba_stream()](as_numba(flat), as_numba(w), as_numba(o), as_numba(err))
+    if LEAN:
+        lean.launch(kernel, blocks, threads, flat, w, o, err)
+    else:  # the plain Numba launch: every argument typed and wrapped on every call
+        kernel[blocks, threads, numba_stream()](as_numba(flat), as_numba(w), as_numba(o), as_numba(err))
     return out
 
 

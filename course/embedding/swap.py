@@ -220,7 +220,7 @@ class ReplayStandIn:
 def capture_for_replay(fn):
     """Capture ``fn()`` for replay: ``(graph, static_out, how)``.
 
-    GPU: a real ``torch.cuda.CUDAGraph`` (via :func:`course.capture.try_capture`; a failed
+    GPU: a real ``torch.cuda.CUDAGraph`` (via :func:`course.core.capture.try_capture`; a failed
     capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`.
     """
     if not runtime().on_gpu:

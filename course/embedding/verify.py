@@ -9,7 +9,7 @@ can fail for the right reason:
    ``F.embedding`` (a replay that runs is not yet a replay that is right);
 4. device-resident ids: ids created on the GPU work, and the profiler sees no
    device-to-host copy during the call;
-5. asynchrony: the robust test of :mod:`course.blocking` (queue a long GPU sleep, call,
+5. asynchrony: the robust test of :mod:`course.core.blocking` (queue a long GPU sleep, call,
    see whether the call returned before the GPU finished). The seeds' test ("an event
    recorded right after the call is already complete, so the call synchronized") is
    printed too, and explained: it mistakes a slow launch for a sync;
@@ -188,7 +188,7 @@ def _simulator_report(impl: str, log=print) -> int:
     for fix in rt.fixes:
         log(f"  to use a GPU: {fix}")
     log("  The recorded GPU results are in the lab: solutions/lab2_embedding_swap.ipynb "
-        "(course.reference.run('embedding_verify')).")
+        "(course.core.reference.run('embedding_verify')).")
     log(LINE)
     return 2
 

@@ -18,7 +18,7 @@ import time
 from course.core.capture import require_gpu, try_capture, warm_up
 from course.core.reference import experiment
 from course.core.results import Result
-from course.core.timing import time_device, time_enqueue, time_wall
+from course.core.timing import speedup, time_device, time_enqueue, time_interleaved, time_wall
 
 SWEEP_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -206,60 +206,77 @@ def mlp(width: int = 1024, depth: int = 4):
 
 @experiment("graphs_new_shape", gpu_only=True, quick={"batches": (1, 64), "repeats": 5})
 def new_shape_experiment(batches=(1, 8, 64, 512), width: int = 1024, depth: int = 4, repeats: int = 15) -> Result:
-    """For each batch size: warm-up + capture time, replay vs eager time, memory of the graph's pool."""
+    """For each batch size: warm-up and capture time, eager vs replay (interleaved), the graph's memory.
+
+    Memory is read the same way for every graph, right after its capture: ``pool_reserved_mib`` is what the
+    capture added to the memory torch reserves (the allocator hands out whole blocks: 2 MiB, or 20 MiB for
+    large tensors), ``pool_allocated_mib`` what the graph's live tensors take. Separate pools and one shared
+    pool (largest batch captured first) are measured by the same code. Break-even counts the warm-up too.
+    """
     require_gpu("the new-shape experiment")
     import torch
 
     MiB = 2 ** 20
     model = mlp(width, depth)
-    rows, graphs = [], []
-    with torch.no_grad():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        for b in batches:
+
+    def capture_all(order, pool=None):
+        out = []
+        for b in order:
             x = torch.randn(b, width, device="cuda")
             fn = lambda x=x: model(x)  # noqa: E731
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             warm_up(fn, 3)
+            torch.cuda.synchronize()
             t1 = time.perf_counter()
-            before = torch.cuda.memory_reserved()  # after warm-up: only the graph's own pool counts
+            reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, pool=pool):
                 y = fn()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-            graphs.append((g, x, y))
-            eager = time_device(fn, warmup=3, repeats=repeats, inner=10)
-            replay = time_device(g.replay, warmup=3, repeats=repeats, inner=10)
-            saving = eager.us - replay.us
-            rows.append({"batch": b, "warmup_ms": (t1 - t0) * 1e3, "capture_ms": (t2 - t1) * 1e3,
-                         "eager_us": eager.us, "replay_us": replay.us,
-                         "pool_mib": (torch.cuda.memory_reserved() - before) / MiB,
-                         "break_even_replays": (t2 - t1) * 1e6 / saving if saving > 0 else None})
-        separate = sum(r["pool_mib"] for r in rows)
-        del graphs, g, y
+            out.append({"batch": b, "graph": g, "fn": fn, "x": x, "y": y, "warmup_ms": (t1 - t0) * 1e3,
+                        "capture_ms": (t2 - t1) * 1e3,
+                        "pool_reserved_mib": (torch.cuda.memory_reserved() - reserved) / MiB,
+                        "pool_allocated_mib": (torch.cuda.memory_allocated() - allocated) / MiB})
+        return out
+
+    rows = []
+    with torch.no_grad():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        pool = torch.cuda.graph_pool_handle()
-        shared, shared_mib = [], 0.0
-        for b in sorted(batches, reverse=True):  # largest first, so smaller graphs fit in its memory
-            x = torch.randn(b, width, device="cuda")
-            warm_up(lambda x=x: model(x), 3)
-            before = torch.cuda.memory_reserved()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                y = model(x)
-            torch.cuda.synchronize()
-            shared_mib += (torch.cuda.memory_reserved() - before) / MiB
-            shared.append((g, x, y))
+        captured = capture_all(batches)  # memory read right after each capture, before any timing
+        for c in captured:
+            t = time_interleaved({"eager": c["fn"], "replay": c["graph"].replay}, warmup=3, repeats=repeats,
+                                 inner=10)
+            s = speedup("eager", t["eager"], "replay", t["replay"])
+            saving = t["eager"].us - t["replay"].us
+            paid = not s.noise and saving > 0
+            rows.append({"batch": c["batch"], "warmup_ms": c["warmup_ms"], "capture_ms": c["capture_ms"],
+                         "eager_us": t["eager"].us, "eager_q1_us": t["eager"].q1 * 1e6,
+                         "eager_q3_us": t["eager"].q3 * 1e6, "replay_us": t["replay"].us,
+                         "replay_q1_us": t["replay"].q1 * 1e6, "replay_q3_us": t["replay"].q3 * 1e6,
+                         "saving_is_noise": s.noise,
+                         "pool_reserved_mib": c["pool_reserved_mib"], "pool_allocated_mib": c["pool_allocated_mib"],
+                         "break_even_replays": ((c["warmup_ms"] + c["capture_ms"]) * 1e3 / saving) if paid else None})
+        del captured
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        shared = capture_all(sorted(batches, reverse=True), pool=torch.cuda.graph_pool_handle())
+        shared_reserved = sum(c["pool_reserved_mib"] for c in shared)
+        shared_allocated = sum(c["pool_allocated_mib"] for c in shared)
         del shared
+        torch.cuda.synchronize()
     res = Result("graphs_new_shape", f"A new shape is a new capture (MLP {depth}x{width}, no_grad)",
-                 {"batch": "count", "warmup_ms": "ms", "capture_ms": "ms", "eager_us": "us", "replay_us": "us",
-                  "pool_mib": "MiB", "break_even_replays": "count"}, rows,
+                 {"batch": "count", "warmup_ms": "ms", "capture_ms": "ms", "eager_us": "us", "eager_q1_us": "us",
+                  "eager_q3_us": "us", "replay_us": "us", "replay_q1_us": "us", "replay_q3_us": "us",
+                  "saving_is_noise": "", "pool_reserved_mib": "MiB", "pool_allocated_mib": "MiB",
+                  "break_even_replays": "count"}, rows,
                  params={"batches": list(batches), "width": width, "depth": depth, "repeats": repeats})
-    res.add_summary("memory reserved, one pool per graph", separate, "MiB")
-    res.add_summary("memory reserved, one shared pool", shared_mib, "MiB")
+    res.add_summary("memory reserved, one pool per graph", sum(r["pool_reserved_mib"] for r in rows), "MiB")
+    res.add_summary("memory reserved, one shared pool", shared_reserved, "MiB")
+    res.add_summary("memory allocated, one pool per graph", sum(r["pool_allocated_mib"] for r in rows), "MiB")
+    res.add_summary("memory allocated, one shared pool", shared_allocated, "MiB")
     return res
 
 

@@ -1,6 +1,6 @@
 """Launch overhead: how long the CPU takes to issue a kernel vs how long the GPU runs it.
 
-Experiments (see :mod:`course.reference`):
+Experiments (see :mod:`course.core.reference`):
 
 - ``launch_costs`` (GPU): host cost to issue one tiny op, for torch and for Numba kernels,
   beside the GPU's own execution time of the same kernel (measured inside a CUDA graph,
@@ -113,15 +113,21 @@ def launch_costs(repeats: int = 25) -> Result:
 
 
 @experiment("launch_sweep", gpu_only=True, quick={"max_exp": 16, "repeats": 5})
-def launch_sweep(min_exp: int = 4, max_exp: int = 26, repeats: int = 15) -> Result:
+def launch_sweep(min_exp: int = 4, max_exp: int = 28, repeats: int = 15) -> Result:
     """Sweep ``x.add_(1)`` over float32 tensors of 2**min_exp..2**max_exp elements.
 
     Columns: host enqueue time per op, GPU time per op when issued back to back (eager),
-    and kernel execution time per op inside a CUDA graph. Summary: the crossover size.
+    and kernel execution time per op inside a CUDA graph. Summary: the crossover size, and bandwidth
+    two ways: the highest seen at any size (data that fits in L2 included) and DRAM bandwidth, from sizes
+    at least 4x the L2 cache only, beside the hardware peak read from the device.
     """
     import torch
     from tqdm.auto import tqdm
 
+    from course.core.hardware import memory_facts
+
+    facts = memory_facts()
+    l2 = facts["l2_bytes"] or 0
     dev = torch_device()
     rows = []
     for n in tqdm(_sizes(min_exp, max_exp, step=1), desc="launch sweep", leave=False):
@@ -132,17 +138,24 @@ def launch_sweep(min_exp: int = 4, max_exp: int = 26, repeats: int = 15) -> Resu
         exec_s, _ = graph_time_per_op(op, repeats=repeats)
         nbytes = n * 4
         rows.append({"elements": n, "bytes": nbytes, "host_enqueue_us": enq.us, "eager_gpu_us": eager.us,
-                     "kernel_exec_us": exec_s * 1e6, "bandwidth_GBps": 2 * nbytes / exec_s / 1e9})
+                     "kernel_exec_us": exec_s * 1e6, "bandwidth_GBps": 2 * nbytes / exec_s / 1e9,
+                     "fits_in_l2": bool(l2) and nbytes <= l2})
         del x
     res = Result("launch_sweep", "x.add_(1) on float32 tensors: launch cost vs kernel time",
                  {"elements": "", "bytes": "B", "host_enqueue_us": "us", "eager_gpu_us": "us",
-                  "kernel_exec_us": "us", "bandwidth_GBps": "GB/s"}, rows,
+                  "kernel_exec_us": "us", "bandwidth_GBps": "GB/s", "fits_in_l2": ""}, rows,
                  params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats})
     import statistics
     res.add_summary("launch_us", statistics.median(r["host_enqueue_us"] for r in rows), "us")
     res.add_summary("smallest_kernel_exec_us", rows[0]["kernel_exec_us"], "us")
     res.add_summary("crossover_bytes", crossover_bytes(rows), "B")
     res.add_summary("peak_bandwidth_GBps", max(r["bandwidth_GBps"] for r in rows), "GB/s")
+    res.add_summary("l2_bytes", l2, "B")
+    dram = [r["bandwidth_GBps"] for r in rows if l2 and r["bytes"] >= 4 * l2]
+    if dram:
+        res.add_summary("dram_bandwidth_GBps", max(dram), "GB/s")
+    if facts["peak_dram_GBps"]:
+        res.add_summary("hardware_peak_dram_GBps", facts["peak_dram_GBps"], "GB/s")
     return res
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import time
 
 from course.core.capture import require_gpu
 from course.core.reference import experiment
 from course.core.results import Result
-from course.core.timing import time_device
+from course.core.timing import speedup, time_interleaved
 
 
 class CompileNet:
@@ -91,10 +92,48 @@ def torch_log_messages(**artifacts):
         torch._logging.set_logs()
 
 
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\:\"']+)+[/\\]([^\s/\\:\"']+)")
+
+
 def _condense(message: str, lines: int = 4) -> str:
-    """The first few non-empty lines of a (multi-line) log message, joined with ' / '."""
-    kept = [l.strip() for l in message.strip().splitlines() if l.strip()][:lines]
+    """The first few non-empty lines of a (multi-line) log message, joined with ' / ', machine paths cut to
+    their file names (a recorded log must not carry the recording machine's folders)."""
+    kept = [_PATH.sub(r"\1", l.strip()) for l in message.strip().splitlines() if l.strip()][:lines]
     return " / ".join(kept)[:400]
+
+
+def launch_counts(fn) -> dict:
+    """Profile one call of ``fn`` (GPU) and count what the host launched: CUDA graph launches and single kernels.
+
+    This is how to *see* whether torch.compile replayed a CUDA graph: a steady-state call that launches a graph
+    shows ``cudaGraphLaunch``; one that does not shows only kernel launches.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    return {"graph_launches": sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names),
+            "kernel_launches": sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+                                   for n in names)}
+
+
+def why_slower(row: dict) -> str:
+    """A one-line reason, read off the row's own measurements, for compiled being slower than eager (or '')."""
+    if row["compiled_us"] <= row["eager_us"]:
+        return ""
+    if not row["graph_launches"]:
+        why = "no CUDA graph replayed: the compiled kernels are launched one by one"
+        if row["cudagraph_skips"]:
+            why += ", and torch.compile's wrapper (guards, input checks) adds host time on top"
+        return why
+    if row["graph_breaks"]:
+        return (f"{row['graph_breaks']} graph break(s): the model runs as several pieces with Python between them, "
+                "each piece its own graph or kernels")
+    return "a graph is replayed, but the host work around it (guards, copies into static inputs) costs more here"
 
 
 def _recompile_reason(message: str) -> str:
@@ -141,22 +180,31 @@ def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth:
             first_s = time.perf_counter() - t0
             for _ in range(3):
                 compiled(x)
-            c = time_device(lambda: compiled(x), warmup=3, repeats=repeats, inner=10)
-        with torch.no_grad():
-            e = time_device(lambda: net(x), warmup=3, repeats=repeats, inner=10)
+            counts = launch_counts(lambda: compiled(x))
+            t = time_interleaved({"compiled": lambda: compiled(x), "eager": lambda: net(x)}, warmup=3,
+                                 repeats=repeats, inner=10)
+        c, e = t["compiled"], t["eager"]
         k = _counters()
         skips = [_condense(m) for m in msgs if "skipping cudagraphs" in m]
         breaks = [_condense(m) for m in msgs if "graph break" in m.lower()]
-        parts = sorted({m.strip().splitlines()[0] for m in msgs if "graph partitions" in m})
-        rows.append({"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us, "eager_us": e.us,
-                     "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
-                     "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
-                     "partitions": " | ".join(parts)})
+        parts = sorted({_condense(m, 1) for m in msgs if "graph partitions" in m})
+        row = {"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us,
+               "compiled_q1_us": c.q1 * 1e6, "compiled_q3_us": c.q3 * 1e6, "eager_us": e.us,
+               "eager_q1_us": e.q1 * 1e6, "eager_q3_us": e.q3 * 1e6,
+               "graph_launches": counts["graph_launches"], "kernel_launches": counts["kernel_launches"],
+               "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
+               "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
+               "partitions": " | ".join(parts)}
+        row["difference_is_noise"] = speedup("eager", e, "compiled", c).noise
+        row["why_slower"] = "" if row["difference_is_noise"] else why_slower(row)
+        rows.append(row)
     _reset_compile()
     res = Result("compile_skip_reasons", 'torch.compile(mode="reduce-overhead"): what a hazard does to cudagraphs',
-                 {"hazard": "", "first_call_s": "s", "compiled_us": "us", "eager_us": "us",
-                  "cudagraph_skips": "count", "graph_breaks": "count", "skip_reason": "",
-                  "graph_break_reason": "", "partitions": ""}, rows,
+                 {"hazard": "", "first_call_s": "s", "compiled_us": "us", "compiled_q1_us": "us",
+                  "compiled_q3_us": "us", "eager_us": "us", "eager_q1_us": "us", "eager_q3_us": "us",
+                  "graph_launches": "count", "kernel_launches": "count", "cudagraph_skips": "count",
+                  "graph_breaks": "count", "skip_reason": "", "graph_break_reason": "", "partitions": "",
+                  "difference_is_noise": "", "why_slower": ""}, rows,
                  params={"hazards": list(hazards), "width": width, "depth": depth, "batch": batch, "repeats": repeats,
                          "torch": torch.__version__})
     clean = [r for r in rows if r["hazard"] == "none"]
@@ -192,11 +240,15 @@ def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, 
                 after = _counters()
                 new = msgs[n_msgs:]
                 log = [_recompile_reason(m) for m in new if m.startswith("Recompiling")]
-                log += [m.strip().splitlines()[0] for m in new if "Recording cudagraph tree" in m]
+                recorded = sum("Recording function" in m for m in new)
+                compiled_now = after["unique_graphs"] - before["unique_graphs"]
+                if compiled_now and not log:
+                    log.append("compiled")
+                if recorded:
+                    log.append(f"recorded {recorded} CUDA graph(s)")
                 rows.append({"call": call, "batch": b, "new_shape": new_shape and i == 0, "call_ms": dt * 1e3,
-                             "graphs_compiled": after["unique_graphs"] - before["unique_graphs"],
-                             "graphs_recorded": sum("Recording function" in m for m in new),
-                             "log": " | ".join(log)[:300]})
+                             "graphs_compiled": compiled_now, "graphs_recorded": recorded,
+                             "log": " | ".join(_condense(l, 1) for l in log)[:300]})
                 call += 1
     _reset_compile()
     res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new input shapes',
@@ -215,4 +267,5 @@ def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, 
         res.add_summary("a steady-state call (last at each shape, median)", sorted(steady)[len(steady) // 2], "ms")
     res.add_summary("dynamo compiles in total", sum(r["graphs_compiled"] for r in rows), "count")
     res.add_summary("CUDA graphs recorded in total", sum(r["graphs_recorded"] for r in rows), "count")
+    res.add_summary("distinct batch sizes", len(set(batches)), "count")
     return res

@@ -34,6 +34,8 @@ CATALOG = (
           "the CPU-copy embedding cannot be captured; the device kernel can"),
     Entry("labs/lab3_graph_cache.ipynb", "Lab 3: build a graph cache", "lab",
           "key, capture on miss, replay on hit, stats, buckets and padding, fallback, enable/clear"),
+    Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
+          "the seeds' DTensor test, vocab-parallel with the Numba kernel, capture on 2 GPUs, ranks must agree"),
     Entry("solutions/lab1_embedding_kernel.ipynb", "Lab 1 solution", "solution",
           "the reference answers for lab 1"),
     Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",

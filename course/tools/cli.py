@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     r.set_defaults(func=_run)
     b = sub.add_parser("bench", help="write reference data (GPU only)")
-    b.add_argument("names", nargs="*", help="experiments to run (default: every GPU experiment)")
+    b.add_argument("names", nargs="*", help="experiments to run (default: on 1 GPU the single-GPU experiments, "
+                   "on 2+ GPUs the multi-GPU ones)")
     b.add_argument("--out", default=None, help="folder to write to (default: course/reference)")
     b.add_argument("--quick", action="store_true", help="small sizes (smoke test; not for committing)")
     b.set_defaults(func=_bench)

@@ -9,7 +9,7 @@ Cells tagged ``solution-only`` are left out of the lab. ``python -m course build
 writes ``labs/``; ``--check`` only compares and names the files that are out of sync.
 
 ``python -m course check labs/NAME.ipynb`` runs a notebook in a fresh kernel with
-``COURSE_CHECK_LOG`` set (see :mod:`course.checks`) and prints, for every exercise the
+``COURSE_CHECK_LOG`` set (see :mod:`course.core.checks`) and prints, for every exercise the
 notebook contains, whether its check passed, failed (with the hint) or is not done yet.
 """
 from __future__ import annotations

@@ -27,19 +27,14 @@ from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
 
 
 def graph_launches(fn, calls: int = 5) -> dict:
-    """Profile ``calls`` steady-state calls of ``fn``; per call: cudaGraphLaunch and kernel-launch API calls."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """Per call of ``fn``: cudaGraphLaunch and kernel-launch API calls in a profiler trace of ``calls`` calls.
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]
-    graphs = sum("cudaGraphLaunch" in n for n in names)
-    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for n in names)
-    return {"graph_launches": graphs / calls, "kernel_launches": kernels / calls}
+    :func:`course.lessons.reduce_overhead.launch_counts` over a loop of steady-state calls (GPU).
+    """
+    from course.lessons.reduce_overhead import launch_counts
+
+    counts = launch_counts(lambda: [fn() for _ in range(calls)])
+    return {"graph_launches": counts["graph_launches"] / calls, "kernel_launches": counts["kernel_launches"] / calls}
 
 
 def fresh_compile() -> None:

@@ -94,7 +94,7 @@ def sync_debug_events(fn) -> list:
 
 
 def blocking_with_line(fn, *, sleep_ms: float = 20.0):
-    """:func:`course.blocking.host_blocking` plus the user line the host waited on (if it blocked).
+    """:func:`course.core.blocking.host_blocking` plus the user line the host waited on (if it blocked).
 
     A line tracer records when each user line starts; the line that took most of
     the queued GPU sleep is the one that waited. Returns (BlockingReport, frame or None).
@@ -181,10 +181,20 @@ class DynamicReport:
     """What running the function on the GPU showed."""
 
     findings: list
-    blocking: object  # course.blocking.BlockingReport
-    capture: object  # course.capture.CaptureOutcome (graph dropped)
+    blocking: object  # course.core.blocking.BlockingReport
+    capture: object  # course.core.capture.CaptureOutcome (graph dropped)
     replay_matches: bool | None  # None: not captured, or the check was skipped
     sync_warnings: int
+
+
+def eager_failure(exc: BaseException) -> Finding:
+    """A finding for a function that raises when simply called (no capture involved), at the user's line."""
+    from course.core.capture import exception_frames
+
+    fr = user_frame(exception_frames(exc))
+    return Finding("fails", fr[1] if fr else None, fr[0] if fr else None, fr[3] if fr else "", "eager",
+                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (it fails without "
+                   "any capture: fix that first; the other checks did not run)")
 
 
 def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -> DynamicReport:
@@ -205,8 +215,11 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
 
     require_gpu("the dynamic hazard finder")
     call = lambda: fn(*args)  # noqa: E731
-    call()  # eager warm-up: lazy init must not be reported as a hazard
-    torch.cuda.synchronize()
+    try:
+        call()  # eager warm-up: lazy init must not be reported as a hazard
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the function is broken before any capture: that is the finding
+        return DynamicReport([eager_failure(e)], None, None, None, 0)
     findings = []
 
     events = sync_debug_events(call)
@@ -280,7 +293,7 @@ class HazardReport:
     def __str__(self) -> str:
         head = f"{self.name}: " + (f"{len(self.findings)} finding(s)" if self.flagged else "no hazards found")
         body = [str(f) for f in self.findings]
-        if self.dynamic:
+        if self.dynamic and self.dynamic.blocking is not None:
             b = self.dynamic.blocking
             body.append(f"{'':20}host returned after {b.host_return_ms:.2f} ms; GPU busy {b.gpu_busy_ms:.2f} ms; "
                         f"capture: {self.dynamic.capture}")

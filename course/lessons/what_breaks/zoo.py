@@ -3,7 +3,7 @@
 Every entry pairs a *hazard* (a function that syncs with the host, copies between
 host and device, or reads GPU values on the host) with a *fix* that computes the
 same thing and captures cleanly. The functions are ordinary module-level
-functions, so the static finder (:func:`course.hazards.find_static`) can read
+functions, so the static finder (:func:`course.lessons.what_breaks.find_static`) can read
 their source and point at exact lines; each hazard line carries a ``# hazard``
 comment so tests can find the line the finder must report.
 

@@ -1,0 +1,26 @@
+"""Lesson 05, a sharded embedding table: the seeds' DTensor test, vocab-parallel by hand, capture on GPUs.
+
+- :mod:`~course.lessons.sharding.launch`: start N worker processes (NCCL on 2+ GPUs, else gloo on the
+  CPU), collect their results, hard time limit, errors that name the rank.
+- :mod:`~course.lessons.sharding.layouts`: row-wise / column-wise DTensor embeddings (the seed's test),
+  who holds which rows and columns, what each collective moves.
+- :mod:`~course.lessons.sharding.vocab_parallel`: mask, local lookup (the course's Numba kernel),
+  zero rows, all-reduce; the eager guard that refuses bad input on every rank.
+- :mod:`~course.lessons.sharding.workers`: what each worker process runs (spawned processes import it).
+- :mod:`~course.lessons.sharding.graphs`: the lookups captured in CUDA graphs on 2+ GPUs, eager vs replay.
+- :mod:`~course.lessons.sharding.experiments`: the registered experiments behind notebook 05.
+"""
+from course.lessons.sharding.launch import Context, Plan, WorkerError, WorkerTimeout, launch, plan
+from course.lessons.sharding.layouts import LAYOUTS, SEED_CASES, chunk_bounds, comm_bytes, ownership, shard_embedding
+from course.lessons.sharding.vocab_parallel import (check_inputs, local_rows, masked_lookup, shard_bounds,
+                                                    vocab_parallel_embedding)
+from course.lessons.sharding.workers import agree_bucket, bucket_step, pick_bucket
+from course.lessons.sharding.graphs import VARIANTS, capture_graph, make_step
+from course.lessons.sharding.lesson import (bucket_demo, capture_summary, load_or_explain, plot_cost,
+                                            plot_ownership, plot_world_sizes, run_lesson)
+
+__all__ = ["Context", "LAYOUTS", "Plan", "SEED_CASES", "VARIANTS", "WorkerError", "WorkerTimeout", "agree_bucket",
+           "bucket_demo", "bucket_step", "capture_graph", "capture_summary", "check_inputs", "chunk_bounds",
+           "comm_bytes", "launch", "load_or_explain", "local_rows", "make_step", "masked_lookup", "ownership",
+           "pick_bucket", "plan", "plot_cost", "plot_ownership", "plot_world_sizes", "run_lesson", "shard_bounds",
+           "shard_embedding", "vocab_parallel_embedding"]

@@ -1,0 +1,166 @@
+"""The registered experiments of lesson 05 (each starts its own worker processes and returns a Result).
+
+Live everywhere (NCCL on 2+ GPUs, else gloo with CPU processes):
+
+- ``sharding_seed`` (:func:`seed_experiment`): the seed's DTensor test cases and comm counts;
+- ``sharding_cost`` (:func:`cost_experiment`): ids per step and table width swept, eager time, bytes
+  of the lookup vs bytes of the all-reduce;
+- ``sharding_world_sizes`` (:func:`world_sizes_experiment`): the same lookup at world sizes 2, 4, 8
+  (gloo: CPU processes; NCCL: as many GPUs as the machine has).
+
+Multi-GPU only (``gpus=2``; recorded by ``python -m course bench`` on a machine with 2+ GPUs):
+
+- ``sharding_capture`` (:func:`capture_experiment`): both DTensor layouts and the hand-written lookup
+  (``F.embedding`` and Numba) captured and replayed on 2 GPUs, eager vs replay, plus bucket agreement;
+- ``sharding_capture_world_sizes`` (:func:`capture_world_sizes_experiment`): eager vs replay at every
+  world size in 2, 4, 8 that the machine reaches.
+"""
+from __future__ import annotations
+
+from course.core.provenance import provenance
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.runtime import gpu_count
+from course.lessons.sharding import graphs as G
+from course.lessons.sharding import workers as W
+from course.lessons.sharding.launch import launch, plan
+
+WORLD_SIZES = (2, 4, 8)
+
+
+def run_provenance(p) -> dict:
+    """Provenance for a multi-process run: "2x <GPU>" for NCCL, "N CPU processes (gloo) on <CPU>" for gloo."""
+    prov = provenance(gpus=p.gpus)
+    if p.backend == "gloo":
+        prov["device"] = f"{p.world_size} CPU processes (gloo) on {prov['cpu']}"
+        prov["driver"] = None
+    return prov
+
+
+def _checks(case: dict) -> dict:
+    return {k: v for k, v in case.items() if k != "local_weight_shape"}
+
+
+def seed_result(per_rank: list, p) -> Result:
+    """The seed's cases as a Result, from every rank's ``seed_worker`` output (the ranks must agree)."""
+    first = per_rank[0]
+    if any(list(map(_checks, o["cases"])) != list(map(_checks, first["cases"])) for o in per_rank):
+        raise AssertionError("the ranks disagree on the seed's checks: " + repr([o["cases"] for o in per_rank]))
+    rows = []
+    for i, c in enumerate(first["cases"]):
+        shards = " | ".join("x".join(map(str, o["cases"][i]["local_weight_shape"])) for o in per_rank)
+        rows.append({"case": i, "layout": c["layout"], "ids": "x".join(map(str, c["input_size"])),
+                     "table": f"{c['num_embeddings']}x{c['embedding_dim']}",
+                     "kwargs": ",".join(f"{k}={v}" for k, v in c["kwargs"].items()) or "-",
+                     "forward_ok": c["forward_equal"], "grad_ok": c["grad_equal"],
+                     "F.embedding_ok": c["functional_equal"], "fwd_comms": c["forward_comms"],
+                     "bwd_comms": c["backward_comms"], "output": c["output_placement"],
+                     "full_tensor": " ".join(f"{k}x{v}" for k, v in c["full_tensor_comms"].items()),
+                     "shard_per_rank": shards})
+    cols = {"case": "", "layout": "", "ids": "", "table": "rows x cols", "kwargs": "", "forward_ok": "",
+            "grad_ok": "", "F.embedding_ok": "", "fwd_comms": "count", "bwd_comms": "count", "output": "",
+            "full_tensor": "collective x count", "shard_per_rank": "rows x cols"}
+    res = Result("sharding_seed", f"The seed's DTensor embedding test, {p.backend} with {p.world_size} processes",
+                 cols, rows, provenance=run_provenance(p), params={"backend": p.backend, "world_size": p.world_size})
+    res.add_summary("cases_all_equal", all(r["forward_ok"] and r["grad_ok"] and r["F.embedding_ok"] for r in rows))
+    res.add_summary("max_norm_error", first["max_norm_error"] or "")
+    return res
+
+
+@experiment("sharding_seed", gpu_only=False)
+def seed_experiment(world_size: int | None = None, timeout: float = 120.0) -> Result:
+    """The seed's test, live: every case on every rank; rank 0's view (all ranks must agree)."""
+    p = plan(world_size)
+    return seed_result(launch(W.seed_worker, p.world_size, backend=p.backend, timeout=timeout), p)
+
+
+def _sweep_result(name, title, rows, p, params) -> Result:
+    cols = {"world_size": "ranks", "ids": "ids/step", "dim": "columns", "eager_us": "us", "eager_q1_us": "us",
+            "eager_q3_us": "us", "correct": "", "output_bytes": "B", "rowwise_lookup_bytes": "B",
+            "colwise_lookup_bytes": "B", "allreduce_bytes": "B", "allgather_bytes": "B"}
+    res = Result(name, title, cols, rows, provenance=run_provenance(p),
+                 params={"backend": p.backend, "processes": p.world_size, **params})
+    res.add_summary("all_correct", all(r["correct"] for r in rows))
+    return res
+
+
+@experiment("sharding_cost", gpu_only=False, quick={"n_ids": (16, 64), "dims": (16, 64)})
+def cost_experiment(n_ids=None, dims=None, world_size: int | None = None, num_embeddings: int | None = None,
+                    timeout: float = 240.0) -> Result:
+    """Row-wise lookup + all-reduce, eager, for each ids-per-step x table width: time and bytes moved per rank."""
+    p = plan(world_size)
+    gpu = p.backend == "nccl"
+    n_ids = tuple(n_ids or ((16, 128, 1024, 8192) if gpu else (16, 64, 256)))
+    dims = tuple(dims or ((64, 256, 1024, 4096) if gpu else (16, 64, 256)))
+    num = num_embeddings or (32000 if gpu else 1024)
+    out = launch(W.sweep_worker, p.world_size, backend=p.backend, timeout=timeout, sizes=(p.world_size,),
+                 n_ids=n_ids, dims=dims, num_embeddings=num, repeats=15 if gpu else 5, inner=10 if gpu else 3)
+    return _sweep_result("sharding_cost", f"Vocab-parallel lookup + all_reduce, eager, {p.backend} x{p.world_size}",
+                         out[0], p, {"num_embeddings": num})
+
+
+@experiment("sharding_world_sizes", gpu_only=False, quick={"sizes": (2, 4)})
+def world_sizes_experiment(sizes=WORLD_SIZES, ids: int = 128, dim: int | None = None, timeout: float = 300.0) -> Result:
+    """The lookup + all-reduce, eager, at each world size this machine reaches (gloo: any; NCCL: <= GPUs)."""
+    n = gpu_count()
+    reach = [s for s in sizes if s <= n] if n >= 2 else list(sizes)
+    if not reach:
+        raise ValueError(f"none of the world sizes {tuple(sizes)} fits this machine's {n} GPUs")
+    p = plan(max(reach))
+    dim = dim or (1024 if p.backend == "nccl" else 32)
+    out = launch(W.sweep_worker, p.world_size, backend=p.backend, timeout=timeout, sizes=tuple(reach),
+                 n_ids=(ids,), dims=(dim,), num_embeddings=8 * 1024, repeats=15 if p.backend == "nccl" else 5,
+                 inner=10 if p.backend == "nccl" else 3)
+    return _sweep_result("sharding_world_sizes", f"Lookup + all_reduce vs world size, eager, {p.backend}", out[0], p,
+                         {"sizes": tuple(reach), "not_reached": tuple(s for s in sizes if s not in reach)})
+
+
+def _capture_result(name, title, out, p, params) -> Result:
+    rows = out[0]["rows"]
+    cols = {"world_size": "ranks", "variant": "", "eager_us": "us", "eager_q1_us": "us", "eager_q3_us": "us",
+            "replay_us": "us", "replay_q1_us": "us", "replay_q3_us": "us", "speedup": "x", "replay_correct": "",
+            "ids": "ids/step", "dim": "columns", "output_bytes": "B", "allreduce_bytes": "B", "allgather_bytes": "B"}
+    rows = [{k: r[k] for k in cols} for r in rows]
+    res = Result(name, title, cols, rows, provenance=run_provenance(p), params=params)
+    res.add_summary("all_replays_correct", all(r["replay_correct"] for r in rows))
+    agreement = [a for o in out for a in o["agreement"]]
+    res.add_summary("bucket_agreement_ok", all(a["correct"] for a in agreement) and bool(agreement))
+    res.add_summary("bucket_agreement", agreement)
+    return res
+
+
+@experiment("sharding_capture", gpu_only=True, gpus=2, quick={"repeats": 5, "inner": 3})
+def capture_experiment(ids_shape=(8, 16), num_embeddings: int = 32000, dim: int = 1024, repeats: int = 15,
+                       inner: int = 10, timeout: float = 500.0) -> Result:
+    """Both DTensor layouts and the hand-written lookup (F.embedding, Numba) captured on 2 GPUs: eager vs replay."""
+    p = plan(2, "nccl")
+    out = launch(G.capture_worker, 2, backend="nccl", timeout=timeout, sizes=(2,), ids_shape=tuple(ids_shape),
+                 num_embeddings=num_embeddings, dim=dim, repeats=repeats, inner=inner)
+    res = _capture_result("sharding_capture", "Sharded lookup on 2 GPUs: eager vs CUDA-graph replay (rank 0)", out, p,
+                          {"ids_shape": tuple(ids_shape), "num_embeddings": num_embeddings, "dim": dim})
+    rep = {r["variant"]: r for r in res.rows}
+    res.add_summary("rowwise_replay_us", rep["dtensor_rowwise"]["replay_us"], "us")
+    res.add_summary("rowwise_speedup", rep["dtensor_rowwise"]["speedup"], "x")
+    res.add_summary("numba_over_torch_replay", rep["vocab_numba"]["replay_us"] / rep["vocab_torch"]["replay_us"], "x")
+    return res
+
+
+@experiment("sharding_capture_world_sizes", gpu_only=True, gpus=2, quick={"repeats": 5, "inner": 3})
+def capture_world_sizes_experiment(sizes=WORLD_SIZES, variants=("dtensor_rowwise", "vocab_torch"), ids_shape=(8, 16),
+                                   num_embeddings: int = 32000, dim: int = 1024, repeats: int = 15, inner: int = 10,
+                                   timeout: float = 580.0) -> Result:
+    """Eager vs replay at each world size in ``sizes`` this machine reaches (one process per GPU)."""
+    n = gpu_count()
+    reach = [s for s in sizes if s <= n]
+    if not reach:
+        raise ValueError(f"none of the world sizes {tuple(sizes)} fits this machine's {n} GPUs")
+    p = plan(max(reach), "nccl")
+    out = launch(G.capture_worker, p.world_size, backend="nccl", timeout=timeout, sizes=tuple(reach),
+                 variants=tuple(variants), ids_shape=tuple(ids_shape), num_embeddings=num_embeddings, dim=dim,
+                 repeats=repeats, inner=inner, buckets=False)
+    res = _capture_result("sharding_capture_world_sizes", "Sharded lookup vs world size: eager vs replay (rank 0)",
+                          out, p, {"sizes": tuple(reach), "not_reached": tuple(s for s in sizes if s not in reach),
+                                   "ids_shape": tuple(ids_shape), "num_embeddings": num_embeddings, "dim": dim})
+    res.summary.pop("bucket_agreement_ok")
+    res.summary.pop("bucket_agreement")
+    return res

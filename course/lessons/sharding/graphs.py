@@ -1,0 +1,149 @@
+"""The sharded lookup captured in a CUDA graph on each GPU, replayed with new ids, eager vs replay timed.
+
+:func:`capture_worker` runs in every NCCL worker (one process per GPU). For each world size it
+builds the variants below over the first ``w`` ranks (a subgroup when ``w`` is smaller than the
+launch), warms each up on a side stream, captures one call (lookup *and* collective) into a
+``torch.cuda.CUDAGraph``, writes new ids into the static input, replays, and checks the answer
+against ``F.embedding`` on the full table. Timing: CUDA events around back-to-back calls
+(:func:`course.core.timing.time_device`); every rank runs the same number of calls, so the
+collectives line up.
+
+Variants (:data:`VARIANTS`):
+
+- ``dtensor_rowwise``: ``Shard(0)`` DTensor embedding + ``full_tensor()`` (one all-reduce);
+- ``dtensor_colwise``: ``Shard(1)`` + ``full_tensor()`` (one all-gather);
+- ``vocab_torch``: hand-written mask + ``F.embedding`` + masked fill + ``all_reduce``;
+- ``vocab_numba``: the same with the course's Numba kernel launched on torch's stream.
+
+Frozen at capture: the process group and its ranks (the mesh), each rank's shard offset and
+table address, the collective, its size and its dtype, the ids' and output's addresses. The
+ids' *values* and the table's *values* are read at every replay.
+
+After the shape buckets are captured, :func:`capture_worker` also shows the agreement step:
+each rank has a different number of tokens, the ranks all-gather their bucket picks, and all
+replay the same bucket's graph. Graphs are freed and the GPU synchronized before returning
+(tearing down NCCL with live graphs has hung).
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from course.lessons.sharding import layouts as L
+from course.lessons.sharding import vocab_parallel as V
+from course.lessons.sharding import workers as W
+
+VARIANTS = ("dtensor_rowwise", "dtensor_colwise", "vocab_torch", "vocab_numba")
+
+
+def capture_graph(step, warmup: int = 3):
+    """Warm ``step`` up on a side stream, capture one call; returns (graph, static output)."""
+    from course.core.capture import warm_up
+
+    warm_up(step, warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def make_step(variant: str, ids: torch.Tensor, weight: torch.Tensor, rank: int, world: int, group=None, mesh=None):
+    """The lookup of one variant as a no-argument function over the static ``ids``; returns the full output."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    num = weight.shape[0]
+    if variant.startswith("dtensor"):
+        emb = torch.nn.Embedding(num, weight.shape[1], device=weight.device)
+        emb.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        sharded = L.shard_embedding(emb, mesh, 0 if variant == "dtensor_rowwise" else 1)
+
+        def step():
+            with torch.no_grad():  # inference: no autograd graph in the captured region
+                return sharded(DTensor.from_local(ids, mesh, [Replicate()], run_check=False)).full_tensor()
+        return step
+    if variant in ("vocab_torch", "vocab_numba"):
+        shard, start = V.local_rows(weight, rank, world)
+        impl = variant.split("_")[1]
+        return lambda: V.vocab_parallel_embedding(ids, shard, start, num_embeddings=num, impl=impl, group=group,
+                                                  check=False)
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def _stats(t) -> tuple:
+    return t.median * 1e6, t.q1 * 1e6, t.q3 * 1e6
+
+
+def _one_variant(variant, w, ctx, group, mesh, ids_shape, num_embeddings, dim, repeats, inner) -> dict:
+    from course.core.timing import time_device
+
+    dev = ctx.torch_device
+    weight = W._full_table(num_embeddings, dim, dev)
+    ids = W._same_ids(ids_shape, num_embeddings, dev)
+    step = make_step(variant, ids, weight, ctx.rank, w, group, mesh)
+    eager = time_device(step, warmup=3, repeats=repeats, inner=inner)
+    graph, out = capture_graph(step)
+    ids.copy_(W._same_ids(ids_shape, num_embeddings, dev, seed=99))  # new ids into the static input
+    graph.replay()
+    torch.cuda.synchronize()
+    correct = bool(torch.equal(out, torch.nn.functional.embedding(ids, weight)))
+    replay = time_device(graph.replay, warmup=3, repeats=repeats, inner=inner)
+    del graph, out, step
+    gc.collect()
+    torch.cuda.synchronize()
+    e, eq1, eq3 = _stats(eager)
+    r, rq1, rq3 = _stats(replay)
+    return {"world_size": w, "variant": variant, "eager_us": e, "eager_q1_us": eq1, "eager_q3_us": eq3,
+            "replay_us": r, "replay_q1_us": rq1, "replay_q3_us": rq3, "speedup": e / r if r else 0.0,
+            "replay_correct": correct, "ids": ids.numel(), "dim": dim, **L.comm_bytes(ids.numel(), dim, w)}
+
+
+def _bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)) -> dict:
+    """One graph per bucket; ranks with different token counts agree on one bucket, then all replay it."""
+    dev = ctx.torch_device
+    weight = W._full_table(num_embeddings, dim, dev)
+    shard, start = V.local_rows(weight, ctx.rank, w)
+    graphs = {}
+    for b in buckets:
+        ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        step = lambda ids=ids: V.vocab_parallel_embedding(ids, shard, start, num_embeddings=num_embeddings,
+                                                          impl="torch", group=group, check=False)
+        graphs[b] = (ids, *capture_graph(step))
+    n_tokens = 5 + 6 * (ctx.rank % 2)  # the ranks' local counts differ (rank 0: 5 tokens, rank 1: 11)
+    bucket = W.agree_bucket(n_tokens, buckets, group=group, device=dev)
+    ids, graph, out = graphs[bucket]
+    seq = W._same_ids((max(buckets),), num_embeddings, dev, seed=5)  # each rank fills the first n_tokens of one batch
+    ids.zero_()
+    ids[:n_tokens] = seq[:n_tokens]
+    graph.replay()
+    torch.cuda.synchronize()
+    common = 5  # positions every rank filled with the same ids: there the summed output is the lookup
+    correct = bool(torch.equal(out[:common], torch.nn.functional.embedding(seq[:common], weight)))
+    graphs.clear()
+    del graph, out
+    gc.collect()
+    torch.cuda.synchronize()
+    return {"tokens": n_tokens, "own_bucket": W.pick_bucket(n_tokens, buckets), "bucket": bucket, "correct": correct}
+
+
+def capture_worker(ctx, sizes=(2,), variants=VARIANTS, ids_shape=(8, 16), num_embeddings: int = 32000,
+                   dim: int = 1024, repeats: int = 15, inner: int = 10, buckets: bool = True) -> dict:
+    """Eager vs replay of each variant at each world size in ``sizes`` (GPU, NCCL). Rows come back from rank 0."""
+    import torch.distributed as dist
+
+    if ctx.backend != "nccl":
+        raise RuntimeError("capture_worker captures CUDA graphs: it needs the NCCL backend on 2 or more GPUs")
+    rows, agreement = [], []
+    for w in sizes:
+        group = None if w == ctx.world_size else dist.new_group(list(range(w)))
+        if ctx.rank < w:
+            mesh = W._mesh(ctx, group)
+            for v in variants:
+                row = _one_variant(v, w, ctx, group, mesh, ids_shape, num_embeddings, dim, repeats, inner)
+                rows.append(row)
+            if buckets:
+                agreement.append({"world_size": w, "rank": ctx.rank,
+                                  **_bucket_replay(ctx, group, w, num_embeddings, dim)})
+        dist.barrier()
+    torch.cuda.synchronize()
+    return {"rank": ctx.rank, "rows": rows, "agreement": agreement}

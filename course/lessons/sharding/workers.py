@@ -1,0 +1,187 @@
+"""What each worker process runs (started by :func:`~course.lessons.sharding.launch.launch`).
+
+Every function here takes the worker's :class:`~course.lessons.sharding.launch.Context` first and
+returns plain picklable data. They live in ``course`` (not in the notebook) because spawned
+processes import them by name.
+
+- :func:`seed_worker`: the seed's DTensor test cases, both layouts, plus the ``max_norm`` error.
+- :func:`lesson_worker`: notebook 05's eager part: the ownership picture, DTensor vs hand-written
+  vocab-parallel lookup (Numba and ``F.embedding``), and the bad inputs refused on every rank.
+- :func:`sweep_worker`: eager time of the row-wise lookup + all-reduce at several world sizes (subgroups
+  of one launch) and several ids-per-step / table widths, with the bytes each moves.
+- :func:`bucket_worker`: ranks pick a shape bucket and (optionally) agree on it before the collective.
+"""
+from __future__ import annotations
+
+import torch
+
+from course.lessons.sharding import layouts as L
+from course.lessons.sharding import vocab_parallel as V
+
+
+def _mesh(ctx, group=None):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    dev = ctx.torch_device.type
+    if group is None:
+        return init_device_mesh(dev, (ctx.world_size,))
+    return DeviceMesh.from_group(group, dev)
+
+
+def seed_worker(ctx, cases=None, max_norm: bool = True, mesh=None) -> dict:
+    """Run the seed's cases (default :data:`~course.lessons.sharding.layouts.SEED_CASES`) on this rank."""
+    mesh = mesh or _mesh(ctx)
+    out = [L.seed_case(mesh, d, size, n, dim, **kw) for d, size, n, dim, kw in (cases or L.SEED_CASES)]
+    return {"cases": out, "max_norm_error": L.max_norm_error(mesh) if max_norm else None}
+
+
+def _full_table(num_embeddings: int, embedding_dim: int, device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(num_embeddings, embedding_dim, generator=g).to(device=device, dtype=dtype)
+
+
+def _same_ids(shape, num_embeddings: int, device, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)  # every rank draws the same ids
+    return torch.randint(0, num_embeddings, shape, generator=g).to(device)
+
+
+def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_shape=(2, 5), seed: bool = True) -> dict:
+    """Notebook 05's eager part on this rank (tiny sizes: the Numba kernel runs on the simulator on CPUs).
+
+    ``seed=True`` also runs :func:`seed_worker` (the seed's test cases) in the same processes.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dev = ctx.torch_device
+    mesh = _mesh(ctx)
+    weight = _full_table(num_embeddings, embedding_dim, dev)
+    ids = _same_ids(ids_shape, num_embeddings, dev)
+    expected = torch.nn.functional.embedding(ids, weight)
+    res = {"rank": ctx.rank, "ids": ids.cpu().tolist()}
+    # DTensor row-wise, and what this rank holds before the all-reduce
+    emb = torch.nn.Embedding(num_embeddings, embedding_dim, device=dev)
+    emb.weight = torch.nn.Parameter(weight.clone())
+    row = L.shard_embedding(emb, mesh, 0)
+    part = row(DTensor.from_local(ids, mesh, [Replicate()], run_check=False))
+    local_part = part.to_local()
+    res["dtensor_local_nonzero_rows"] = int((local_part != 0).any(-1).sum())
+    dt_full = part.full_tensor()
+    res["dtensor_equal_local"] = bool(torch.equal(dt_full, expected))
+    # the hand-written vocab-parallel lookup, with the course's Numba kernel and with F.embedding
+    shard, start = V.local_rows(weight, ctx.rank, ctx.world_size)
+    res["shard_rows"] = (start, start + shard.shape[0])
+    partial = V.masked_lookup(ids, shard, start, "numba")
+    res["masked_positions"] = int((partial == 0).all(-1).sum())
+    for impl in V.IMPLS:
+        got = V.vocab_parallel_embedding(ids, shard, start, num_embeddings=num_embeddings, impl=impl)
+        res[f"{impl}_equal_dtensor"] = bool(torch.equal(got, dt_full))
+    # bad inputs: every rank gets the same clear error naming the rank at fault, and nobody hangs
+    errors = {}
+    bad_ids = ids.clone()
+    if ctx.rank == ctx.world_size - 1:
+        bad_ids[0, 0] = num_embeddings + 3
+    try:
+        V.vocab_parallel_embedding(bad_ids, shard, start, num_embeddings=num_embeddings)
+    except ValueError as e:
+        errors["out_of_range"] = str(e)
+    try:
+        V.local_rows(_full_table(num_embeddings + 1, embedding_dim, dev), ctx.rank, ctx.world_size)
+    except ValueError as e:
+        errors["rows_not_divisible"] = str(e)
+    mixed = shard.double() if ctx.rank == 0 else shard
+    try:
+        V.vocab_parallel_embedding(ids, mixed, start, num_embeddings=num_embeddings, impl="torch")
+    except ValueError as e:
+        errors["mismatched_dtypes"] = str(e)
+    res["errors"] = errors
+    if seed:
+        res["seed"] = seed_worker(ctx, mesh=mesh)
+    dist.barrier()
+    return res
+
+
+def _time_eager(fn, repeats: int, inner: int) -> tuple:
+    """(median, q1, q3) in us per call; every rank runs the same number of calls, so collectives line up."""
+    from course.core.timing import time_device
+    t = time_device(fn, warmup=2, repeats=repeats, inner=inner)
+    return t.median * 1e6, t.q1 * 1e6, t.q3 * 1e6
+
+
+def sweep_worker(ctx, sizes=(2,), n_ids=(128,), dims=(64,), num_embeddings: int = 1024, repeats: int = 5,
+                 inner: int = 3) -> list:
+    """Eager row-wise lookup + all-reduce (hand-written, ``F.embedding``) for each world size in ``sizes``.
+
+    World sizes below the launch's are subgroups of its first ranks (the others wait at a barrier).
+    Returns rows (on rank 0; other ranks return []).
+    """
+    import torch.distributed as dist
+
+    dev = ctx.torch_device
+    rows = []
+    for w in sizes:
+        group = None if w == ctx.world_size else dist.new_group(list(range(w)))  # every rank calls new_group
+        if ctx.rank < w:
+            for n in n_ids:
+                for d in dims:
+                    weight = _full_table(num_embeddings, d, dev)
+                    shard, start = V.local_rows(weight, ctx.rank, w)
+                    ids = _same_ids((n,), num_embeddings, dev)
+                    fn = lambda: V.vocab_parallel_embedding(ids, shard, start, num_embeddings=num_embeddings,
+                                                            impl="torch", group=group, check=False)
+                    ok = bool(torch.equal(fn(), torch.nn.functional.embedding(ids, weight)))
+                    med, q1, q3 = _time_eager(fn, repeats, inner)
+                    if ctx.rank == 0:
+                        rows.append({"world_size": w, "ids": n, "dim": d, "eager_us": med, "eager_q1_us": q1,
+                                     "eager_q3_us": q3, "correct": ok, **L.comm_bytes(n, d, w)})
+        dist.barrier()
+    return rows
+
+
+def pick_bucket(n_tokens: int, buckets) -> int:
+    """The smallest bucket (captured shape) that holds ``n_tokens``; a clear error if none does."""
+    fits = [b for b in sorted(buckets) if b >= n_tokens]
+    if not fits:
+        raise ValueError(f"{n_tokens} tokens do not fit the largest captured bucket {max(buckets)}: "
+                         "add a bigger bucket or split the batch")
+    return fits[0]
+
+
+def agree_bucket(n_tokens: int, buckets, group=None, device="cpu") -> int:
+    """Every rank's bucket, made one: all-gather each rank's pick (one small collective), take the largest."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([pick_bucket(n_tokens, buckets)], device=device)
+    picks = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(picks, mine, group=group)
+    return int(torch.stack(picks).max())
+
+
+def bucket_step(x: torch.Tensor, group=None, say=None) -> None:
+    """One bucket's step: an all-reduce per 8-row chunk, so a bigger bucket's graph holds more collectives."""
+    import torch.distributed as dist
+    chunks = x.split(8)
+    for i, chunk in enumerate(chunks):
+        if say:
+            say(f"bucket {x.shape[0]}: waiting in all-reduce {i + 1} of {len(chunks)}")
+        dist.all_reduce(chunk, group=group)
+
+
+def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4, serve_s: float = 3600.0) -> dict:
+    """Ranks hold different numbers of tokens; each bucket's step (:func:`bucket_step`) ends in collectives.
+
+    ``agree=False``: each rank runs its own bucket's step, then (like a serving engine) stays up waiting
+    for the next request for ``serve_s`` seconds. The rank with the bigger bucket waits in a collective
+    nobody else joins: forever, until the launcher's time limit kills the run.
+    ``agree=True``: the ranks all-gather their picks first (:func:`agree_bucket`) and all run the largest.
+    """
+    import time
+
+    n_tokens = 5 + 6 * (ctx.rank % 2)  # even ranks: 5 tokens (bucket 8), odd ranks: 11 tokens (bucket 16)
+    own = pick_bucket(n_tokens, buckets)
+    bucket = agree_bucket(n_tokens, buckets, device=ctx.torch_device) if agree else own
+    x = torch.ones(bucket, dim, device=ctx.torch_device)
+    bucket_step(x, say=ctx.say)
+    if not agree:
+        ctx.say(f"finished its bucket-{bucket} step; the engine waits for the next request")
+        time.sleep(serve_s)
+    return {"rank": ctx.rank, "tokens": n_tokens, "own_bucket": own, "bucket": bucket, "sum": float(x[0, 0])}

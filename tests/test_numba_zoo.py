@@ -1,0 +1,47 @@
+"""Numba capture hazards (course.lessons.what_breaks.numba_zoo): eager results, static findings, GPU captures."""
+import pytest
+import torch
+
+import course
+from course.lessons.what_breaks import find_static, numba_zoo
+from course.lessons.what_breaks.numba_zoo import (ENTRIES, capture_and_replay, entry_args, kernels, numba_experiment,
+                                                  run_eagerly)
+
+NAMES = [e[0] for e in ENTRIES]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("kind", ["hazard", "fix"])
+def test_every_entry_computes_2x_plus_1_eagerly(name, kind):
+    out, x = run_eagerly(name, kind)
+    assert torch.allclose(out.cpu(), 2 * x.cpu() + 1)
+
+
+def test_static_finder_flags_the_numba_hazards_and_not_their_fixes():
+    want = {"default_stream": {"numba_default_stream"}, "device_array": {"numba_alloc"},
+            "to_device": {"numba_alloc"}, "first_compile": set()}
+    for name, _, hazard, fixed in ENTRIES:
+        assert {f.rule for f in find_static(hazard)} == want[name], name
+        assert find_static(fixed) == [], name
+
+
+def test_kernels_are_compiled_once_and_args_match_entries():
+    assert kernels() is not None and kernels()[0] is kernels()[0]
+    x = torch.zeros(4)
+    assert len(entry_args("to_device", True, x)) == 2 and entry_args("device_array", False, x) == (x,)
+    assert numba_zoo.ENTRIES and callable(capture_and_replay)
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
+def test_numba_experiment_fixes_replay_right():
+    res = numba_experiment(n=256)
+    assert res.value("fixes that capture and replay right") == len(ENTRIES)
+
+
+def test_entries_name_their_functions():
+    assert {e[0]: (e[2].__name__, e[3].__name__) for e in ENTRIES} == {
+        "default_stream": ("default_stream_hazard", "default_stream_fixed"),
+        "device_array": ("device_array_hazard", "device_array_fixed"),
+        "to_device": ("to_device_hazard", "to_device_fixed"),
+        "first_compile": ("first_compile_hazard", "first_compile_fixed"),
+    }
