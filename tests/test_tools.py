@@ -94,7 +94,7 @@ def test_run_rejects_unknown_notebook(tmp_path):
 def test_course_map_lists_lessons_and_labs():
     m = catalog.course_map()
     assert "01_launch_overhead" in m and "lab1_embedding_kernel" in m and "solutions/" not in m
-    assert [e.kind for e in catalog.entries("lab")] == ["lab", "lab"]
+    assert len(catalog.entries("lab")) >= 2 and {e.kind for e in catalog.entries("lab")} == {"lab"}
 
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")

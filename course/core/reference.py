@@ -28,6 +28,8 @@ EXPERIMENT_MODULES = (
     "course.lessons.what_breaks.experiments",
     "course.lessons.what_breaks.numba_zoo",
     "course.embedding.bench",
+    "course.lessons.graph_cache.experiments",
+    "course.lessons.graph_cache.faq",
     "course.embedding.launch_cost",
     "course.lessons.sharding.experiments",
     "course.embedding.access",

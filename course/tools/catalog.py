@@ -26,10 +26,14 @@ CATALOG = (
           "torch.cuda.CUDAGraph: warm-up, static inputs, replay, what freezes at capture"),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
           "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder"),
+    Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
+          "the fused-engine seed's graph cache on a tiny decoder: keys, buckets, fallbacks, FAQ, vs reduce-overhead"),
     Entry("labs/lab1_embedding_kernel.ipynb", "Lab 1: an embedding kernel in Numba CUDA", "lab",
           "write the lookup kernel, then a faster one; checked against F.embedding"),
     Entry("labs/lab2_embedding_swap.ipynb", "Lab 2: swap, capture, replay", "lab",
           "the CPU-copy embedding cannot be captured; the device kernel can"),
+    Entry("labs/lab3_graph_cache.ipynb", "Lab 3: build a graph cache", "lab",
+          "key, capture on miss, replay on hit, stats, buckets and padding, fallback, enable/clear"),
     Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
           "the seeds' DTensor test, vocab-parallel with the Numba kernel, capture on 2 GPUs, ranks must agree"),
     Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
@@ -42,6 +46,8 @@ CATALOG = (
           "the reference answers for lab 1"),
     Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",
           "the reference answers for lab 2"),
+    Entry("solutions/lab3_graph_cache.ipynb", "Lab 3 solution", "solution",
+          "the reference answers for lab 3"),
 )
 
 

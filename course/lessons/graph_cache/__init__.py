@@ -1,0 +1,17 @@
+"""Lesson 04, a shape-keyed CUDA-graph cache for an inference engine (the fused-engine seed), and lab 3.
+
+- :mod:`~course.lessons.graph_cache.buckets`: bucket presets (vLLM, SGLang, TensorRT-LLM) as data, padding math,
+  a decode trace of varying batch sizes.
+- :mod:`~course.lessons.graph_cache.backends`: record/replay one key with a CUDA graph (GPU) or the recording
+  backend (simulator).
+- :mod:`~course.lessons.graph_cache.cache`: :class:`GraphCache`, the engine: keys, capture on miss, replay on hit,
+  buckets and padding, fallback, the seed's stats.
+- :mod:`~course.lessons.graph_cache.decoder`: a tiny TinyLlama-shaped decoder whose decode step the cache wraps.
+- :mod:`~course.lessons.graph_cache.experiments`: the lesson's registered GPU experiments.
+"""
+from course.lessons.graph_cache.backends import CaptureFailed, CudaGraphBackend, RecordingBackend, default_backend
+from course.lessons.graph_cache.buckets import PRESETS, bucket_sizes, decode_trace, next_bucket, padding_report
+from course.lessons.graph_cache.cache import GraphCache, key_str
+
+__all__ = ["CaptureFailed", "CudaGraphBackend", "GraphCache", "PRESETS", "RecordingBackend", "bucket_sizes",
+           "decode_trace", "default_backend", "key_str", "next_bucket", "padding_report"]

@@ -1,0 +1,302 @@
+"""Lesson 04's performance experiments (GPU): one decode step, and the whole comparison on a request trace.
+
+- :func:`step_experiment`: a batch-1 decode step of the tiny decoder: eager, the cache (eager kernels
+  captured, "graph_replay"; compiled kernels captured, "fusion"), torch.compile default, and
+  reduce-overhead with the KV cache as module buffers or passed in as inputs. Whether graphs were
+  really replayed is measured: ``cudaGraphLaunch`` calls in a profiler trace of steady-state calls.
+- :func:`trace_experiment`: the same decoder on a trace of a few hundred decode steps with varying
+  batch sizes: eager, exact-shape cache, each bucket preset, fusion, reduce-overhead (default and
+  ``dynamic=False``): step latency p50/p99, recordings, time to make the first 8 sizes fast, memory
+  held, padding waste, graph launches per steady step; all in one run.
+
+Helpers :func:`graph_launches` and :func:`fresh_compile` are shared with :mod:`~course.lessons.graph_cache.faq`.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+from course.core.capture import require_gpu
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.timing import speedup, time_device, time_interleaved
+from course.lessons.graph_cache.buckets import bucket_sizes, decode_trace
+from course.lessons.graph_cache.cache import GraphCache
+from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
+
+
+def graph_launches(fn, calls: int = 5) -> dict:
+    """Per call of ``fn``: cudaGraphLaunch and kernel-launch API calls in a profiler trace of ``calls`` calls.
+
+    :func:`course.lessons.reduce_overhead.launch_counts` over a loop of steady-state calls (GPU).
+    """
+    from course.lessons.reduce_overhead import launch_counts
+
+    counts = launch_counts(lambda: [fn() for _ in range(calls)])
+    return {"graph_launches": counts["graph_launches"] / calls, "kernel_launches": counts["kernel_launches"] / calls}
+
+
+def fresh_compile() -> None:
+    """Forget every torch.compile result and counter (each compiled variant starts cold)."""
+    from course.lessons.reduce_overhead import _reset_compile
+
+    _reset_compile()
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _close(a, b, atol: float = 2e-3) -> bool:
+    import torch
+
+    return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3))
+
+
+def _step_row(label, build, call_args, want, repeats) -> dict:
+    """Build one way of running the step, call it 3 times, time it, count its API calls, collect skip reasons."""
+    import torch
+
+    from course.lessons.reduce_overhead import torch_log_messages
+
+    with torch.no_grad(), torch_log_messages(perf_hints=True, cudagraphs=True) as msgs:
+        fn = build()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):  # compile / record / first replays
+            out = fn(*call_args)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        ok = _close(out, want)
+        t = time_device(lambda: fn(*call_args), warmup=3, repeats=repeats, inner=10)
+        launches = graph_launches(lambda: fn(*call_args))
+    skips = [m.strip().splitlines()[0][:200] for m in msgs if "skipping cudagraphs" in m]
+    return {"variant": label, "us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6, "first_3_calls_s": first_s,
+            "graph_launches": launches["graph_launches"], "kernel_launches": launches["kernel_launches"],
+            "matches_eager": ok, "skip_reason": skips[0] if skips else ""}
+
+
+@experiment("graph_cache_step", gpu_only=True, quick={"repeats": 5, "compile_variants": False})
+def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = True, layers: int = 2) -> Result:
+    """One decode step of the tiny decoder, each way of running it: time per step and graphs really replayed."""
+    require_gpu("timing the decode step")
+    import torch
+
+    fresh_compile()
+    model = TinyDecoder(DecoderConfig(layers=layers))
+    args = model.example_args(batch, 5)
+    want = model.step(*args)
+    kc, vc = model.k_cache.clone(), model.v_cache.clone()
+    variants = [("eager", lambda: model.step)]
+    variants.append(("cache: graph_replay (eager kernels captured)", lambda: GraphCache(model.step)))
+    if compile_variants:
+        variants += [
+            ("cache: fusion (compiled kernels captured)", lambda: GraphCache(model.step, fusion=True)),
+            ("torch.compile default (no graphs)", lambda: torch.compile(model.step)),
+            ("reduce-overhead, KV cache as module buffers", lambda: torch.compile(model, mode="reduce-overhead")),
+            ("reduce-overhead, KV cache passed in", lambda: torch.compile(
+                lambda i, p, s, k, v: model.step(i, p, s, k, v), mode="reduce-overhead")),
+        ]
+    rows = []
+    for label, build in variants:
+        fresh_compile()
+        call_args = (*args, kc, vc) if label.endswith("passed in") else args
+        try:
+            rows.append(_step_row(label, build, call_args, want, repeats))
+        except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
+            if not label.startswith(("torch.compile", "reduce-overhead", "cache: fusion")):
+                raise
+            rows.append({"variant": label, "us": float("nan"), "q1_us": float("nan"), "q3_us": float("nan"),
+                         "first_3_calls_s": float("nan"), "graph_launches": float("nan"),
+                         "kernel_launches": float("nan"), "matches_eager": False,
+                         "skip_reason": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"})
+        _free()
+    fresh_compile()
+    res = Result("graph_cache_step", f"Tiny decoder, one decode step at batch {batch}: time per step (CUDA events, "
+                 "10 back-to-back steps per repeat) and API calls per step in a profiler trace",
+                 {"variant": "", "us": "us", "q1_us": "us", "q3_us": "us", "first_3_calls_s": "s",
+                  "graph_launches": "per step", "kernel_launches": "per step", "matches_eager": "",
+                  "skip_reason": ""}, rows,
+                 params={"batch": batch, "repeats": repeats, "layers": layers, "torch": torch.__version__})
+    t = _interleaved(model, args, repeats, compile_variants)
+    pairs = [("eager", "cache graph_replay"), ("eager", "cache fusion"),
+             ("cache fusion", "reduce-overhead (buffers)"), ("cache graph_replay", "reduce-overhead (buffers)")]
+    for slow, fast in pairs:  # ratios from one interleaved measurement; "noise" when the IQRs overlap
+        if slow in t and fast in t:
+            sp = speedup(slow, t[slow], fast, t[fast])
+            res.add_summary(f"{slow} / {fast}", sp.ratio, "x")
+            res.add_summary(f"{slow} vs {fast}", str(sp), "")
+    return res
+
+
+def _interleaved(model, args, repeats: int, compile_variants: bool) -> dict:
+    """Eager, the cache (graph_replay, fusion) and reduce-overhead timed interleaved (CUDA events): {name: Timing}."""
+    import torch
+
+    fresh_compile()
+    with torch.no_grad():
+        replay = GraphCache(model.step)
+        replay(*args)
+        variants = {"eager": lambda: model.step(*args), "cache graph_replay": lambda: replay(*args)}
+        if compile_variants:
+            try:
+                fused = GraphCache(model.step, fusion=True)
+                fused(*args)  # compiled, captured: its replays never enter torch.compile again
+                fresh_compile()
+                ro = torch.compile(model, mode="reduce-overhead")
+                for _ in range(3):
+                    ro(*args)
+                variants["cache fusion"] = lambda: fused(*args)
+                variants["reduce-overhead (buffers)"] = lambda: ro(*args)
+            except Exception:  # noqa: BLE001 - the table's rows already say what failed
+                pass
+        return time_interleaved(variants, clock="device", warmup=3, repeats=repeats, inner=10)
+
+
+def _trace_args(model, trace):
+    """Device arguments for every step of ``trace`` (made before any timing)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, b in enumerate(trace):
+        ids = torch.randint(0, model.cfg.vocab, (b,), generator=g).to(model.tok.device)
+        pos = torch.full((b,), i % model.cfg.max_seq, dtype=torch.long, device=ids.device)
+        out.append((ids, pos, torch.arange(b, device=ids.device)))
+    return out
+
+
+def _variants(model, presets, max_batch, compile_variants):
+    """(label, kind, builder) for every way of running the trace; builder() -> callable."""
+    import torch
+
+    pad = model.pad_values()
+    out = [("eager", "eager", lambda: model.step),
+           ("cache, exact shapes", "cache", lambda: GraphCache(model.step, pad_value=pad))]
+    for p in presets:
+        out.append((f"cache, {p} buckets", "cache",
+                    lambda p=p: GraphCache(model.step, buckets=bucket_sizes(p, max_batch), pad_value=pad)))
+    if compile_variants:
+        first = presets[0]
+        out += [(f"cache, {first} buckets, fusion", "cache",
+                 lambda: GraphCache(model.step, buckets=bucket_sizes(first, max_batch), pad_value=pad, fusion=True)),
+                ("reduce-overhead", "compile", lambda: torch.compile(model, mode="reduce-overhead")),
+                ("reduce-overhead, dynamic=False", "compile",
+                 lambda: torch.compile(model, mode="reduce-overhead", dynamic=False))]
+    return out
+
+
+def time_to_fast(trace, cold, steady, sizes, factor: float = 1.5) -> float:
+    """Seconds the cold pass spent on each of ``sizes`` until its first fast step (<= factor x its steady median).
+
+    A size's calls are summed in order up to and including the first one that is fast: a capture or a compile,
+    then any warm-up or recording calls, then the first replay. Sizes never fast in the cold pass count in full.
+    """
+    total = 0.0
+    for size in sizes:
+        med = statistics.median(t for b, t in zip(trace, steady) if b == size)
+        for b, t in zip(trace, cold):
+            if b == size:
+                total += t
+                if t <= factor * med:
+                    break
+    return total
+
+
+def _trace_row(label, kind, build, trace, all_args) -> dict:
+    """Run one way of executing the decoder over the trace twice (cold, steady) and measure it."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from course.lessons.reduce_overhead import torch_log_messages
+
+    before = torch.cuda.memory_reserved()
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+            torch_log_messages(recompiles=True, cudagraphs=True, perf_hints=True) as msgs:
+        fn = build()
+        passes = []
+        for _ in range(2):  # pass 1, cold: records / compiles as new shapes arrive; pass 2: steady state
+            times = []
+            for a in all_args:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(*a)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            passes.append(times)
+        tail = all_args[-5:]
+        launches = graph_launches(lambda: [fn(*a) for a in tail], calls=1)
+    gc.collect()
+    held = torch.cuda.memory_reserved() - before
+    cold, steady = passes
+    stats = fn.get_stats() if kind == "cache" else {}
+    flags = ("recompile_limit", "cache_size_limit", "distinct input size", "skipping cudagraphs")
+    notes = list(dict.fromkeys(m.strip().splitlines()[0][:160] for m in msgs if any(f in m for f in flags)))
+    return {"variant": label, "p50_us": _percentile(steady, 0.5) * 1e6, "p99_us": _percentile(steady, 0.99) * 1e6,
+            "mean_us": statistics.fmean(steady) * 1e6,
+            "recordings": stats.get("recordings", sum("Recording function" in m for m in msgs)),
+            "first_8_sizes_s": time_to_fast(trace, cold, steady, list(dict.fromkeys(trace))[:8]),
+            "cold_pass_s": sum(cold), "steady_pass_s": sum(steady), "memory_MB": held / 2**20,
+            "padding_waste": stats.get("padding_waste", 0.0),
+            "eager_calls": stats.get("eager_calls", len(trace) if kind == "eager" else 0),
+            "graph_launches_last5": launches["graph_launches"], "note": " | ".join(notes[:2])}
+
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+@experiment("graph_cache_trace", gpu_only=True,
+            quick={"steps": 24, "presets": ("vllm",), "compile_variants": False})
+def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sglang", "trtllm", "pow2"),
+                     compile_variants: bool = True, layers: int = 2, seed: int = 0) -> Result:
+    """Every way of running the tiny decoder on one decode trace, same run: latency, recordings, setup, memory."""
+    require_gpu("the graph-cache trace benchmark")
+    import torch
+
+    trace = decode_trace(steps, max_batch, seed=seed)
+    model = TinyDecoder(DecoderConfig(layers=layers, slots=max_batch))
+    all_args = _trace_args(model, trace)
+    rows = []
+    for label, kind, build in _variants(model, list(presets), max_batch, compile_variants):
+        fresh_compile()
+        _free()
+        try:
+            rows.append(_trace_row(label, kind, build, trace, all_args))
+        except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
+            if kind != "compile" and not label.endswith("fusion"):
+                raise
+            nan = float("nan")
+            rows.append({"variant": label, "p50_us": nan, "p99_us": nan, "mean_us": nan, "recordings": 0,
+                         "first_8_sizes_s": nan, "cold_pass_s": nan, "steady_pass_s": nan, "memory_MB": nan,
+                         "padding_waste": nan, "eager_calls": 0, "graph_launches_last5": nan,
+                         "note": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"})
+        _free()
+    fresh_compile()
+    res = Result("graph_cache_trace", f"Tiny decoder on a decode trace of {steps} steps (batch 1..{max(trace)}, "
+                 f"{len(set(trace))} distinct sizes): every way of running it, same run; step latency is "
+                 "host-synchronized per step in the second (steady) pass",
+                 {"variant": "", "p50_us": "us", "p99_us": "us", "mean_us": "us", "recordings": "count",
+                  "first_8_sizes_s": "s", "cold_pass_s": "s", "steady_pass_s": "s", "memory_MB": "MiB",
+                  "padding_waste": "fraction", "eager_calls": "count", "graph_launches_last5": "count", "note": ""},
+                 rows,
+                 params={"steps": steps, "max_batch": max_batch, "presets": list(presets), "layers": layers,
+                         "seed": seed, "compile_variants": compile_variants, "torch": torch.__version__,
+                         "trace": trace})
+    by = {r["variant"]: r for r in rows}
+    res.add_summary("eager p50 / exact-cache p50", by["eager"]["p50_us"] / by["cache, exact shapes"]["p50_us"], "x")
+    if compile_variants:
+        ro = by["reduce-overhead"]
+        fused = by[f"cache, {presets[0]} buckets, fusion"]
+        res.add_summary("fusion cache mean / reduce-overhead mean", fused["mean_us"] / ro["mean_us"], "x")
+        res.add_summary(f"{presets[0]} cache (graph_replay) mean / reduce-overhead mean",
+                        by[f"cache, {presets[0]} buckets"]["mean_us"] / ro["mean_us"], "x")
+        res.add_summary("first 8 sizes: exact cache / reduce-overhead",
+                        by["cache, exact shapes"]["first_8_sizes_s"] / ro["first_8_sizes_s"], "x")
+    return res

@@ -1,0 +1,533 @@
+"""course.lessons.graph_cache: buckets, GraphCache (keying, padding, fallback, stats, enable/clear), the tiny decoder.
+
+The cache's logic runs on the recording backend everywhere (RecordingBackend is passed explicitly);
+the GPU tests at the end run CudaGraphBackend and skip without a GPU.
+"""
+import inspect
+
+import pytest
+import torch
+
+import course
+from course.core import reference
+from course.core.runtime import runtime
+from course.lessons.graph_cache import (PRESETS, CaptureFailed, CudaGraphBackend, GraphCache, RecordingBackend,
+                                        bucket_sizes, decode_trace, default_backend, key_str, next_bucket,
+                                        padding_report)
+from course.lessons.graph_cache.backends import Recorded, diagnose, host_read_watch
+from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder, numba_embedding
+
+ON_GPU = runtime().on_gpu
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
+DEV = course.device()
+EXPERIMENTS = ("graph_cache_step", "graph_cache_trace", "graph_cache_memory", "graph_cache_fallback",
+               "graph_cache_seed_timing")
+
+
+# ----------------------------------------------------------------------------- buckets
+def test_presets_match_their_sources():
+    v = bucket_sizes("vllm", 512)
+    assert v[:4] == [1, 2, 4, 8] and 248 in v and 256 in v and 264 not in v and 272 in v and v[-1] == 512
+    assert len(v) == 3 + 31 + 17
+    s = bucket_sizes("sglang", 600)
+    assert s[:6] == [1, 2, 4, 8, 12, 16] and 256 in s and 272 in s and 496 in s and 512 in s and 544 in s
+    t = bucket_sizes("trtllm", 300)
+    assert t[:4] == [1, 2, 4, 8] and 128 in t and 136 not in t and t[-2:] == [192, 256]
+    assert bucket_sizes("pow2", 64) == [1, 2, 4, 8, 16, 32, 64] and bucket_sizes("exact", 64) == []
+    assert all(p.source and p.cap for p in PRESETS.values())
+    assert PRESETS["vllm"].sizes(8) == [1, 2, 4, 8]
+    with pytest.raises(KeyError, match="unknown preset"):
+        bucket_sizes("nope", 8)
+    with pytest.raises(ValueError, match="positive"):
+        bucket_sizes("vllm", 0)
+
+
+def test_next_bucket_and_padding_report():
+    assert next_bucket(3, [1, 2, 4, 8]) == 4 and next_bucket(8, [1, 2, 4, 8]) == 8
+    assert next_bucket(9, [1, 2, 4, 8]) is None and next_bucket(7, []) == 7
+    with pytest.raises(ValueError, match="at least one row"):
+        next_bucket(0, [1])
+    r = padding_report([3, 3, 8, 9], [4, 8])
+    assert r == {"rows": 23, "padded_rows": 2, "waste": 2 / 25, "graphs": 2, "eager_calls": 1}
+    assert padding_report([3, 5, 5], [])["graphs"] == 2
+
+
+def test_decode_trace_is_deterministic_and_varied():
+    a, b = decode_trace(200, 32, seed=3), decode_trace(200, 32, seed=3)
+    assert a == b and len(a) == 200 and 1 <= min(a) and max(a) <= 32 and len(set(a)) > 10
+    # the lesson's claim: the best preset wastes <= 10 % of rows with <= 1/3 of the exact-shape graphs
+    tr = decode_trace()
+    exact = padding_report(tr, [])["graphs"]
+    best = min((padding_report(tr, bucket_sizes(p, 64)) for p in PRESETS), key=lambda r: r["waste"])
+    assert best["waste"] <= 0.10 and best["graphs"] <= exact / 3
+
+
+# ----------------------------------------------------------------------------- GraphCache on the recording backend
+def _mlp():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=g).to(DEV)
+
+    def forward(x):
+        return torch.relu(x @ w) + 1
+    return forward
+
+
+def _cache(fn, **kw):
+    return GraphCache(fn, backend=RecordingBackend(), **kw)
+
+
+def test_key_includes_shape_dtype_and_values():
+    c = _cache(lambda x, k: x * k)
+    k32, n, b = c.key_of((torch.ones(3, 2, dtype=torch.int32), 2))
+    k64, _, _ = c.key_of((torch.ones(3, 2, dtype=torch.int64), 2))
+    k3, _, _ = c.key_of((torch.ones(3, 2, dtype=torch.int32), 3))
+    assert (n, b) == (3, 3) and len({k32, k64, k3}) == 3
+    assert key_str(k32) == "int32[3,2] 2"
+    assert c.key_of((torch.ones(2), True))[0] != c.key_of((torch.ones(2), 1))[0], "True and 1 are different keys"
+    with pytest.raises(ValueError, match="one per argument"):
+        _cache(lambda x: x, pad_value=(0, 0)).key_of((torch.ones(2),))
+    with pytest.raises(TypeError, match="not hashable"):
+        c.key_of((torch.ones(2), [1, 2]))
+    with pytest.raises(ValueError, match="batch size"):
+        c.key_of((torch.ones(2), torch.ones(3)))
+    with pytest.raises(ValueError, match="batched="):
+        c.key_of((torch.tensor(1.0),))
+
+
+def test_hits_misses_and_outputs_match_eager():
+    f = _mlp()
+    c = _cache(f)
+    xs = [torch.randn(4, 8, device=DEV) for _ in range(3)] + [torch.randn(2, 8, device=DEV)]
+    outs = [c(x) for x in xs]
+    for x, o in zip(xs, outs):
+        assert torch.allclose(o, f(x))
+    s = c.get_stats()
+    assert (s["cache_misses"], s["cache_hits"], s["recordings"], s["cache_size"]) == (2, 2, 2, 2)
+    assert s["fusion_modes"] == {"float32[4,8]": "graph_replay", "float32[2,8]": "graph_replay"}
+    assert c.hit_rate() == 0.5 and s["backend"] == "recording" and "2 graphs" in repr(c)
+    assert set(s) >= {"enabled", "cache_size", "cache_hits", "cache_misses", "recordings", "fusion_attempts",
+                      "fusion_successes", "fusion_fallbacks", "cached_shapes", "fusion_modes"}
+
+
+def test_outputs_are_cloned_unless_zero_copy():
+    f = _mlp()
+    safe, fast = _cache(f), _cache(f, copy_outputs=False)
+    a, b = torch.randn(4, 8, device=DEV), torch.randn(4, 8, device=DEV)
+    out_a = safe(a)
+    safe(b)
+    assert torch.allclose(out_a, f(a)), "a cloned output must survive the next replay"
+    view_a = fast(a)
+    fast(b)
+    assert torch.allclose(view_a, f(b)), "zero-copy outputs are the static buffer, overwritten by the next replay"
+
+
+def test_dict_outputs_are_sliced_and_cloned():
+    c = _cache(lambda x: {"y": x * 2, "n": 3}, buckets=[4])
+    a = c(torch.ones(3, device=DEV))
+    c(torch.zeros(3, device=DEV))
+    assert a["y"].tolist() == [2.0, 2.0, 2.0] and a["n"] == 3
+
+
+def test_padding_slices_back_and_fills_pad_rows():
+    seen = []
+
+    def fn(x, tag):
+        seen.append(x.clone())
+        return x * 2, tag
+    c = _cache(fn, buckets=[4, 8], pad_value=-1)
+    out, tag = c(torch.ones(3, device=DEV), "t")
+    assert out.shape == (3,) and torch.equal(out, torch.full((3,), 2.0, device=DEV)) and tag == "t"
+    assert seen[-1].tolist() == [1, 1, 1, -1], "padding rows take pad_value"
+    c(torch.ones(2, device=DEV), "t")  # the same bucket: a hit, the pad rows are refilled
+    assert seen[-1].tolist() == [1, 1, -1, -1]
+    s = c.get_stats()
+    assert (s["real_rows"], s["padded_rows"], s["cache_hits"]) == (5, 3, 1)
+    assert s["padding_waste"] == pytest.approx(3 / 8) and s["buckets"] == [4, 8]
+    out = c(torch.ones(9, device=DEV), "t")[0]  # above the largest bucket: eager
+    assert out.shape == (9,) and c.get_stats()["above_largest_bucket"] == 1 and c.get_stats()["eager_calls"] == 1
+
+
+def test_pad_value_per_argument_and_batched_subset():
+    c = _cache(lambda x, y, w: x + y + w.sum(), buckets=[4], pad_value=(0, 5, 0), batched=(0, 1))
+    out = c(torch.ones(2, device=DEV), torch.ones(2, device=DEV), torch.ones(3, device=DEV))
+    assert out.tolist() == [5.0, 5.0]
+    assert key_str(c.key_of((torch.ones(2), torch.ones(2), torch.ones(3)))[0]) == "float32[4] float32[4] float32[3]"
+
+
+def hazardous_forward(x):
+    """A forward with a host read: its capture fails."""
+    scale = x.abs().max().item()
+    return x / scale
+
+
+def test_fallback_keeps_the_reason_and_everything_else_working():
+    f = _mlp()
+    c = _cache(lambda x, hazard: hazardous_forward(x) if hazard else f(x))
+    x = torch.randn(4, 8, device=DEV)
+    bad = c(x, True)
+    assert torch.allclose(bad, hazardous_forward(x)), "the fallback key runs eager and gives the right answer"
+    c(x, True)
+    good = c(x, False)  # another key still captures
+    assert torch.allclose(good, f(x))
+    s = c.get_stats()
+    reason = s["fallback_reasons"]["float32[4,8] True"]
+    assert ".item()" in reason and "scale = x.abs().max().item()" in reason
+    assert s["fusion_modes"] == {"float32[4,8] True": "eager", "float32[4,8] False": "graph_replay"}
+    assert (s["cache_size"], s["eager_calls"], s["cache_misses"]) == (1, 2, 2)
+
+
+def test_host_read_watch_and_diagnose():
+    with host_read_watch():
+        with pytest.raises(RuntimeError, match="item"):
+            torch.ones(2).sum().item()
+        with pytest.raises(RuntimeError, match="CPU"):
+            torch.ones(2).to("cpu")
+        with pytest.raises(RuntimeError, match="nonzero"):
+            torch.ones(2).nonzero()
+    assert torch.ones(2).sum().item() == 2.0, "the watch is undone after the block"
+    assert diagnose("E", "boom", [("/x/user.py", 3, "f", "y = 1")]) == "E: boom (at user.py:3: y = 1)"
+    with pytest.raises(CaptureFailed, match="item"):
+        RecordingBackend().capture(hazardous_forward, [torch.ones(2)], warmup=0)
+    rec = RecordingBackend().capture(lambda x: x + 1, [torch.ones(2)])
+    assert isinstance(rec, Recorded) and rec.memory_bytes == 0
+
+
+def test_enable_clear_and_reset():
+    f = _mlp()
+    c = _cache(f)
+    x = torch.randn(4, 8, device=DEV)
+    c(x)
+    c.set_enabled(False)
+    assert torch.allclose(c(x), f(x)) and c.get_stats()["eager_calls"] == 1 and not c.get_stats()["enabled"]
+    c.set_enabled(True)
+    c(x)
+    assert c.get_stats()["cache_hits"] == 1
+    freed = c.clear_cache()
+    assert set(freed) == {"before_bytes", "after_bytes", "freed_bytes"}
+    assert c.get_stats()["cache_size"] == 0
+    c(x)
+    assert c.get_stats()["cache_misses"] == 2, "after clear_cache the next call records again"
+    c.reset_stats()
+    assert c.get_stats()["calls"] == 0 and c.get_stats()["cache_size"] == 1
+
+
+def test_fusion_mode_is_counted_like_the_seed():
+    f = _mlp()
+    c = _cache(f, fusion=True)
+    c(torch.randn(4, 8, device=DEV))
+    c.set_fusion_enabled(False)
+    c(torch.randn(2, 8, device=DEV))
+    s = c.get_stats()
+    assert (s["fusion_attempts"], s["fusion_successes"], s["fusion_fallbacks"]) == (1, 1, 0)
+    assert sorted(s["fusion_modes"].values()) == ["fusion", "graph_replay"]
+    assert s["fusion_scheduler_available"] is False, "the recording backend compiles nothing"
+    hz = _cache(lambda x: x, fusion=True, fused=hazardous_forward)  # the fused forward fails: graph replay instead
+    hz(torch.ones(2, device=DEV))
+    s = hz.get_stats()
+    assert (s["fusion_attempts"], s["fusion_fallbacks"], list(s["fusion_modes"].values())) == (1, 1, ["graph_replay"])
+
+
+def test_fusion_falls_back_when_the_compiled_forward_fails():
+    def broken(x):
+        raise RuntimeError("inductor exploded")
+    c = _cache(lambda x: x + 1, fusion=True, fused=broken)
+    assert c(torch.ones(2, device=DEV)).tolist() == [2.0, 2.0]
+    s = c.get_stats()
+    assert (s["fusion_fallbacks"], list(s["fusion_modes"].values())) == (1, ["graph_replay"])
+    assert "inductor exploded" in s["fallback_reasons"]["float32[2]"]
+    with pytest.raises(RuntimeError, match="inductor exploded"):
+        _cache(broken)(torch.ones(2, device=DEV))  # a broken forward is the caller's error, not a fallback
+
+
+def test_warmup_records_largest_first():
+    order = []
+    c = _cache(lambda x: (order.append(x.shape[0]), x + 1)[1], buckets=[1, 2, 4, 8])
+    done = c.warmup([1, 3, 8, 20], lambda n: (torch.zeros(n, device=DEV),))
+    assert [d["size"] for d in done] == [8, 4, 1] and order[0] == 8
+    assert c.get_stats()["recordings"] == 3 and c.get_stats()["cache_misses"] == 0
+    with pytest.raises(ValueError, match="order"):
+        c.warmup([1], lambda n: (torch.zeros(n),), order="random")
+
+
+def test_bad_construction_is_refused():
+    with pytest.raises(TypeError, match="callable"):
+        GraphCache(3)
+    with pytest.raises(ValueError, match="positive ints"):
+        GraphCache(lambda x: x, buckets=[0, 4])
+    with pytest.raises(ValueError, match="warmup_iters"):
+        GraphCache(lambda x: x, warmup_iters=-1)
+    with pytest.raises(ValueError, match="pools"):
+        CudaGraphBackend("weird")
+    assert default_backend().name == ("cuda-graph" if ON_GPU else "recording")
+
+
+# ----------------------------------------------------------------------------- the tiny decoder
+def test_decoder_step_matches_the_uncached_reference():
+    m = TinyDecoder(DecoderConfig(layers=2, max_seq=16, slots=4))
+    toks = torch.randint(0, m.cfg.vocab, (6,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    ref = m.reference_logits(toks)
+    for t in range(6):
+        out = m.step(toks[t:t + 1], torch.tensor([t], device=DEV), torch.tensor([2], device=DEV))
+        assert torch.allclose(out[0], ref[t], atol=1e-4), f"decode step {t} differs from the reference"
+    e = numba_embedding(toks, m.tok)
+    assert torch.equal(e, m.tok[toks])
+
+
+def test_decoder_through_the_cache_matches_eager_and_padding_stays_out():
+    cfg = DecoderConfig(layers=1, max_seq=8, slots=6)
+    eager, cached, leaky = TinyDecoder(cfg), TinyDecoder(cfg), TinyDecoder(cfg)
+    c = _cache(cached.step, buckets=[2, 4, 8], pad_value=cached.pad_values())
+    bad = _cache(leaky.step, buckets=[2, 4, 8], pad_value=0)  # padding rows write into slot 0's cache
+    for step, batch in enumerate([3, 3, 1, 3]):
+        args = eager.example_args(batch, step)
+        want = eager.step(*args)
+        assert torch.allclose(c(*args), want, atol=1e-5), f"cached step {step} differs from eager"
+        got_bad = bad(*args)
+    assert not torch.allclose(got_bad, want, atol=1e-5), "padding rows written to a real slot must leak"
+    assert c.get_stats()["padded_rows"] == 1 + 1 + 1 + 1
+    assert cached.scratch_slot == cfg.slots
+    with pytest.raises(ValueError, match="batch must be"):
+        eager.example_args(7)
+    with pytest.raises(ValueError, match="step must be"):
+        eager.example_args(1, 8)
+    eager.reset_cache()
+    assert float(eager.k_cache.abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="even size"):
+        TinyDecoder(DecoderConfig(dim=30, heads=4))
+
+
+def test_decoder_forward_is_the_step():
+    m = TinyDecoder(DecoderConfig(layers=1, max_seq=4, slots=2))
+    args = m.example_args(2, 0)
+    assert torch.allclose(m(*args), m.step(*args))
+
+
+# ----------------------------------------------------------------------------- experiments and GPU
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiments_registered_with_valid_quick_params(name):
+    exp = reference.get(name)
+    assert exp.gpu_only
+    assert set(exp.quick) <= set(inspect.signature(exp.fn).parameters)
+
+
+@gpu
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_quick_run_on_gpu(name):
+    exp = reference.get(name)
+    res = exp.fn(**exp.quick)
+    assert res.rows and res.live
+
+
+@gpu
+def test_cuda_backend_decoder_replays_like_eager():
+    eager, cached = TinyDecoder(), TinyDecoder()
+    c = GraphCache(cached.step, buckets=[1, 2, 4, 8], pad_value=cached.pad_values())
+    assert c.backend.name == "cuda-graph"
+    for step, batch in enumerate([3, 3, 4, 1, 3, 8]):
+        args = eager.example_args(batch, step)
+        assert torch.allclose(c(*args), eager.step(*args), atol=1e-4), f"step {step}"
+    s = c.get_stats()
+    assert s["recordings"] == 3 and s["cache_hits"] == 3 and s["graph_memory_bytes"] >= 0
+
+
+@gpu
+def test_cuda_backend_fallback_then_other_keys_capture():
+    m = TinyDecoder()
+    host = lambda ids, pos, slots: course.embedding.embedding(ids, m.tok, bounds="host")  # noqa: E731
+    c = GraphCache(lambda ids, pos, slots, hz: host(ids, pos, slots) if hz else m.step(ids, pos, slots),
+                   pad_value=m.pad_values() + (False,))
+    args = m.example_args(2, 0)
+    c(*args, True)
+    c(*args, False)
+    s = c.get_stats()
+    assert list(s["fusion_modes"].values()) == ["eager", "graph_replay"]
+    assert "bounds='host'" in next(iter(s["fallback_reasons"].values()))
+    torch.randn(2, device="cuda")  # the RNG still works after the failed capture
+
+
+@gpu
+def test_cuda_backend_clear_cache_frees_separate_pools():
+    m = TinyDecoder()
+    c = GraphCache(m.step, buckets=[1, 2, 4, 8, 16, 32, 64], pad_value=m.pad_values(),
+                   backend=CudaGraphBackend("separate"))
+    c.warmup([1, 2, 4, 8, 16, 32, 64], m.example_args)
+    held = c.get_stats()["graph_memory_bytes"]
+    freed = c.clear_cache()
+    assert held > 0 and freed["freed_bytes"] > 0
+
+
+def test_preset_sizes_from_segments():
+    from course.lessons.graph_cache.buckets import Preset
+    p = Preset("toy", ((1, 2, 1), (8, None, 8)), "a test")
+    assert p.sizes(20) == [1, 2, 8, 16] and p.sizes(1) == [1]
+
+
+def test_replay_trace_every_call_misses_without_buckets():
+    """The seed's Q2: with exact shapes every new batch size is a miss; buckets bound the misses."""
+    from course.lessons.graph_cache.faq import replay_trace
+    m = TinyDecoder(DecoderConfig(layers=1, max_seq=8, slots=8))
+    trace = [1, 2, 3, 5, 6, 7, 3, 8]
+    exact = replay_trace(_cache(m.step, pad_value=m.pad_values()), m, trace)
+    bucketed = replay_trace(_cache(m.step, buckets=[4, 8], pad_value=m.pad_values()), m, trace)
+    assert exact["cache_misses"] == 7 and exact["cache_hits"] == 1
+    assert bucketed["cache_misses"] == 2 and bucketed["cache_hits"] == 6 and bucketed["padded_rows"] > 0
+
+
+def test_fresh_compile_runs_anywhere():
+    from course.lessons.graph_cache.experiments import fresh_compile
+    fresh_compile()
+
+
+@gpu
+def test_graph_launches_counts_replays():
+    from course.lessons.graph_cache.experiments import graph_launches
+    m = TinyDecoder()
+    args = m.example_args(2, 0)
+    c = GraphCache(m.step)
+    c(*args)
+    assert graph_launches(lambda: c(*args))["graph_launches"] == 1
+    eager = graph_launches(lambda: m.step(*args))
+    assert eager["graph_launches"] == 0 and eager["kernel_launches"] > 10
+
+
+# ----------------------------------------------------------------------------- lab 3's checks catch wrong caches
+from course.core.checks import ExerciseFailed  # noqa: E402
+from course.lessons.graph_cache import lab  # noqa: E402
+
+
+def _key(args, bucket):
+    return tuple(("tensor", (bucket, *a.shape[1:]), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor)
+                 else ("value", a) for a in args)
+
+
+def _make_static(args, bucket):
+    return [torch.empty((bucket, *a.shape[1:]), dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor)
+            else a for a in args]
+
+
+def _copy_in(static, args, n, pads, refill=True):
+    for s, a, p in zip(static, args, pads):
+        if isinstance(a, torch.Tensor):
+            s[:n].copy_(a)
+            if refill:
+                s[n:].fill_(p)
+
+
+def _copy_out(out, n, bucket, copy=True):
+    if isinstance(out, torch.Tensor):
+        out = out[:n] if out.dim() and out.shape[0] == bucket else out
+        return out.clone() if copy else out
+    return type(out)(_copy_out(o, n, bucket, copy) for o in out)
+
+
+class _LabCache:
+    """The lab's answer, with switches that break it the classic ways."""
+
+    def __init__(self, fn, buckets=(), pad_value=0, backend=None, bug=None):
+        self.fn, self.sizes, self.pad_value, self.backend, self.bug = fn, sorted(buckets), pad_value, backend, bug
+        self.entries, self.enabled = {}, True
+        self.stats = {"cache_hits": 0, "cache_misses": 0, "recordings": 0, "eager_calls": 0, "padded_rows": 0,
+                      "fallbacks": {}}
+
+    def pads(self, args):
+        return self.pad_value if isinstance(self.pad_value, tuple) else (self.pad_value,) * len(args)
+
+    def __call__(self, *args):
+        n = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+        bucket = next_bucket(n, self.sizes)
+        if not self.enabled or bucket is None:
+            self.stats["eager_calls"] += 1
+            return self.fn(*args)
+        key = _key(args, bucket)
+        e = self.entries.get(key)
+        if e is None:
+            self.stats["cache_misses"] += 1
+            static = _make_static(args, bucket)
+            _copy_in(static, args, n, self.pads(args))
+            try:
+                e = {"eager": False, "static": static, "rec": self.backend.capture(self.fn, static)}
+                self.stats["recordings"] += 1
+            except CaptureFailed as err:
+                e = {"eager": True}
+                self.stats["fallbacks"][key] = err.reason
+            self.entries[key] = e
+        elif not e["eager"]:
+            self.stats["cache_hits"] += 1
+            if self.bug == "eager_hit":
+                return self.fn(*args)
+            if self.bug != "no_copy_in":
+                _copy_in(e["static"], args, n, self.pads(args), refill=self.bug != "no_refill")
+        if e["eager"]:
+            self.stats["eager_calls"] += 1
+            return self.fn(*args)
+        e["rec"].replay()
+        self.stats["padded_rows"] += bucket - n
+        return _copy_out(e["rec"].output, n, bucket, copy=self.bug != "no_clone")
+
+    def set_enabled(self, flag):
+        self.enabled = flag
+
+    def clear_cache(self):
+        self.entries.clear()
+        self.backend.reset_pool()
+
+
+def _bugged(bug):
+    return lambda fn, **kw: _LabCache(fn, bug=bug, **kw)
+
+
+def test_lab_checks_pass_the_answer():
+    lab.check_key(_key)
+    lab.check_static(_make_static, _copy_in)
+    lab.check_copy_out(_copy_out)
+    for check in (lab.check_miss_and_hit, lab.check_buckets, lab.check_fallback, lab.check_enable_clear):
+        check(_LabCache)
+
+
+@pytest.mark.parametrize("check,args,message", [
+    (lab.check_key, (lambda args, b: tuple((tuple(a.shape[1:]),) if isinstance(a, torch.Tensor) else a
+                                           for a in args) + (b,),), "dtype"),
+    (lab.check_static, (lambda args, b: list(args), _copy_in), "caller's tensor itself"),
+    (lab.check_static, (_make_static, lambda s, a, n, p: _copy_in(s, a, n, p, refill=False)), "pad_value"),
+    (lab.check_copy_out, (lambda out, n, b, copy=True: tuple(o[:n] if o.shape[0] == b else o for o in out)
+                          if isinstance(out, tuple) else out[:n],), "Clone"),
+    (lab.check_miss_and_hit, (_bugged("eager_hit"),), "replayed"),
+    (lab.check_miss_and_hit, (_bugged("no_copy_in"),), "copied"),
+    (lab.check_miss_and_hit, (_bugged("no_clone"),), "overwritten"),
+    (lab.check_buckets, (_bugged("no_refill"),), "padding rows leaked"),
+])
+def test_lab_checks_diagnose_wrong_caches(check, args, message, capsys):
+    with pytest.raises(ExerciseFailed, match=message):
+        check(*args)
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_lab_check_says_not_done_yet(capsys):
+    def todo(*_):
+        raise NotImplementedError("your code goes here")
+    lab.check_key(todo)
+    assert "not done yet" in capsys.readouterr().out
+
+
+def test_counting_backend_counts():
+    b = lab.CountingBackend(RecordingBackend())
+    rec = b.capture(lambda x: x + 1, [torch.ones(2)])
+    rec.replay()
+    assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 0, "recording")
+    b.reset_pool()
+
+
+def test_time_to_fast_sums_calls_until_the_first_fast_one():
+    from course.lessons.graph_cache.experiments import time_to_fast
+    trace = [1, 2, 1, 2, 1, 3]
+    cold = [5.0, 4.0, 3.0, 0.1, 0.1, 9.0]   # size 1: compile 5, record 3, then fast; size 2: 4, then fast
+    steady = [0.1, 0.1, 0.1, 0.1, 0.1, 0.2]
+    assert time_to_fast(trace, cold, steady, [1, 2]) == pytest.approx(5.0 + 3.0 + 0.1 + 4.0 + 0.1)
+    assert time_to_fast(trace, cold, steady, [3]) == pytest.approx(9.0), "never fast: counted in full"
+
+
+def test_calls_without_a_batch_run_eager():
+    c = _cache(lambda *a: len(a))
+    assert c(1, 2) == 2 and c(torch.ones(0, 3, device=DEV)) == 1
+    s = c.get_stats()
+    assert (s["eager_calls"], s["cache_misses"], s["above_largest_bucket"]) == (2, 0, 0)
