@@ -229,6 +229,7 @@ def new_shape_experiment(batches=(1, 8, 64, 512), width: int = 1024, depth: int 
             warm_up(fn, 3)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
+            torch.cuda.empty_cache()  # torch.cuda.graph() does this as it starts: do it before reading "before"
             reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import gc
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -201,7 +202,11 @@ class CudaGraphBackend:
         t0 = time.perf_counter()
         if warmup > 0:
             warm_up(call, warmup)  # first: the eager allocations of a warm-up are not the graph's memory
+        # torch.cuda.graph() empties the allocator's cache as it starts; do it first, or the freed warm-up
+        # blocks would be subtracted from the graph's own memory (and "memory held" could come out negative)
+        gc.collect()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         outcome = try_capture(call, warmup=0, pool=self.new_pool())
         torch.cuda.synchronize()

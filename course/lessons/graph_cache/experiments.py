@@ -215,6 +215,7 @@ def _trace_row(label, kind, build, trace, all_args) -> dict:
 
     from course.lessons.reduce_overhead import torch_log_messages
 
+    _free()
     before = torch.cuda.memory_reserved()
     with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
             torch_log_messages(recompiles=True, cudagraphs=True, perf_hints=True) as msgs:
@@ -231,7 +232,7 @@ def _trace_row(label, kind, build, trace, all_args) -> dict:
             passes.append(times)
         tail = all_args[-5:]
         launches = graph_launches(lambda: [fn(*a) for a in tail], calls=1)
-    gc.collect()
+    _free()  # cached free blocks released: what stays reserved is held by the graphs (and compiled code) alive
     held = torch.cuda.memory_reserved() - before
     cold, steady = passes
     stats = fn.get_stats() if kind == "cache" else {}
