@@ -244,6 +244,7 @@ def new_shape_experiment(batches=(1, 8, 64, 512), width: int = 1024, depth: int 
 
     rows = []
     with torch.no_grad():
+        warm_up(lambda: model(torch.randn(1, width, device="cuda")), 1)  # one-time init (cuBLAS...) is no shape's cost
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         captured = capture_all(batches)  # memory read right after each capture, before any timing

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import gc
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -202,15 +201,16 @@ class CudaGraphBackend:
         t0 = time.perf_counter()
         if warmup > 0:
             warm_up(call, warmup)  # first: the eager allocations of a warm-up are not the graph's memory
-        # torch.cuda.graph() empties the allocator's cache as it starts; do it first, or the freed warm-up
-        # blocks would be subtracted from the graph's own memory (and "memory held" could come out negative)
-        gc.collect()
         torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        # torch.cuda.graph() empties the allocator's cache as it starts; do it first (untimed), or the freed
+        # warm-up blocks would be subtracted from the graph's own memory ("memory held" could come out negative)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
+        t2 = time.perf_counter()
         outcome = try_capture(call, warmup=0, pool=self.new_pool())
         torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
         if not outcome.ok:
             raise CaptureFailed(diagnose(outcome.error_type, outcome.error, outcome.frames))
         graph = outcome.graph

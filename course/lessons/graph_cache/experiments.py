@@ -18,6 +18,7 @@ import statistics
 import time
 
 from course.core.capture import require_gpu
+from course.core import isolate
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import speedup, time_device, time_interleaved
@@ -248,6 +249,25 @@ def _trace_row(label, kind, build, trace, all_args) -> dict:
             "graph_launches_last5": launches["graph_launches"], "note": " | ".join(notes[:2])}
 
 
+def trace_variant(label: str, steps: int, max_batch: int, presets, compile_variants: bool, layers: int,
+                  seed: int) -> dict:
+    """One row of :func:`trace_experiment`, meant for a fresh process: the process is warmed up first (CUDA, cuBLAS,
+    one eager step), so the row's setup times and memory are the variant's own."""
+    import torch
+
+    trace = decode_trace(steps, max_batch, seed=seed)
+    model = TinyDecoder(DecoderConfig(layers=layers, slots=max_batch))
+    all_args = _trace_args(model, trace)
+    with torch.no_grad():
+        model.step(*all_args[0])
+    torch.cuda.synchronize()
+    found = {lab: (kind, build) for lab, kind, build in _variants(model, list(presets), max_batch, compile_variants)}
+    if label not in found:
+        raise KeyError(f"no trace variant {label!r}; known: {sorted(found)}")
+    kind, build = found[label]
+    return _trace_row(label, kind, build, trace, all_args)
+
+
 def _percentile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -263,13 +283,14 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
 
     trace = decode_trace(steps, max_batch, seed=seed)
     model = TinyDecoder(DecoderConfig(layers=layers, slots=max_batch))
-    all_args = _trace_args(model, trace)
+    labels = [(label, kind) for label, kind, _ in _variants(model, list(presets), max_batch, compile_variants)]
+    del model
     rows = []
-    for label, kind, build in _variants(model, list(presets), max_batch, compile_variants):
-        fresh_compile()
-        _free()
-        try:
-            rows.append(_trace_row(label, kind, build, trace, all_args))
+    for label, kind in labels:
+        try:  # each variant in a fresh process: no compile cache, memory pool or warm allocator carried over
+            rows.append(isolate.run_isolated("course.lessons.graph_cache.experiments", "trace_variant", label=label,
+                                             steps=steps, max_batch=max_batch, presets=list(presets),
+                                             compile_variants=compile_variants, layers=layers, seed=seed))
         except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
             if kind != "compile" and not label.endswith("fusion"):
                 raise
@@ -277,12 +298,10 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
             rows.append({"variant": label, "p50_us": nan, "p99_us": nan, "mean_us": nan, "recordings": 0,
                          "first_8_sizes_s": nan, "cold_pass_s": nan, "steady_pass_s": nan, "memory_MB": nan,
                          "padding_waste": nan, "eager_calls": 0, "graph_launches_last5": nan,
-                         "note": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"})
-        _free()
-    fresh_compile()
+                         "note": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[-1][:200]}"})
     res = Result("graph_cache_trace", f"Tiny decoder on a decode trace of {steps} steps (batch 1..{max(trace)}, "
                  f"{len(set(trace))} distinct sizes): every way of running it, same run; step latency is "
-                 "host-synchronized per step in the second (steady) pass",
+                 "host-synchronized per step in the second (steady) pass; each variant in its own process",
                  {"variant": "", "p50_us": "us", "p99_us": "us", "mean_us": "us", "recordings": "count",
                   "first_8_sizes_s": "s", "cold_pass_s": "s", "steady_pass_s": "s", "memory_MB": "MiB",
                   "padding_waste": "fraction", "eager_calls": "count", "graph_launches_last5": "count", "note": ""},
