@@ -14,7 +14,6 @@ import secrets
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -66,6 +65,10 @@ def lab_server():
         if "build_naive_kernel():" in cell.source and "NotImplementedError" in cell.source:
             cell.source = solution[cell.get("id")]
     nbformat.write(nb, lab1)
+    crash = nbformat.read(ROOT / "solutions" / lab1.name, as_version=4)  # every answer, one with an off-by-one
+    for cell in crash.cells:
+        cell.source = cell.source.replace("if i < out.shape[0] * dim:", "if i <= out.shape[0] * dim:")
+    nbformat.write(crash, dest / "labs" / "lab1_crash.ipynb")
 
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_CONFIG_DIR=str(tmp / "config"))
@@ -182,4 +185,16 @@ def test_lab1_shows_done_and_not_done_marks(browser, lab_server):
     assert any("✓" in l and "1. naive kernel" in l for l in lines), "exercise 1 is done: expected its ✓"
     for name in ("2. clear errors", "3. fast kernel"):
         assert any(name in l and "not done yet" in l for l in lines), f"expected '{name}: not done yet'"
-    assert "✗" not in state["text"]
+    assert not [l for l in lines if l.lstrip().startswith("✗ ")], "no check should have failed"
+
+
+def test_a_crashing_kernel_is_one_cross_and_run_all_reaches_the_end(browser, lab_server):
+    rel = "labs/lab1_crash.ipynb"
+    state = _run_all(browser, lab_server, rel)
+    _assert_ran_clean(state, rel)  # no error output: the crash is reported by the check, and every cell ran
+    lines = state["text"].splitlines()
+    crosses = [l for l in lines if l.lstrip().startswith("✗ ")]
+    assert len(crosses) == 1 and "1. naive kernel: CRASHED (IndexError" in crosses[0], crosses
+    assert any("your line" in l for l in lines) and any("hint: [1/" in l for l in lines)
+    assert "Traceback" not in state["text"]
+    assert any("3. fast kernel" in l and "passed" in l for l in lines), "Run All did not reach exercise 3"
