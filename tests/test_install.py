@@ -125,7 +125,8 @@ def test_torch_install_leaves_an_importable_torch_alone(capsys):
 # --------------------------------------------------------------------------- make targets
 
 def _make_n(target, **env):
-    e = {k: v for k, v in os.environ.items() if k not in ("CONDA_PREFIX", "CONDA_DEFAULT_ENV", "USE_VENV")}
+    e = {k: v for k, v in os.environ.items() if k not in ("CONDA_PREFIX", "CONDA_DEFAULT_ENV", "USE_VENV",
+                                                         "MAKEFLAGS", "MAKEOVERRIDES", "MFLAGS", "MAKELEVEL")}
     e.update(env)
     out = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, env=e, timeout=60)
     assert out.returncode == 0, out.stderr
