@@ -70,3 +70,13 @@ def test_human_bytes():
 def test_number_never_uses_exponents_for_bar_labels():
     assert plots.number(2430.4) == "2430" and plots.number(3.14159) == "3.14"
     assert plots.number(12.34) == "12.3" and plots.number(0.01234) == "0.0123" and plots.number(0) == "0"
+
+
+def test_timeline_highlights_a_tiny_kernel_beside_a_long_sleep():
+    rows = [{"lane": "GPU", "start_us": 0.0, "dur_us": 50_000.0, "name": "sleep"},
+            {"lane": "GPU", "start_us": 50_000.0, "dur_us": 1.6, "name": "numba_lookup"}]
+    fig, (ax,) = plots.figure()
+    plots.timeline(ax, rows, highlight=lambda r: r["name"].startswith("numba"))
+    bars = ax.collections
+    red = [b for b in bars if tuple(round(c, 2) for c in b.get_facecolor()[0][:3]) == (0.84, 0.15, 0.16)]
+    assert len(red) == 1 and red[0].get_paths()[0].get_extents().width >= 0.005 * 50_001.6 - 1e-6

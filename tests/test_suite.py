@@ -100,3 +100,19 @@ def test_machine_path_pattern_can_fail():
 def test_reference_data_carries_no_machine_path(path):
     hits = MACHINE_PATH.findall(path.read_text())
     assert not hits, f"{path.name} carries paths of the recording machine: {hits[:3]} (cut them in the experiment)"
+
+
+# A speedup computed in a notebook from two times ("{a_us / b_us:.1f}x") must sit beside the spreads it came from.
+INLINE_SPEEDUP = re.compile(r"\{[^{}]*(?:us|ms)['\"]?\]?\)?\s*/\s*[^{}]*(?:us|ms)['\"]?\]?\)?\s*:[^{}]*f\}x")
+
+
+def test_inline_speedup_pattern_can_fail():
+    assert INLINE_SPEEDUP.search("print(f\"{r['eager_us'] / r['replay_us']:.1f}x\")")
+    assert not INLINE_SPEEDUP.search("print(f\"{r['eager_us']:.1f} us\")")
+
+
+@pytest.mark.parametrize("path", catalog.all_notebooks_on_disk(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_printed_speedup_names_its_spread(path):
+    bare = [i for src, i in _code_cells(path) if INLINE_SPEEDUP.search(src) and "IQR" not in src]
+    assert not bare, (f"{path.name}: cells {bare} print a speedup without the IQRs of both sides: print both medians "
+                      "and IQRs (course.core.timing.speedup does), or say it is inside the noise")

@@ -94,16 +94,24 @@ def bars(ax, labels, values, unit: str, *, errors=None, title: str = "", log: bo
 
 
 def timeline(ax, rows, *, lane: str = "lane", start: str = "start_us", dur: str = "dur_us",
-             name: str = "name", title: str = "") -> None:
-    """A Gantt chart: one horizontal lane per value of ``lane`` (e.g. CPU, GPU)."""
+             name: str = "name", title: str = "", highlight=None) -> None:
+    """A Gantt chart: one horizontal lane per value of ``lane`` (e.g. CPU, GPU).
+
+    ``highlight(row) -> bool`` marks rows to stand out (drawn in red, at least 0.5% of the span wide), so a
+    2 us kernel next to a 50 ms sleep on the same lane is still seen.
+    """
     lanes = []
     for r in rows:
         if r[lane] not in lanes:
             lanes.append(r[lane])
-    colours = {l: c for l, c in zip(lanes, ["tab:orange", "tab:green", "tab:blue", "tab:red", "tab:purple"])}
+    colours = {l: c for l, c in zip(lanes, ["tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown"])}
+    span = (max((r[start] + r[dur] for r in rows), default=1.0) - min((r[start] for r in rows), default=0.0)) or 1.0
     for r in rows:
         y = lanes.index(r[lane])
-        ax.broken_barh([(r[start], max(r[dur], 0.05))], (y - 0.35, 0.7), color=colours[r[lane]], alpha=0.85)
+        hot = bool(highlight and highlight(r))
+        width = max(r[dur], 0.005 * span if hot else 0.05)
+        ax.broken_barh([(r[start], width)], (y - 0.35, 0.7), color="tab:red" if hot else colours[r[lane]],
+                       alpha=1.0 if hot else 0.85, zorder=3 if hot else 2)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel("time [us]")
