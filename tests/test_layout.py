@@ -57,16 +57,15 @@ def import_graph() -> dict:
 
 
 def find_cycle(graph: dict):
-    """One import cycle as a list of modules, or None. Importing a package's submodule runs the package's
-    ``__init__`` first, but an ``__init__`` that re-exports its own submodules is not a cycle."""
+    """One import cycle as a list of modules, or None. A package's ``__init__`` may re-export its submodules, but
+    then no submodule may import the package itself (``from pkg import sibling`` runs ``pkg/__init__`` first):
+    import the sibling module directly (``import pkg.sibling as sibling``)."""
     state, stack = {}, []
 
     def visit(m):
         state[m] = "open"
         stack.append(m)
         for n in sorted(graph.get(m, ())):
-            if m.startswith(n + ".") or n.startswith(m + "."):
-                continue  # a package and its own submodules
             if state.get(n) == "open":
                 return stack[stack.index(n):] + [n]
             if n not in state:

@@ -206,7 +206,7 @@ def trace(launch, *args, **kwargs) -> AccessTrace:
         note(self, idx, True)
         return orig_set(self, idx, val)
 
-    from course.embedding import kernels as _k
+    import course.embedding.kernels as _k
 
     K, W = FakeCUDAKernel, FakeWithinKernelCUDAArray
     saved16 = _k.load16, _k.store16

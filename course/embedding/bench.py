@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from course import embedding as E
-from course.core import isolate
+import course.core.isolate as isolate
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import graph_time, time_device  # noqa: F401 (graph_time is part of this module's API)

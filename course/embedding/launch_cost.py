@@ -15,7 +15,8 @@ from course.core.reference import experiment
 from course.core.results import Result
 from course.core.runtime import as_numba, cuda, numba_stream
 from course.core.timing import time_interleaved
-from course.embedding import lean, lookup
+import course.embedding.lean as lean
+import course.embedding.lookup as lookup
 
 _EMPTY = {}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from course.core.runtime import as_numba, numba_stream, runtime
-from course.embedding import lean
+import course.embedding.lean as lean
 from course.embedding.kernels import (IMPLS, BOUNDS, ID_DTYPES, WEIGHT_DTYPES, INT64_MAX, EmbeddingIndexError, as_words,
                                       element_view, fast_kernel, launch_config, naive_kernel, pick_word_bytes)
 

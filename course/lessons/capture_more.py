@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 
-from course.core import isolate
+import course.core.isolate as isolate
 from course.core.capture import require_gpu, try_capture, warm_up
 from course.core.reference import experiment
 from course.core.results import Result

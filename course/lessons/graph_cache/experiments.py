@@ -18,7 +18,7 @@ import statistics
 import time
 
 from course.core.capture import require_gpu
-from course.core import isolate
+import course.core.isolate as isolate
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import speedup, time_device, time_interleaved

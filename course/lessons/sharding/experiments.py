@@ -21,8 +21,8 @@ from course.core.provenance import provenance
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.runtime import gpu_count
-from course.lessons.sharding import graphs as G
-from course.lessons.sharding import workers as W
+import course.lessons.sharding.graphs as G
+import course.lessons.sharding.workers as W
 from course.lessons.sharding.launch import launch, plan
 
 WORLD_SIZES = (2, 4, 8)

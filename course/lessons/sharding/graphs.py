@@ -30,9 +30,9 @@ import gc
 
 import torch
 
-from course.lessons.sharding import layouts as L
-from course.lessons.sharding import vocab_parallel as V
-from course.lessons.sharding import workers as W
+import course.lessons.sharding.layouts as L
+import course.lessons.sharding.vocab_parallel as V
+import course.lessons.sharding.workers as W
 
 VARIANTS = ("dtensor_rowwise", "dtensor_colwise", "vocab_torch", "vocab_numba")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from course.core import plots
+import course.core.plots as plots
 from course.core.reference import get, run
-from course.lessons.sharding import workers as W
+import course.lessons.sharding.workers as W
 from course.lessons.sharding.experiments import seed_result
 from course.lessons.sharding.launch import WorkerError, WorkerTimeout, launch, plan
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from course.lessons.sharding import layouts as L
-from course.lessons.sharding import vocab_parallel as V
+import course.lessons.sharding.layouts as L
+import course.lessons.sharding.vocab_parallel as V
 
 
 def _mesh(ctx, group=None):

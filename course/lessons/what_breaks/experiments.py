@@ -33,7 +33,7 @@ def _lines(findings, source) -> str:
 @experiment("hazards_finder", gpu_only=True, quick={"names": ("item", "synchronize", "pinned_frozen")})
 def finder_experiment(names=None, sleep_ms: float = 20.0) -> Result:
     """Run the finder (static + dynamic) on every zoo hazard, every fix and the safe functions."""
-    from course.lessons.what_breaks import zoo
+    import course.lessons.what_breaks.zoo as zoo
     from course.core.blocking import event_complete_right_after
 
     targets = []
