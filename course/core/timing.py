@@ -74,15 +74,7 @@ def time_device(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> T
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
+    samples = [_one_sample(fn, inner, "device") for _ in range(repeats)]
     return _stats(samples, inner, "cuda-events")
 
 
@@ -92,14 +84,7 @@ def time_wall(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> Tim
     for _ in range(warmup):
         fn()
     synchronize()
-    samples = []
-    for _ in range(repeats):
-        synchronize()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        synchronize()
-        samples.append(time.perf_counter() - t0)
+    samples = [_one_sample(fn, inner, "wall") for _ in range(repeats)]
     return _stats(samples, inner, "host-synchronized")
 
 
@@ -113,13 +98,7 @@ def time_enqueue(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> 
     _check(repeats, inner, warmup)
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeats):
-        synchronize()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append(time.perf_counter() - t0)
+    samples = [_one_sample(fn, inner, "enqueue") for _ in range(repeats)]
     synchronize()
     return _stats(samples, inner, "host-enqueue")
 
