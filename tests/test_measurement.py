@@ -223,3 +223,13 @@ def test_run_loads_reference_when_the_machine_has_too_few_gpus(monkeypatch, tmp_
     with pytest.raises(RuntimeError, match=r"need 2 GPUs; this machine has 1"):
         reference.bench(["sharding_capture"], out_dir=tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_one_sample_times_one_repeat():
+    import time as _t
+
+    from course.core.timing import one_sample
+
+    calls = []
+    took = one_sample(lambda: (calls.append(1), _t.sleep(0.001)), 3, "wall")
+    assert len(calls) == 3 and took >= 0.003

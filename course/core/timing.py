@@ -74,7 +74,7 @@ def time_device(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> T
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    samples = [_one_sample(fn, inner, "device") for _ in range(repeats)]
+    samples = [one_sample(fn, inner, "device") for _ in range(repeats)]
     return _stats(samples, inner, "cuda-events")
 
 
@@ -84,7 +84,7 @@ def time_wall(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> Tim
     for _ in range(warmup):
         fn()
     synchronize()
-    samples = [_one_sample(fn, inner, "wall") for _ in range(repeats)]
+    samples = [one_sample(fn, inner, "wall") for _ in range(repeats)]
     return _stats(samples, inner, "host-synchronized")
 
 
@@ -98,7 +98,7 @@ def time_enqueue(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> 
     _check(repeats, inner, warmup)
     for _ in range(warmup):
         fn()
-    samples = [_one_sample(fn, inner, "enqueue") for _ in range(repeats)]
+    samples = [one_sample(fn, inner, "enqueue") for _ in range(repeats)]
     synchronize()
     return _stats(samples, inner, "host-enqueue")
 
@@ -144,7 +144,9 @@ def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
 _CLOCKS = {"device": "cuda-events", "wall": "host-synchronized", "enqueue": "host-enqueue"}
 
 
-def _one_sample(fn, inner: int, clock: str) -> float:
+def one_sample(fn, inner: int, clock: str) -> float:
+    """Seconds for ``inner`` back-to-back calls of ``fn``, one repeat: ``clock`` "device" (CUDA events; the
+    synchronized host clock on the simulator), "wall" (synchronized host clock) or "enqueue" (host issue time)."""
     if clock == "device" and runtime().on_gpu:
         import torch
 
@@ -186,7 +188,7 @@ def time_interleaved(variants: dict, *, clock: str = "device", warmup: int = 5, 
     for r in range(repeats):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            samples[name].append(_one_sample(variants[name], inner, clock))
+            samples[name].append(one_sample(variants[name], inner, clock))
     used = _CLOCKS[clock] if (clock != "device" or runtime().on_gpu) else "host-synchronized"
     return {n: _stats(s, inner, used) for n, s in samples.items()}
 

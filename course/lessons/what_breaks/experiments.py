@@ -112,16 +112,11 @@ def _gpu_us_per_call(fn, n: int = 20, host_us: float = 1000.0) -> float:
     """GPU time per call of an asynchronous ``fn``: queue it behind a sleep so launch gaps vanish."""
     import torch
     from course.core.blocking import gpu_sleep
+    from course.core.timing import one_sample
 
     torch.cuda.synchronize()
     gpu_sleep(5.0 + 1.5 * n * host_us / 1e3)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / n
+    return one_sample(fn, n, "device") * 1e6 / n  # events around the n calls, queued behind the sleep
 
 
 @experiment("hazards_event_test", gpu_only=True, quick={"repeats": 5})
