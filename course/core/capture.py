@@ -1,13 +1,26 @@
 """Trying a CUDA graph capture safely: warm-up on a side stream, capture, report, recover.
 
-A failed capture must never poison later work: :func:`try_capture` catches the
-error, makes sure no stream is left capturing, synchronizes, and checks that a
-fresh op still runs, so the next cell (or test) starts clean. The outcome keeps
-the root-cause error *and* the Python frames it came from, so a tool (the hazard
-finder in :mod:`course.lessons.what_breaks`) can point at the line that broke the capture.
+A failed capture must never poison later work. :func:`graph` is ``torch.cuda.graph`` with that
+guarantee; :func:`try_capture` uses it, catches the error and checks that a fresh op still runs,
+so the next cell (or test, or cache key) starts clean. The outcome keeps the root-cause error
+*and* the Python frames it came from, so a tool (the hazard finder in
+:mod:`course.lessons.what_breaks`) can point at the line that broke the capture.
+
+What a failed ``torch.cuda.graph`` leaves behind (measured on an H100, torch 2.11): when CUDA
+invalidates a capture (a host read, a Numba allocation, a random op before the failure, a side
+stream never joined), ``capture_end`` raises before it tells the caching allocators (device and
+pinned host memory) that the capture is over. They keep "recording into" the capture's memory
+pool, so every later capture into the same pool (a graph cache shares one) fails with
+``beginAllocateToPool: already recording to mempool_id``; the current stream also stays the
+capture stream, and the random generators stay in capture mode. Torch exposes a way to end the
+device allocator's recording (:func:`release_pool`) but none for the host allocator's, so
+:func:`graph` never captures into that pool again: later captures that name it get a fresh pool in
+its place (graphs recorded before the failure keep theirs; memory is no longer shared across the
+failure). It also puts the stream and the generators back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import traceback
 import warnings
@@ -100,33 +113,136 @@ def warm_up(fn, iters: int = 3):
     return out
 
 
+_REPLACED: dict = {}  # pool handle a failed capture used -> the pool that captures naming it use instead
+_FAILED: list = []  # invalidated captures: kept alive, since torch's allocators still hold callbacks into them
+
+
+def pool_in_use(pool):
+    """The pool a capture naming ``pool`` records into: ``pool`` itself, or its replacement after a failure."""
+    while pool in _REPLACED:
+        pool = _REPLACED[pool]
+    return pool
+
+
+def release_pool(pool) -> None:
+    """End the device allocator's recording into ``pool`` and drop the failed capture's hold on it.
+
+    ``CUDAGraph.capture_end`` does both when a capture succeeds; when CUDA refuses to end an
+    invalidated capture it raises first. (The pinned-host allocator's recording cannot be ended from
+    Python: that is why :func:`graph` never captures into the pool again.)
+    """
+    import torch
+
+    dev = torch.cuda.current_device()
+    for step in (torch._C._cuda_endAllocateToPool, torch._C._cuda_releasePool):
+        try:
+            step(dev, pool)
+        except RuntimeError:  # nothing to end or release (the capture never began recording)
+            pass
+
+
+@contextlib.contextmanager
+def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"):
+    """``torch.cuda.graph`` that leaves CUDA clean when the capture fails (see the module docstring).
+
+    Use it like ``torch.cuda.graph``. On failure the error the body raised (or, if the body ran
+    through, the error ending the capture raised) propagates, after the device allocator's recording
+    is ended, the stream and the random generators are put back, and ``pool`` is retired: a later
+    capture that names it records into a fresh pool instead (:func:`pool_in_use`).
+    """
+    import torch
+
+    named = pool
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool_in_use(pool)
+    stream = stream if stream is not None else _capture_stream()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what torch.cuda.graph does as it starts
+    body_error = end_error = None
+    with torch.cuda.stream(stream):  # the previous stream is current again however the capture ends
+        try:
+            cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+        except BaseException:
+            _FAILED.append(cuda_graph)
+            _retire(named, pool)
+            _after_failure()
+            raise
+        try:
+            yield cuda_graph
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once the capture is ended
+            body_error = e
+        try:
+            with warnings.catch_warnings():
+                if body_error is not None:  # a capture cut short is often empty: that warning is noise here
+                    warnings.simplefilter("ignore")
+                cuda_graph.capture_end()
+        except BaseException as e:  # noqa: BLE001 - CUDA refused to end the (invalidated) capture
+            end_error = e
+            _FAILED.append(cuda_graph)  # the allocators' callbacks point at it: it must outlive them
+            release_pool(pool)
+    if body_error is None and end_error is None:
+        return
+    _retire(named, pool)
+    _after_failure()
+    raise body_error if body_error is not None else end_error  # raised outside any handler: no stale context
+
+
+def _retire(named, pool) -> None:
+    """Captures naming ``named`` (or ``pool``) record into a fresh pool from now on."""
+    import torch
+
+    if named is None:
+        return
+    fresh = torch.cuda.graph_pool_handle()
+    _REPLACED[named] = _REPLACED[pool] = fresh
+
+
+def _after_failure() -> None:
+    """Drain the queue (errors of the failed capture are dropped) and take the generators out of capture mode."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+    reset_rng_capture_state()
+
+
+def _capture_stream():
+    """The side stream captures run on (torch.cuda.graph's own default capture stream)."""
+    import torch
+
+    if torch.cuda.graph.default_capture_stream is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    return torch.cuda.graph.default_capture_stream
+
+
 def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> CaptureOutcome:
     """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
 
     ``mode`` is ``torch.cuda.graph``'s ``capture_error_mode``: "global" (torch's default), "thread_local" or
     "relaxed" (CUDA then allows calls, such as allocating memory, that are unsafe during capture).
     Never raises for a capture failure: the outcome carries the root-cause error
-    and its traceback frames. Errors during warm-up (the function is broken even
-    eagerly) are raised as is.
+    and its traceback frames, and the next capture, into any pool, works (:func:`graph`). Errors during
+    warm-up (the function is broken even eagerly) are raised as is.
     """
     require_gpu("capturing a CUDA graph")
     import torch
 
     warm_up(fn, warmup)
-    graph = torch.cuda.CUDAGraph()
+    cuda_graph = torch.cuda.CUDAGraph()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+            with graph(cuda_graph, pool=pool, capture_error_mode=mode):
                 out = fn()
     except Exception as e:  # noqa: BLE001 - we report every capture failure
         cause = _root_cause(e)
         frames = exception_frames(cause)
         msg = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
         etype = type(cause).__name__
-        del e, cause, graph  # drop references to tensors from the failed capture before recovering
+        del e, cause  # drop references to tensors from the failed capture before recovering
         recover()
         return CaptureOutcome(False, etype, msg, frames=frames)  # warnings from the aborted capture are dropped
     for w in caught:  # a successful capture keeps its warnings (e.g. "the CUDA Graph is empty": wrong stream?)
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return CaptureOutcome(True, graph=graph, output=out)
+    return CaptureOutcome(True, graph=cuda_graph, output=out)

@@ -27,6 +27,7 @@ EXPERIMENT_MODULES = (
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
     "course.lessons.what_breaks.numba_zoo",
+    "course.lessons.what_breaks.recovery",
     "course.embedding.bench",
     "course.lessons.graph_cache.experiments",
     "course.lessons.graph_cache.faq",

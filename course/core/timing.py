@@ -111,7 +111,7 @@ def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> 
     """
     import torch
 
-    from course.core.capture import require_gpu, warm_up
+    from course.core.capture import graph as capture_graph, require_gpu, warm_up
 
     require_gpu("timing with CUDA-graph replay")
 
@@ -121,7 +121,7 @@ def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> 
 
     warm_up(body, 2)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):  # torch.cuda.graph that leaves CUDA clean if the capture fails
         body()
     t = time_device(graph.replay, warmup=warmup, repeats=repeats, inner=1)
     del graph

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from course.core.capture import require_gpu, try_capture, warm_up
+from course.core.capture import graph as capture_graph, require_gpu, try_capture, warm_up
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import speedup, time_device, time_enqueue, time_interleaved, time_wall
@@ -232,7 +232,7 @@ def new_shape_experiment(batches=(1, 8, 64, 512), width: int = 1024, depth: int 
             torch.cuda.empty_cache()  # torch.cuda.graph() does this as it starts: do it before reading "before"
             reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capture_graph(g, pool=pool):  # torch.cuda.graph, clean after a failure
                 y = fn()
             torch.cuda.synchronize()
             t2 = time.perf_counter()

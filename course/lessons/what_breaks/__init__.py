@@ -5,6 +5,8 @@
 - :mod:`~course.lessons.what_breaks.dynamic`: the dynamic finder (runs the function on a GPU).
 - :mod:`~course.lessons.what_breaks.zoo`: hazards and their fixes, one small function each.
 - :mod:`~course.lessons.what_breaks.experiments`: the zoo under the finder, the event-test fallacy.
+- :mod:`~course.lessons.what_breaks.numba_zoo`: the Numba hazards.
+- :mod:`~course.lessons.what_breaks.recovery`: after each kind of failed capture, does the next one work?
 
 ``from course.lessons import what_breaks as finder`` gives the finder's API below.
 """

@@ -1,0 +1,130 @@
+"""A failed capture costs one key, never the next capture (issue: the GPU is the judge, items 2-3).
+
+On the H100 (torch 2.11) a failed ``torch.cuda.graph`` left the allocator recording into the shared pool,
+and every later capture into that pool failed; these tests run live in the GPU lane (and the cache's
+scenario on the recording backend too).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course.core import capture
+from course.core.runtime import runtime, torch_device
+from course.lessons.graph_cache import GraphCache
+from course.lessons.what_breaks import recovery
+
+ON_GPU = runtime().on_gpu
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (CUDA graph capture)")
+
+
+def _host_read_above_16(x):
+    if x.shape[0] > 16:
+        return x * float(x.abs().max() > -1)  # a host read: this key cannot be captured
+    return x * 1.0
+
+
+def test_one_bad_shape_costs_one_key():
+    """The issue's scenario: after two keys failed, the capturable batch-16 key still replays."""
+    cache = GraphCache(_host_read_above_16, buckets=[4, 8, 16, 32, 64])
+    for b in [3, 8, 20, 40, 5, 30, 16, 64]:
+        x = torch.randn(b, 8, device=torch_device())
+        assert torch.allclose(cache(x), _host_read_above_16(x)), f"batch {b}: wrong result"
+    s = cache.get_stats()
+    assert s["fusion_modes"] == {"float32[4,8]": "graph_replay", "float32[8,8]": "graph_replay",
+                                 "float32[32,8]": "eager", "float32[64,8]": "eager",
+                                 "float32[16,8]": "graph_replay"}, s["fusion_modes"]
+    reasons = s["fallback_reasons"]
+    assert set(reasons) == {"float32[32,8]", "float32[64,8]"}, reasons
+    assert all("test_capture_recovery.py" in r for r in reasons.values()), reasons  # the line that broke it
+
+
+def test_failure_kinds_are_known():
+    with pytest.raises(ValueError, match="unknown failure kind"):
+        recovery.failing_step("nope", None, None)
+
+
+@gpu
+@pytest.mark.parametrize("kind", recovery.KINDS)
+def test_guarded_capture_recovers_from_each_kind(kind):
+    row = recovery.after_failure(kind, guarded=True)
+    assert row["failure"] and "no failure" not in row["failure"], row
+    assert row["next_capture_ok"] and row["replay_right"], row
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+@gpu
+def test_all_kinds_in_a_row_in_one_process():
+    row = recovery.all_in_a_row()
+    assert row["next_capture_ok"] and row["replay_right"], row
+
+
+@gpu
+def test_guarded_graph_raises_the_body_error_and_restores_the_stream():
+    x = torch.ones(4, device="cuda")
+    before = torch.cuda.current_stream()
+    pool = torch.cuda.graph_pool_handle()
+    with pytest.raises(Exception, match="not permitted|capturing"):
+        with capture.graph(torch.cuda.CUDAGraph(), pool=pool):
+            x.sum().item()
+    assert torch.cuda.current_stream() == before
+    g = torch.cuda.CUDAGraph()
+    with capture.graph(g, pool=pool):  # the same pool: no "already recording to mempool_id"
+        y = x * 2
+    x.fill_(3.0)
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((4,), 6.0))
+    torch.randn(2, device="cuda")  # the random generator is out of capture mode
+
+
+@gpu
+def test_recovery_experiment_quick():
+    res = recovery.recovery_experiment(kinds=("host_read", "d2h_copy"))
+    assert res.value("captures_after_failure_ok") is True, res.rows
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
+def test_guarded_capture_needs_a_gpu():
+    from course.core.runtime import CourseEnvironmentError
+    with pytest.raises(CourseEnvironmentError):
+        recovery.after_failure("host_read", True)
+    with pytest.raises(CourseEnvironmentError):
+        recovery.recovery_experiment()
+
+
+@gpu
+def test_release_pool_is_harmless_on_a_pool_never_used():
+    """release_pool() tolerates a pool that no capture recorded into (graph() calls it only after a failure)."""
+    capture.release_pool(torch.cuda.graph_pool_handle())
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(4, device="cuda")
+    with capture.graph(g, pool=torch.cuda.graph_pool_handle()):
+        y = x + 1
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((4,), 2.0))
+
+
+def test_good_step_is_deterministic():
+    x = torch.randn(6, 32, device=torch_device())
+    assert torch.equal(recovery.good_step(x), recovery.good_step(x)) and recovery.good_step(x).shape == (6, 8)
+
+
+@gpu
+def test_a_failed_pool_is_retired_for_later_captures():
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.ones(8, device="cuda")
+    with pytest.raises(Exception):
+        with capture.graph(torch.cuda.CUDAGraph(), pool=pool):
+            x.sum().item()
+    assert capture.pool_in_use(pool) != pool
+    assert capture.pool_in_use(capture.pool_in_use(pool)) == capture.pool_in_use(pool)
+
+
+def test_pool_in_use_follows_replacements():
+    saved = dict(capture._REPLACED)
+    try:
+        capture._REPLACED.update({("a",): ("b",), ("b",): ("c",)})
+        assert capture.pool_in_use(("a",)) == ("c",) and capture.pool_in_use(("z",)) == ("z",)
+    finally:
+        capture._REPLACED.clear()
+        capture._REPLACED.update(saved)
