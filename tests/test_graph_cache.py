@@ -619,3 +619,23 @@ def test_heavy_runs_live_only_when_full(monkeypatch):
     assert R.heavy("graph_cache_trace", full=True) == "live"
     monkeypatch.setenv(R.ENV_FULL, "1")
     assert R.full_run() and R.heavy("graph_cache_trace") == "live"
+
+
+def test_step_lines_name_the_method_and_the_source():
+    from course.lessons.graph_cache.step import OLD_METHOD, step_lines
+
+    res = reference.load_reference("graph_cache_step")
+    text = step_lines(res)
+    assert "x eager" in text and "IQR" in text and "recorded on" in text
+    assert (res.params.get("timing") or OLD_METHOD) in text
+
+
+def test_step_rows_take_times_only_from_the_one_measurement():
+    from course.core.timing import Timing
+    from course.lessons.graph_cache.step import step_rows
+
+    facts = {k: {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""} for k in ("eager", "broken")}
+    t = {"eager": Timing(2e-3, 1.9e-3, 2.1e-3, 1.8e-3, 2.2e-3, 5, 10, "cuda-events")}
+    rows = step_rows(["eager", "broken"], facts, t, {"eager": {"graph_launches": 0.0, "kernel_launches": 77.0}})
+    assert rows[0]["us"] == pytest.approx(2000) and rows[0]["kernel_launches"] == 77.0
+    assert rows[1]["us"] != rows[1]["us"] and rows[1]["graph_launches"] != rows[1]["graph_launches"]  # NaN

@@ -185,3 +185,26 @@ def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = 
         res.add_summary(key, ratio, "x")
         res.add_summary(key.replace(" / ", " vs "), text, "")
     return res
+
+
+OLD_METHOD = ("recorded before the one-measurement method: each row timed on its own right after it was built, "
+              "with a profiler session between one row and the next; the ratios printed here are computed from "
+              "these rows")
+
+
+def step_lines(res) -> str:
+    """The step table as sentences: each row's median and IQR, its ratio to eager from the same rows, graph launches,
+    then how the times were measured and where they come from (the result's caption)."""
+    by = {r["variant"]: r for r in res.rows}
+    eager = by.get("eager")
+    lines = []
+    for r in res.rows:
+        vs = (f"{eager['us'] / r['us']:5.1f}x eager" if eager and r["us"] > 0 else "  (not timed)")
+        lines.append(f"{r['variant']:46s} {r['us']:8.1f} us (IQR {r['q1_us']:.1f}-{r['q3_us']:.1f})  {vs}   "
+                     f"graph launches/step {r['graph_launches']:.0f}")
+    for r in res.rows:
+        if r["skip_reason"]:
+            lines.append(f"{r['variant']}: torch logged '{r['skip_reason'][:150]}'")
+    lines.append(f"how: {res.params.get('timing', OLD_METHOD)}")
+    lines.append(f"[{res.name}] {res.caption()}")
+    return "\n".join(lines)
