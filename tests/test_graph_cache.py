@@ -639,3 +639,20 @@ def test_step_rows_take_times_only_from_the_one_measurement():
     rows = step_rows(["eager", "broken"], facts, t, {"eager": {"graph_launches": 0.0, "kernel_launches": 77.0}})
     assert rows[0]["us"] == pytest.approx(2000) and rows[0]["kernel_launches"] == 77.0
     assert rows[1]["us"] != rows[1]["us"] and rows[1]["graph_launches"] != rows[1]["graph_launches"]  # NaN
+
+
+@pytest.mark.skipif(ON_GPU, reason="the refusal is for machines without a GPU")
+def test_step_timing_factors_needs_a_gpu():
+    from course.core.runtime import CourseEnvironmentError
+    from course.lessons.graph_cache.diagnose_step import step_timing_factors
+
+    with pytest.raises(CourseEnvironmentError):
+        step_timing_factors()
+
+
+@gpu
+def test_step_timing_factors_on_gpu():
+    from course.lessons.graph_cache.diagnose_step import step_timing_factors
+
+    rows = step_timing_factors(repeats=3, layers=1)
+    assert [r["stage"] for r in rows][0] == "fresh" and all(r["us"] > 0 for r in rows)

@@ -9,7 +9,8 @@ One method per quantity, so that two cells never show two numbers for the same s
   measurement of fewer variants later in the run: the same eager step then read 2180 us in the table and
   3562 us in the ratios on an H100.
 - ``first_3_calls_s``: host clock around the first 3 calls of a freshly built variant (compile, record, first
-  replays); each compiled variant is built after ``torch._dynamo.reset()``, so it starts cold.
+  replays); each compiled variant is built after ``torch._dynamo.reset()`` with inductor's graph cache off, so it
+  starts cold (before, "torch.compile default" read the graph that "fusion" had just compiled: 0.3 s vs 5.7 s).
 - ``graph_launches``, ``kernel_launches``: a profiler trace of steady-state calls, taken **after** all timing: a
   ``torch.profiler`` session with CUDA activities can leave CUPTI attached to the process (Kineto tears it down
   only when told to), and CUPTI's callbacks then slow every later launch; before, the profiler ran between one
@@ -69,7 +70,12 @@ def _first_calls(build, call_args, want):
 
     from course.lessons.reduce_overhead import torch_log_messages
 
-    with torch.no_grad(), torch_log_messages(perf_hints=True, cudagraphs=True) as msgs:
+    import torch._inductor.config as inductor_config
+
+    # fx_graph_cache off: torch._dynamo.reset() does not empty inductor's graph cache, so without this the second
+    # variant compiling the same step (torch.compile default after fusion) would read a warm cache, not compile
+    with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
+            torch_log_messages(perf_hints=True, cudagraphs=True) as msgs:
         fn = build()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
