@@ -560,6 +560,7 @@ def test_step_ratios_use_the_named_rows():
     assert not any("fusion" in k for k in out)  # a failed (NaN) variant gives no ratio
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU stand-in (sync patched out); on a GPU the test below runs it for real")
 def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch):
     """The step experiment times every variant in ONE time_interleaved call; the table's times are that call's
     Timings, the summary ratios are computed from the table, and the profiler runs only after all timing."""
@@ -656,3 +657,13 @@ def test_step_timing_factors_on_gpu():
 
     rows = step_timing_factors(repeats=3, layers=1)
     assert [r["stage"] for r in rows][0] == "fresh" and all(r["us"] > 0 for r in rows)
+
+
+@gpu
+def test_step_quick_run_on_gpu_table_and_ratios_agree():
+    from course.lessons.graph_cache.step import METHOD, step_experiment
+
+    res = step_experiment(repeats=5, compile_variants=False, layers=1)
+    eager, replay = res.rows
+    assert res.params["timing"] == METHOD and eager["graph_launches"] == 0 and replay["graph_launches"] == 1
+    assert res.value("eager / cache graph_replay") == pytest.approx(eager["us"] / replay["us"])

@@ -172,4 +172,5 @@ def test_cell_times_times_each_code_cell(tmp_path):
     rows = time_cells(path, timeout=60, log=lines.append)
     assert [r["cell"] for r in rows] == [1, 2] and rows[0]["seconds"] >= 0.3
     assert any("[1/2] eager" in line for line in lines) and lines[-3].startswith("total")
-    assert main([str(path), "--json", str(tmp_path / "t.json")]) == 0 and (tmp_path / "t.json").exists()
+    assert main([str(path), "--json", str(tmp_path / "t.json"), "--root", str(tmp_path)]) == 0
+    assert (tmp_path / "t.json").exists()

@@ -1,4 +1,4 @@
-"""Time every cell of a notebook, live: ``python -m course.tools.cell_times NOTEBOOK [--timeout S] [--json FILE]``.
+"""Time every cell of a notebook, live: ``python -m course.tools.cell_times NOTEBOOK [--json FILE] [--root DIR]``.
 
 Runs the notebook in a fresh kernel (nbclient; this checkout first on the kernel's ``PYTHONPATH``) and prints
 one line per cell as it finishes: its index, seconds, and its first line, with the long experiments' own
@@ -25,9 +25,11 @@ def _first_line(src: str) -> str:
     return (lines[0] if lines else "")[:70]
 
 
-def time_cells(path, timeout: float = 600.0, log=print, show_output: bool = True) -> list:
+def time_cells(path, timeout: float = 600.0, log=print, show_output: bool = True, root=None) -> list:
     """Execute the notebook at ``path`` and return ``[{"cell", "seconds", "first_line"}]`` for its code cells.
 
+    ``root``: the checkout the kernel imports ``course`` from (first on its ``PYTHONPATH``; default: this one).
+    Give an older checkout (``git worktree add /tmp/before COMMIT``) to time the notebook as it was.
     ``log`` gets a line per cell when it finishes (and, with ``show_output``, the lines it printed that look
     like progress: ``[i/n]`` counters and ``done in``). Raises the cell's error when one fails, after logging it.
     """
@@ -53,7 +55,7 @@ def time_cells(path, timeout: float = 600.0, log=print, show_output: bool = True
                         log(f"            {line[:110]}")
 
     env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env_path if env_path else "")
+    os.environ["PYTHONPATH"] = str(root or ROOT) + (os.pathsep + env_path if env_path else "")
     try:
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3", on_cell_start=on_start,
                                 on_cell_executed=on_done, resources={"metadata": {"path": str(Path(path).parent)}})
@@ -76,8 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("notebook")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per cell (default 600)")
     ap.add_argument("--json", help="also write the per-cell times to this file")
+    ap.add_argument("--root", help="checkout whose `course` the kernel imports (default: this one)")
     args = ap.parse_args(argv)
-    rows = time_cells(args.notebook, timeout=args.timeout)
+    rows = time_cells(args.notebook, timeout=args.timeout, root=args.root)
     if args.json:
         Path(args.json).write_text(json.dumps({"notebook": args.notebook, "full": os.environ.get("COURSE_FULL", ""),
                                                "cells": rows}, indent=1) + "\n")
