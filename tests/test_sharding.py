@@ -224,3 +224,34 @@ def test_capture_world_sizes_on_gpus():
     res = reference.run("sharding_capture_world_sizes", **reference.get("sharding_capture_world_sizes").quick)
     assert res.value("all_replays_correct") and res.params["sizes"][0] == 2
     assert res.provenance["device"].startswith(f"{max(res.params['sizes'])}x ")
+
+
+def test_time_ranks_reports_the_slowest_rank_on_every_rank():
+    """One number for a collective step: every rank returns the same Timing, and it includes the slow rank."""
+    from course.lessons.sharding.launch import launch
+
+    out = launch(W.timing_worker, 2, backend="gloo", timeout=120, sleep_s=0.004, repeats=3, inner=2)
+    assert len({o["median"] for o in out}) == 1, out  # the same figure on every rank
+    assert all(o["median"] >= 0.004 and o["repeats"] == 3 and o["clock"].endswith("slowest rank") for o in out)
+
+
+def test_capture_figures_record_their_timing_method():
+    assert "slowest rank" in G.TIMING and "aligned" in G.TIMING
+
+
+def test_same_step_in_two_tables_agrees_or_says_why():
+    base = _fake("sharding_capture", [{"world_size": 2, "variant": "dtensor_rowwise", "replay_us": 25.7,
+                                        "replay_q1_us": 25.6, "replay_q3_us": 25.9}],
+                 {"world_size": "", "variant": "", "replay_us": "us", "replay_q1_us": "us", "replay_q3_us": "us"})
+    base.params["timing"] = G.TIMING
+    other = _fake("sharding_capture_world_sizes", [dict(base.rows[0])], dict(base.columns))
+    other.params["timing"] = G.TIMING
+    other.provenance = dict(base.provenance)
+    assert S.same_step(base, other).endswith("they agree.")
+    skewed = _fake("sharding_capture", [{**base.rows[0], "replay_us": 48.7, "replay_q1_us": 44.7,
+                                         "replay_q3_us": 53.8}], dict(base.columns))
+    skewed.provenance = dict(base.provenance)
+    text = S.same_step(skewed, other)
+    assert "48.7 us (IQR 44.7-53.8)" in text and "rank skew" in text and "bench sharding_capture" in text
+    assert S.timing_method(skewed) != S.timing_method(other)
+    assert S.same_step(None, other) == "" and S.same_step(base, other, variant="vocab_numba") == ""

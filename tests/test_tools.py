@@ -156,3 +156,21 @@ def test_sleep_calibration_and_graph_time_per_op():
     x = torch.zeros(16, device="cuda")
     per_op, timing = graph_time_per_op(lambda: x.add_(1), ops=4, repeats=3)
     assert 0 < per_op < 1e-3 and timing.clock == "cuda-events"
+
+
+def test_cell_times_times_each_code_cell(tmp_path):
+    import nbformat
+
+    from course.tools.cell_times import main, time_cells
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), nbformat.v4.new_code_cell("import time\ntime.sleep(0.3)"),
+                nbformat.v4.new_code_cell("print('graph_cache_trace [1/2] eager: a fresh process ...')")]
+    path = tmp_path / "t.ipynb"
+    nbformat.write(nb, str(path))
+    lines = []
+    rows = time_cells(path, timeout=60, log=lines.append)
+    assert [r["cell"] for r in rows] == [1, 2] and rows[0]["seconds"] >= 0.3
+    assert any("[1/2] eager" in line for line in lines) and lines[-3].startswith("total")
+    assert main([str(path), "--json", str(tmp_path / "t.json"), "--root", str(tmp_path)]) == 0
+    assert (tmp_path / "t.json").exists()

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 from pathlib import Path
 
 from course.core.results import Result
 from course.core.runtime import gpu_count, runtime
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
+ENV_FULL = "COURSE_FULL"  # COURSE_FULL=1: notebooks run their heavy variants live too (torch.compile, fresh processes)
 
 # Modules that define experiments; imported by bench() and the tests.
 EXPERIMENT_MODULES = (
@@ -30,6 +32,7 @@ EXPERIMENT_MODULES = (
     "course.lessons.what_breaks.recovery",
     "course.embedding.bench",
     "course.lessons.graph_cache.experiments",
+    "course.lessons.graph_cache.step",
     "course.lessons.graph_cache.faq",
     "course.embedding.launch_cost",
     "course.lessons.sharding.experiments",
@@ -117,6 +120,33 @@ def run(name: str, **params) -> Result:
     if not isinstance(res, Result):
         raise TypeError(f"experiment {name!r} returned {type(res).__name__}, not a Result")
     return res
+
+
+def full_run() -> bool:
+    """True when ``COURSE_FULL=1`` (or "true"/"yes"): a notebook then runs its heavy experiments live on a GPU.
+
+    Without it, a notebook on the GPU path runs its light experiments live and shows the heavy ones
+    (torch.compile variants, one fresh process per variant) from reference data, labelled as such.
+    """
+    return os.environ.get(ENV_FULL, "").strip().lower() in ("1", "true", "yes")
+
+
+def heavy(name: str, full: bool | None = None, **params) -> Result:
+    """A heavy experiment: live where :func:`run` would run it live *and* :func:`full_run` is on, else recorded.
+
+    On the GPU path without ``COURSE_FULL=1`` the recorded result is returned with a caption that says so
+    and names the switch (``recorded on X ...: set COURSE_FULL=1 to run it live``): never silently.
+    ``full`` overrides the environment (a notebook's ``FULL = True``). ``python -m course bench`` records the
+    full version either way.
+    """
+    exp = get(name)
+    live_here = not exp.gpu_only or (runtime().on_gpu and gpu_count() >= exp.gpus)
+    if exp.gpu_only and live_here and not (full_run() if full is None else full):
+        res = load_reference(name)
+        res.source = (f"reference: the full run takes minutes, so this notebook shows the recorded one; "
+                      f"set {ENV_FULL}=1 to run it live here")
+        return res
+    return run(name, **params)
 
 
 def bench_names(registry: dict, gpus: int) -> list:

@@ -63,8 +63,9 @@ class Result:
         p = self.provenance
         if self.live:
             return f"measured here on {describe(p)}, {p.get('date')}"
-        return (f"recorded on {describe(p)} on {p.get('date')} "
-                "(reference data from `python -m course bench`; this machine has no usable GPU)")
+        why = (self.source.partition(":")[2].strip() if self.source.startswith("reference:")
+               else "this machine has no usable GPU")
+        return f"recorded on {describe(p)} on {p.get('date')} (reference data from `python -m course bench`; {why})"
 
     def table(self, max_rows: int = 40) -> str:
         """A plain-text table with units in the header."""

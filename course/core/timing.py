@@ -138,6 +138,46 @@ def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
                   "cuda-graph-replay")
 
 
+def time_ranks(fn, *, group=None, warmup: int = 3, repeats: int = 15, inner: int = 10) -> Timing:
+    """Time a step that holds a collective on every rank of ``group`` together: per repeat, the slowest rank.
+
+    Call it on every rank of ``group`` (a collective inside). Each rank timing itself alone lets *rank skew* in:
+    a collective finishes only when the last rank joins it, so a rank that starts a repeat first also times its
+    wait for the others, by however far the processes drifted apart in that repeat. Here every repeat starts
+    aligned: a one-element all-reduce on ``group`` is queued just before the start (NCCL: the start event fires
+    when it completes, on every GPU at once; gloo CPU processes: the host clock starts when it returns). Each rank
+    times ``inner`` calls (CUDA events, or the synchronized host clock), the samples are all-gathered, and each
+    repeat counts as its slowest rank's time: the step is done when it is done everywhere. Every rank returns
+    the same :class:`Timing`; clock "cuda-events, slowest rank" or "host-synchronized, slowest rank".
+    """
+    _check(repeats, inner, warmup)
+    import torch
+    import torch.distributed as dist
+
+    gpu = dist.get_backend(group) == "nccl"
+    token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()) if gpu else "cpu")
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    samples = []
+    for _ in range(repeats):
+        dist.all_reduce(token, group=group)  # the aligned start
+        if gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e-3)
+        else:
+            samples.append(one_sample(fn, inner, "wall"))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, samples, group=group)
+    return _stats([max(col) for col in zip(*every)], inner,
+                  "cuda-events, slowest rank" if gpu else "host-synchronized, slowest rank")
+
+
 # =====================================================================================
 # Comparing variants: interleaved, and a speedup that names both sides
 # =====================================================================================

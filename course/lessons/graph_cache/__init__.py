@@ -7,7 +7,8 @@
 - :mod:`~course.lessons.graph_cache.cache`: :class:`GraphCache`, the engine: keys, capture on miss, replay on hit,
   buckets and padding, fallback, the seed's stats.
 - :mod:`~course.lessons.graph_cache.decoder`: a tiny TinyLlama-shaped decoder whose decode step the cache wraps.
-- :mod:`~course.lessons.graph_cache.experiments`: the lesson's registered GPU experiments.
+- :mod:`~course.lessons.graph_cache.experiments`: the lesson's registered GPU experiments (the request trace);
+  :mod:`~course.lessons.graph_cache.step`: the decode step, every way of running it, in one measurement.
 """
 from course.lessons.graph_cache.backends import CaptureFailed, CudaGraphBackend, RecordingBackend, default_backend
 from course.lessons.graph_cache.buckets import PRESETS, bucket_sizes, decode_trace, next_bucket, padding_report

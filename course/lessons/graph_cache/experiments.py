@@ -1,9 +1,6 @@
 """Lesson 04's performance experiments (GPU): one decode step, and the whole comparison on a request trace.
 
-- :func:`step_experiment`: a batch-1 decode step of the tiny decoder: eager, the cache (eager kernels
-  captured, "graph_replay"; compiled kernels captured, "fusion"), torch.compile default, and
-  reduce-overhead with the KV cache as module buffers or passed in as inputs. Whether graphs were
-  really replayed is measured: ``cudaGraphLaunch`` calls in a profiler trace of steady-state calls.
+- the batch-1 decode step (``graph_cache_step``) lives in :mod:`~course.lessons.graph_cache.step`.
 - :func:`trace_experiment`: the same decoder on a trace of a few hundred decode steps with varying
   batch sizes: eager, exact-shape cache, each bucket preset, fusion, reduce-overhead (default and
   ``dynamic=False``): step latency p50/p99, recordings, time to make the first 8 sizes fast, memory
@@ -21,7 +18,6 @@ from course.core.capture import require_gpu
 import course.core.isolate as isolate
 from course.core.reference import experiment
 from course.core.results import Result
-from course.core.timing import speedup, time_device, time_interleaved
 from course.lessons.graph_cache.buckets import bucket_sizes, decode_trace
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
@@ -36,6 +32,11 @@ def graph_launches(fn, calls: int = 5) -> dict:
 
     counts = launch_counts(lambda: [fn() for _ in range(calls)])
     return {"graph_launches": counts["graph_launches"] / calls, "kernel_launches": counts["kernel_launches"] / calls}
+
+
+def say(msg: str) -> None:
+    """Print a progress line now (flushed), so a long live run shows which variant runs and what it does."""
+    print(msg, flush=True)
 
 
 def fresh_compile() -> None:
@@ -57,106 +58,6 @@ def _close(a, b, atol: float = 2e-3) -> bool:
     import torch
 
     return bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-3))
-
-
-def _step_row(label, build, call_args, want, repeats) -> dict:
-    """Build one way of running the step, call it 3 times, time it, count its API calls, collect skip reasons."""
-    import torch
-
-    from course.lessons.reduce_overhead import torch_log_messages
-
-    with torch.no_grad(), torch_log_messages(perf_hints=True, cudagraphs=True) as msgs:
-        fn = build()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):  # compile / record / first replays
-            out = fn(*call_args)
-        torch.cuda.synchronize()
-        first_s = time.perf_counter() - t0
-        ok = _close(out, want)
-        t = time_device(lambda: fn(*call_args), warmup=3, repeats=repeats, inner=10)
-        launches = graph_launches(lambda: fn(*call_args))
-    skips = [m.strip().splitlines()[0][:200] for m in msgs if "skipping cudagraphs" in m]
-    return {"variant": label, "us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6, "first_3_calls_s": first_s,
-            "graph_launches": launches["graph_launches"], "kernel_launches": launches["kernel_launches"],
-            "matches_eager": ok, "skip_reason": skips[0] if skips else ""}
-
-
-@experiment("graph_cache_step", gpu_only=True, quick={"repeats": 5, "compile_variants": False})
-def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = True, layers: int = 2) -> Result:
-    """One decode step of the tiny decoder, each way of running it: time per step and graphs really replayed."""
-    require_gpu("timing the decode step")
-    import torch
-
-    fresh_compile()
-    model = TinyDecoder(DecoderConfig(layers=layers))
-    args = model.example_args(batch, 5)
-    want = model.step(*args)
-    kc, vc = model.k_cache.clone(), model.v_cache.clone()
-    variants = [("eager", lambda: model.step)]
-    variants.append(("cache: graph_replay (eager kernels captured)", lambda: GraphCache(model.step)))
-    if compile_variants:
-        variants += [
-            ("cache: fusion (compiled kernels captured)", lambda: GraphCache(model.step, fusion=True)),
-            ("torch.compile default (no graphs)", lambda: torch.compile(model.step)),
-            ("reduce-overhead, KV cache as module buffers", lambda: torch.compile(model, mode="reduce-overhead")),
-            ("reduce-overhead, KV cache passed in", lambda: torch.compile(
-                lambda i, p, s, k, v: model.step(i, p, s, k, v), mode="reduce-overhead")),
-        ]
-    rows = []
-    for label, build in variants:
-        fresh_compile()
-        call_args = (*args, kc, vc) if label.endswith("passed in") else args
-        try:
-            rows.append(_step_row(label, build, call_args, want, repeats))
-        except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
-            if not label.startswith(("torch.compile", "reduce-overhead", "cache: fusion")):
-                raise
-            rows.append({"variant": label, "us": float("nan"), "q1_us": float("nan"), "q3_us": float("nan"),
-                         "first_3_calls_s": float("nan"), "graph_launches": float("nan"),
-                         "kernel_launches": float("nan"), "matches_eager": False,
-                         "skip_reason": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"})
-        _free()
-    fresh_compile()
-    res = Result("graph_cache_step", f"Tiny decoder, one decode step at batch {batch}: time per step (CUDA events, "
-                 "10 back-to-back steps per repeat) and API calls per step in a profiler trace",
-                 {"variant": "", "us": "us", "q1_us": "us", "q3_us": "us", "first_3_calls_s": "s",
-                  "graph_launches": "per step", "kernel_launches": "per step", "matches_eager": "",
-                  "skip_reason": ""}, rows,
-                 params={"batch": batch, "repeats": repeats, "layers": layers, "torch": torch.__version__})
-    t = _interleaved(model, args, repeats, compile_variants)
-    pairs = [("eager", "cache graph_replay"), ("eager", "cache fusion"),
-             ("cache fusion", "reduce-overhead (buffers)"), ("cache graph_replay", "reduce-overhead (buffers)")]
-    for slow, fast in pairs:  # ratios from one interleaved measurement; "noise" when the IQRs overlap
-        if slow in t and fast in t:
-            sp = speedup(slow, t[slow], fast, t[fast])
-            res.add_summary(f"{slow} / {fast}", sp.ratio, "x")
-            res.add_summary(f"{slow} vs {fast}", str(sp), "")
-    return res
-
-
-def _interleaved(model, args, repeats: int, compile_variants: bool) -> dict:
-    """Eager, the cache (graph_replay, fusion) and reduce-overhead timed interleaved (CUDA events): {name: Timing}."""
-    import torch
-
-    fresh_compile()
-    with torch.no_grad():
-        replay = GraphCache(model.step)
-        replay(*args)
-        variants = {"eager": lambda: model.step(*args), "cache graph_replay": lambda: replay(*args)}
-        if compile_variants:
-            try:
-                fused = GraphCache(model.step, fusion=True)
-                fused(*args)  # compiled, captured: its replays never enter torch.compile again
-                fresh_compile()
-                ro = torch.compile(model, mode="reduce-overhead")
-                for _ in range(3):
-                    ro(*args)
-                variants["cache fusion"] = lambda: fused(*args)
-                variants["reduce-overhead (buffers)"] = lambda: ro(*args)
-            except Exception:  # noqa: BLE001 - the table's rows already say what failed
-                pass
-        return time_interleaved(variants, clock="device", warmup=3, repeats=repeats, inner=10)
 
 
 def _trace_args(model, trace):
@@ -286,7 +187,11 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
     labels = [(label, kind) for label, kind, _ in _variants(model, list(presets), max_batch, compile_variants)]
     del model
     rows = []
-    for label, kind in labels:
+    for i, (label, kind) in enumerate(labels, 1):
+        heavy = kind == "compile" or label.endswith("fusion")
+        say(f"graph_cache_trace [{i}/{len(labels)}] {label}: a fresh process (start-up, "
+            + ("compiles, " if heavy else "") + f"a cold and a steady pass over {steps} steps) ...")
+        t0 = time.perf_counter()
         try:  # each variant in a fresh process: no compile cache, memory pool or warm allocator carried over
             rows.append(isolate.run_isolated("course.lessons.graph_cache.experiments", "trace_variant", label=label,
                                              steps=steps, max_batch=max_batch, presets=list(presets),
@@ -299,6 +204,7 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
                          "first_8_sizes_s": nan, "cold_pass_s": nan, "steady_pass_s": nan, "memory_MB": nan,
                          "padding_waste": nan, "eager_calls": 0, "graph_launches_last5": nan,
                          "note": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[-1][:200]}"})
+        say(f"graph_cache_trace [{i}/{len(labels)}] {label}: done in {time.perf_counter() - t0:.1f} s")
     res = Result("graph_cache_trace", f"Tiny decoder on a decode trace of {steps} steps (batch 1..{max(trace)}, "
                  f"{len(set(trace))} distinct sizes): every way of running it, same run; step latency is "
                  "host-synchronized per step in the second (steady) pass; each variant in its own process",

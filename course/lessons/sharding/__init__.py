@@ -17,10 +17,10 @@ from course.lessons.sharding.vocab_parallel import (check_inputs, local_rows, ma
 from course.lessons.sharding.workers import agree_bucket, bucket_step, pick_bucket
 from course.lessons.sharding.graphs import VARIANTS, capture_graph, make_step
 from course.lessons.sharding.lesson import (bucket_demo, capture_summary, load_or_explain, plot_cost,
-                                            plot_ownership, plot_world_sizes, run_lesson)
+                                            plot_ownership, plot_world_sizes, run_lesson, same_step, timing_method)
 
 __all__ = ["Context", "LAYOUTS", "Plan", "SEED_CASES", "VARIANTS", "WorkerError", "WorkerTimeout", "agree_bucket",
            "bucket_demo", "bucket_step", "capture_graph", "capture_summary", "check_inputs", "chunk_bounds",
            "comm_bytes", "launch", "load_or_explain", "local_rows", "make_step", "masked_lookup", "ownership",
-           "pick_bucket", "plan", "plot_cost", "plot_ownership", "plot_world_sizes", "run_lesson", "shard_bounds",
-           "shard_embedding", "vocab_parallel_embedding"]
+           "pick_bucket", "plan", "plot_cost", "plot_ownership", "plot_world_sizes", "run_lesson", "same_step",
+           "shard_bounds", "shard_embedding", "timing_method", "vocab_parallel_embedding"]

@@ -79,7 +79,7 @@ def _sweep_result(name, title, rows, p, params) -> Result:
             "eager_q3_us": "us", "correct": "", "output_bytes": "B", "rowwise_lookup_bytes": "B",
             "colwise_lookup_bytes": "B", "allreduce_bytes": "B", "allgather_bytes": "B"}
     res = Result(name, title, cols, rows, provenance=run_provenance(p),
-                 params={"backend": p.backend, "processes": p.world_size, **params})
+                 params={"backend": p.backend, "processes": p.world_size, "timing": G.TIMING, **params})
     res.add_summary("all_correct", all(r["correct"] for r in rows))
     return res
 
@@ -121,7 +121,7 @@ def _capture_result(name, title, out, p, params) -> Result:
             "replay_us": "us", "replay_q1_us": "us", "replay_q3_us": "us", "speedup": "x", "replay_correct": "",
             "ids": "ids/step", "dim": "columns", "output_bytes": "B", "allreduce_bytes": "B", "allgather_bytes": "B"}
     rows = [{k: r[k] for k in cols} for r in rows]
-    res = Result(name, title, cols, rows, provenance=run_provenance(p), params=params)
+    res = Result(name, title, cols, rows, provenance=run_provenance(p), params={**params, "timing": G.TIMING})
     res.add_summary("all_replays_correct", all(r["replay_correct"] for r in rows))
     agreement = [a for o in out for a in o["agreement"]]
     res.add_summary("bucket_agreement_ok", all(a["correct"] for a in agreement) and bool(agreement))

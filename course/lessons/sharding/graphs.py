@@ -4,9 +4,11 @@
 builds the variants below over the first ``w`` ranks (a subgroup when ``w`` is smaller than the
 launch), warms each up on a side stream, captures one call (lookup *and* collective) into a
 ``torch.cuda.CUDAGraph``, writes new ids into the static input, replays, and checks the answer
-against ``F.embedding`` on the full table. Timing: CUDA events around back-to-back calls
-(:func:`course.core.timing.time_device`); every rank runs the same number of calls, so the
-collectives line up.
+against ``F.embedding`` on the full table. Timing (:data:`TIMING`): every rank times the same calls with
+CUDA events, each repeat starting aligned on all ranks, and a repeat counts as its slowest rank
+(:func:`course.core.timing.time_ranks`). Before, each rank timed itself alone and rank 0's events were
+reported: a collective's time then included however long rank 0 waited for the other rank in each repeat
+(rank skew), so the same row-wise replay read 48.7 us in one experiment and 25.7 us in the next.
 
 Variants (:data:`VARIANTS`):
 
@@ -35,6 +37,8 @@ import course.lessons.sharding.vocab_parallel as V
 import course.lessons.sharding.workers as W
 
 VARIANTS = ("dtensor_rowwise", "dtensor_colwise", "vocab_torch", "vocab_numba")
+TIMING = ("every rank times the same back-to-back calls, each repeat starting aligned on all ranks (a one-element "
+          "all-reduce first); a repeat counts as its slowest rank (course.core.timing.time_ranks)")
 
 
 def capture_graph(step, warmup: int = 3):
@@ -75,19 +79,19 @@ def _stats(t) -> tuple:
 
 
 def _one_variant(variant, w, ctx, group, mesh, ids_shape, num_embeddings, dim, repeats, inner) -> dict:
-    from course.core.timing import time_device
+    from course.core.timing import time_ranks
 
     dev = ctx.torch_device
     weight = W._full_table(num_embeddings, dim, dev)
     ids = W._same_ids(ids_shape, num_embeddings, dev)
     step = make_step(variant, ids, weight, ctx.rank, w, group, mesh)
-    eager = time_device(step, warmup=3, repeats=repeats, inner=inner)
+    eager = time_ranks(step, group=group, warmup=3, repeats=repeats, inner=inner)
     graph, out = capture_graph(step)
     ids.copy_(W._same_ids(ids_shape, num_embeddings, dev, seed=99))  # new ids into the static input
     graph.replay()
     torch.cuda.synchronize()
     correct = bool(torch.equal(out, torch.nn.functional.embedding(ids, weight)))
-    replay = time_device(graph.replay, warmup=3, repeats=repeats, inner=inner)
+    replay = time_ranks(graph.replay, group=group, warmup=3, repeats=repeats, inner=inner)
     del graph, out, step
     gc.collect()
     torch.cuda.synchronize()

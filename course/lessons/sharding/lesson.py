@@ -6,8 +6,8 @@
   the bucket finish; ranks that do not are stopped by the time limit.
 - :func:`load_or_explain`: a registered experiment's result, or ``None`` with a printed reason when it
   needs more GPUs than this machine has and nobody recorded it yet.
-- :func:`capture_summary`, :func:`plot_world_sizes`, :func:`plot_cost`, :func:`plot_ownership`: sentences and figures computed
-  from the results (never typed).
+- :func:`capture_summary`, :func:`same_step`, :func:`timing_method`, :func:`plot_world_sizes`, :func:`plot_cost`,
+  :func:`plot_ownership`: sentences and figures computed from the results (never typed).
 """
 from __future__ import annotations
 
@@ -70,10 +70,56 @@ def capture_summary(res) -> str:
                      f"(IQR {r['replay_q1_us']:.1f}-{r['replay_q3_us']:.1f}): "
                      + ("inside the spread, noise" if noise else f"{r['speedup']:.1f}x faster")
                      + ("" if r["replay_correct"] else "  REPLAY WRONG"))
-    if "numba_over_torch_replay" in res.summary:
-        lines.append(f"Numba vocab-parallel replay / F.embedding vocab-parallel replay: "
-                     f"{res.value('numba_over_torch_replay'):.2f}x")
+    by = {r["variant"]: r for r in res.rows}
+    if "numba_over_torch_replay" in res.summary and {"vocab_numba", "vocab_torch"} <= set(by):
+        lines.append("Numba vocab-parallel replay vs F.embedding vocab-parallel replay (same table): "
+                     + _versus(by["vocab_numba"], by["vocab_torch"], "replay"))
+    lines.append(f"how: {timing_method(res)}")
     return "\n".join(lines)
+
+
+OLD_TIMING = ("recorded before the aligned timing: each rank timed itself alone and rank 0's events are shown, so a "
+              "collective's time includes however long rank 0 waited for the other rank in each repeat (rank skew)")
+
+
+def timing_method(res) -> str:
+    """How ``res``'s times were taken, from its params (or, for a result recorded before that was stored, the old
+    per-rank method and why it can read high)."""
+    return res.params.get("timing", OLD_TIMING)
+
+
+def _versus(a: dict, b: dict, col: str) -> str:
+    """``a`` vs ``b`` on column ``col`` (median and IQR each): their ratio, or noise when the IQRs overlap."""
+    noise = not (a[f"{col}_q1_us"] > b[f"{col}_q3_us"] or b[f"{col}_q1_us"] > a[f"{col}_q3_us"])
+    return (f"{a[col + '_us']:.1f} us (IQR {a[col + '_q1_us']:.1f}-{a[col + '_q3_us']:.1f}) vs "
+            f"{b[col + '_us']:.1f} us (IQR {b[col + '_q1_us']:.1f}-{b[col + '_q3_us']:.1f}): "
+            + ("inside the spread, noise" if noise else f"{a[col + '_us'] / b[col + '_us']:.2f}x"))
+
+
+def same_step(first, second, variant: str = "dtensor_rowwise", world_size: int = 2) -> str:
+    """Two results that both time ``variant`` at ``world_size``: their replay figures side by side, and whether they
+    agree (IQRs overlap) or, if not, why they may differ (method, runs). '' when either lacks that row."""
+    if first is None or second is None:
+        return ""
+    rows = [next((r for r in res.rows if r["variant"] == variant and r["world_size"] == world_size), None)
+            for res in (first, second)]
+    if None in rows:
+        return ""
+    a, b = rows
+    head = (f"{variant} replay on {world_size} GPUs, the same step in two tables: [{first.name}] "
+            f"{_versus(a, b, 'replay').replace(' vs ', f' vs [{second.name}] ', 1)}")
+    if "noise" in head:
+        return head + ": they agree."
+    why = []
+    if OLD_TIMING in (timing_method(first), timing_method(second)):
+        why.append("at least one was timed per rank alone, so rank skew is in it: re-record with "
+                   "`python -m course bench sharding_capture sharding_capture_world_sizes` on 2 GPUs")
+    if first.provenance.get("date") != second.provenance.get("date") or first.live != second.live:
+        why.append("they come from different runs")
+    if not why:
+        why.append("same method and run, separate worker launches: the difference is run-to-run variation "
+                   "between launches, larger than either spread")
+    return head + ". They differ beyond the spreads: " + "; ".join(why) + "."
 
 
 def plot_world_sizes(live, graphs=None):

@@ -100,10 +100,11 @@ def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_sha
     return res
 
 
-def _time_eager(fn, repeats: int, inner: int) -> tuple:
-    """(median, q1, q3) in us per call; every rank runs the same number of calls, so collectives line up."""
-    from course.core.timing import time_device
-    t = time_device(fn, warmup=2, repeats=repeats, inner=inner)
+def _time_eager(fn, repeats: int, inner: int, group=None) -> tuple:
+    """(median, q1, q3) in us of the lookup + collective on every rank of ``group``: aligned starts, slowest rank
+    (:func:`course.core.timing.time_ranks`)."""
+    from course.core.timing import time_ranks
+    t = time_ranks(fn, group=group, warmup=2, repeats=repeats, inner=inner)
     return t.median * 1e6, t.q1 * 1e6, t.q3 * 1e6
 
 
@@ -129,7 +130,7 @@ def sweep_worker(ctx, sizes=(2,), n_ids=(128,), dims=(64,), num_embeddings: int 
                     fn = lambda: V.vocab_parallel_embedding(ids, shard, start, num_embeddings=num_embeddings,
                                                             impl="torch", group=group, check=False)
                     ok = bool(torch.equal(fn(), torch.nn.functional.embedding(ids, weight)))
-                    med, q1, q3 = _time_eager(fn, repeats, inner)
+                    med, q1, q3 = _time_eager(fn, repeats, inner, group)
                     if ctx.rank == 0:
                         rows.append({"world_size": w, "ids": n, "dim": d, "eager_us": med, "eager_q1_us": q1,
                                      "eager_q3_us": q3, "correct": ok, **L.comm_bytes(n, d, w)})
@@ -185,3 +186,24 @@ def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4, serve_s: floa
         ctx.say(f"finished its bucket-{bucket} step; the engine waits for the next request")
         time.sleep(serve_s)
     return {"rank": ctx.rank, "tokens": n_tokens, "own_bucket": own, "bucket": bucket, "sum": float(x[0, 0])}
+
+
+def timing_worker(ctx, sleep_s: float = 0.002, repeats: int = 3, inner: int = 2) -> dict:
+    """Time an all-reduce whose last rank is slower (sleeps ``sleep_s`` per call) with
+    :func:`course.core.timing.time_ranks`: every rank must report the same per-call time, the slowest rank's."""
+    import time
+
+    import torch.distributed as dist
+
+    from course.core.timing import time_ranks
+
+    x = torch.ones(4, device=ctx.torch_device)
+    slow = ctx.rank == ctx.world_size - 1
+
+    def fn():
+        if slow:
+            time.sleep(sleep_s)
+        dist.all_reduce(x)
+
+    t = time_ranks(fn, warmup=1, repeats=repeats, inner=inner)
+    return {"rank": ctx.rank, "median": t.median, "q1": t.q1, "clock": t.clock, "repeats": t.repeats}
