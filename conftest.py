@@ -8,7 +8,8 @@
 - Makes the lane self-contained: notebook kernels (child processes that start in the
   notebook's folder) get the project root on ``PYTHONPATH``, so they import this checkout's
   ``course`` even where it is not installed (the GPU lane); nbconvert's templates are put on
-  ``JUPYTER_PATH`` when nbconvert was installed with ``pip --target`` (not under sys.prefix).
+  ``JUPYTER_PATH`` when nbconvert was installed with ``pip --target`` (not under sys.prefix), by the
+  same function ``course run`` uses (:func:`course.tools.render.expose_nbconvert_templates`).
 """
 import os
 from pathlib import Path
@@ -18,21 +19,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 
 
-def _prepend_env_path(name: str, entry: str) -> None:
-    parts = [p for p in os.environ.get(name, "").split(os.pathsep) if p]
-    if entry not in parts:
-        os.environ[name] = os.pathsep.join([entry] + parts)
-
-
 def _expose_course_to_kernels() -> None:
-    _prepend_env_path("PYTHONPATH", str(ROOT))
-    try:
-        import nbconvert
-    except ImportError:
-        return
-    share = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"
-    if (share / "nbconvert" / "templates").is_dir():
-        _prepend_env_path("JUPYTER_PATH", str(share))
+    from course.tools.render import expose_nbconvert_templates, prepend_env_path
+
+    prepend_env_path("PYTHONPATH", str(ROOT))
+    expose_nbconvert_templates()
 
 
 def pytest_configure(config):
