@@ -5,6 +5,8 @@
 - ``COURSE_PATH=cuda`` (the GPU lane, `make gpu-test`) makes the run fail at once if the
   GPU path is not available, rather than silently testing the simulator.
 - Records which notebooks nbval collected, for tests/test_suite.py to compare with disk.
+- The gate (:mod:`course.tools.gate`): an answer version (solutions/) fails unless every exercise
+  passed or was skipped with a reason; a learner version (notebooks/, labs/) fails on any ✗.
 - Makes the lane self-contained: notebook kernels (child processes that start in the
   notebook's folder) get the project root on ``PYTHONPATH``, so they import this checkout's
   ``course`` even where it is not installed (the GPU lane); nbconvert's templates are put on
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent
+pytest_plugins = ["course.tools.gate"]
 
 
 def _expose_course_to_kernels() -> None:
