@@ -53,10 +53,12 @@ def _outcomes(tmp_path, *paths) -> dict:
 
 
 def test_the_gate_fails_answer_versions_that_do_not_pass_and_learner_versions_with_a_cross(tmp_path):
-    paths = [_write(tmp_path, "solutions", "failing", FAILING), _write(tmp_path, "solutions", "passing", PASSING,
-                                                                        GPU_ONLY),
-             _write(tmp_path, "solutions", "todo", TODO), _write(tmp_path, "solutions", "unreached", PASSING, UNREACHED),
-             _write(tmp_path, "labs", "todo", TODO, GPU_ONLY), _write(tmp_path, "labs", "crashing", CRASHING),
+    paths = [_write(tmp_path, "solutions", "failing", FAILING),
+             _write(tmp_path, "solutions", "passing", PASSING, GPU_ONLY),
+             _write(tmp_path, "solutions", "todo", TODO),
+             _write(tmp_path, "solutions", "unreached", PASSING, UNREACHED),
+             _write(tmp_path, "labs", "todo", TODO, GPU_ONLY),
+             _write(tmp_path, "labs", "crashing", CRASHING),
              _write(tmp_path, "notebooks", "failing", FAILING)]
     got, text = _outcomes(tmp_path, *paths)
     want = {
