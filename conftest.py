@@ -5,10 +5,13 @@
 - ``COURSE_PATH=cuda`` (the GPU lane, `make gpu-test`) makes the run fail at once if the
   GPU path is not available, rather than silently testing the simulator.
 - Records which notebooks nbval collected, for tests/test_suite.py to compare with disk.
+- The gate (:mod:`course.tools.gate`): an answer version (solutions/) fails unless every exercise
+  passed or was skipped with a reason; a learner version (notebooks/, labs/) fails on any ✗.
 - Makes the lane self-contained: notebook kernels (child processes that start in the
   notebook's folder) get the project root on ``PYTHONPATH``, so they import this checkout's
   ``course`` even where it is not installed (the GPU lane); nbconvert's templates are put on
-  ``JUPYTER_PATH`` when nbconvert was installed with ``pip --target`` (not under sys.prefix).
+  ``JUPYTER_PATH`` when nbconvert was installed with ``pip --target`` (not under sys.prefix), by the
+  same function ``course run`` uses (:func:`course.tools.render.expose_nbconvert_templates`).
 """
 import os
 from pathlib import Path
@@ -16,23 +19,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent
-
-
-def _prepend_env_path(name: str, entry: str) -> None:
-    parts = [p for p in os.environ.get(name, "").split(os.pathsep) if p]
-    if entry not in parts:
-        os.environ[name] = os.pathsep.join([entry] + parts)
+pytest_plugins = ["course.tools.gate"]
 
 
 def _expose_course_to_kernels() -> None:
-    _prepend_env_path("PYTHONPATH", str(ROOT))
-    try:
-        import nbconvert
-    except ImportError:
-        return
-    share = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"
-    if (share / "nbconvert" / "templates").is_dir():
-        _prepend_env_path("JUPYTER_PATH", str(share))
+    from course.tools.render import expose_nbconvert_templates, prepend_env_path
+
+    prepend_env_path("PYTHONPATH", str(ROOT))
+    expose_nbconvert_templates()
 
 
 def pytest_configure(config):

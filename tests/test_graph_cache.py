@@ -512,8 +512,47 @@ def test_counting_backend_counts():
     b = lab.CountingBackend(RecordingBackend())
     rec = b.capture(lambda x: x + 1, [torch.ones(2)])
     rec.replay()
-    assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 0, "recording")
+    # the recording holds its static input and output (2 + 2 float32), and gives them back when freed
+    assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 16, "recording")
+    del rec
+    assert lab.reserved_now(b) == 0
     b.reset_pool()
+
+
+def test_recording_backend_counts_what_live_recordings_hold():
+    from course.lessons.graph_cache.backends import tensor_bytes
+    assert tensor_bytes((torch.ones(3), [torch.ones(2, dtype=torch.int64)], {"k": torch.ones(1)}, "x")) == 32
+    b = RecordingBackend()
+    recs = [b.capture(lambda x: x * 2, [torch.ones(4)]) for _ in range(2)]
+    assert b.memory_reserved() == 2 * (16 + 16)
+    recs.pop()
+    assert b.memory_reserved() == 32, "a freed recording gives its bytes back"
+
+
+def test_graph_cache_clear_frees_memory_on_the_recording_backend():
+    c = GraphCache(lambda x: x + 1, backend=RecordingBackend())
+    c(torch.ones(4, 8))
+    c(torch.ones(2, 8))
+    freed = c.clear_cache()
+    assert freed["before_bytes"] > 0 and freed["after_bytes"] == 0 and freed["freed_bytes"] == freed["before_bytes"]
+
+
+class _HoardingCache(_LabCache):
+    """Lab 3 step 7 done wrong: clear_cache() empties self.entries but keeps the entries referenced elsewhere."""
+
+    def clear_cache(self):
+        self.old_entries = list(self.entries.values())
+        self.entries.clear()
+        self.backend.reset_pool()
+
+
+def test_lab_check_enable_clear_fails_a_cache_that_keeps_its_graphs(capsys):
+    lab.check_enable_clear(_HoardingCache)
+    out = capsys.readouterr().out
+    assert "lab 3.7 enable and clear: FAILED" in out and "did not come back" in out, out
+    assert "still references the old entries" in out
+    lab.check_enable_clear(_LabCache)
+    assert "✓ lab 3.7 enable and clear: passed" in capsys.readouterr().out
 
 
 def test_time_to_fast_sums_calls_until_the_first_fast_one():

@@ -243,15 +243,47 @@ def test_notebook_kernels_import_this_checkout(tmp_path):
     assert nb.cells[0].outputs[0]["text"].strip() == str(ROOT / "course" / "__init__.py")
 
 
-def test_nbconvert_templates_found_after_a_target_install(tmp_path, monkeypatch):
-    """nbconvert installed with `pip --target DIR` keeps its templates in DIR/share/jupyter: put on JUPYTER_PATH."""
+def _target_installed_nbconvert(tmp_path, monkeypatch):
+    """A fake ``pip --target`` install of nbconvert: the package and its templates under tmp_path/site."""
     import types
-    import conftest
     site = tmp_path / "site"
     (site / "nbconvert").mkdir(parents=True)
     (site / "nbconvert" / "__init__.py").touch()
     (site / "share" / "jupyter" / "nbconvert" / "templates").mkdir(parents=True)
     monkeypatch.setitem(sys.modules, "nbconvert", types.SimpleNamespace(__file__=str(site / "nbconvert" / "__init__.py")))
     monkeypatch.setenv("JUPYTER_PATH", "")
+    return site / "share" / "jupyter"
+
+
+def test_nbconvert_templates_found_after_a_target_install(tmp_path, monkeypatch):
+    """nbconvert installed with `pip --target DIR` keeps its templates in DIR/share/jupyter: put on JUPYTER_PATH,
+    by one function (course.tools.render) that conftest.py (for nbval's kernels) and `course run` both call."""
+    import conftest
+    share = _target_installed_nbconvert(tmp_path, monkeypatch)
+    assert render.nbconvert_share_dir() == share
+    assert render.expose_nbconvert_templates() == share
+    assert os.environ["JUPYTER_PATH"].split(os.pathsep) == [str(share)]
+    render.prepend_env_path("JUPYTER_PATH", str(share))  # once only
+    assert os.environ["JUPYTER_PATH"] == str(share)
+    monkeypatch.setenv("JUPYTER_PATH", "")
     conftest._expose_course_to_kernels()
-    assert os.environ["JUPYTER_PATH"].split(os.pathsep)[0] == str(site / "share" / "jupyter")
+    assert os.environ["JUPYTER_PATH"].split(os.pathsep)[0] == str(share)
+
+
+def test_course_run_finds_nbconvert_templates_after_a_target_install(tmp_path, monkeypatch):
+    """The renderer puts the templates on JUPYTER_PATH before exporting HTML (the GPU lane wrote no HTML:
+    "No template sub-directory with name 'lab' found")."""
+    import nbformat
+    share = _target_installed_nbconvert(tmp_path, monkeypatch)
+    body, err = render.to_html(nbformat.v4.new_notebook())  # the fake nbconvert cannot export: a reason, no crash
+    assert body is None and err
+    assert os.environ["JUPYTER_PATH"].split(os.pathsep)[0] == str(share)
+
+
+def test_no_target_install_leaves_jupyter_path_alone(tmp_path, monkeypatch):
+    import types
+    monkeypatch.setitem(sys.modules, "nbconvert", types.SimpleNamespace(__file__=str(tmp_path / "nbconvert.py")))
+    monkeypatch.setenv("JUPYTER_PATH", "")
+    assert render.expose_nbconvert_templates() is None and os.environ["JUPYTER_PATH"] == ""
+    monkeypatch.setitem(sys.modules, "nbconvert", None)  # not installed at all
+    assert render.nbconvert_share_dir() is None

@@ -16,7 +16,9 @@ In every case the cell, and the notebook, go on: Run All reaches the end (cells 
 unfinished or wrong exercise use the course's version, see :func:`course.embedding.fallback`).
 ``exercise(..., raise_on_fail=True)`` re-raises a failure as :class:`ExerciseFailed` instead;
 under nbgrader's autograder (``NBGRADER_EXECUTION`` set) every ✗ and "not done yet" raises, so
-its grade cells score 0 for them.
+its grade cells score 0 for them. The test suite's gate (:mod:`course.tools.gate`) sets
+``COURSE_GATE`` for the kernels it starts: ``learner`` makes every ✗ (failed or crashed) raise,
+``answers`` (the solutions) every ✗ and "not done yet" too, so nbval fails that cell.
 
 Hints can be staged: pass a list (a nudge, then the idea, then the line). The first ✗ shows
 the first stage, each further ✗ of the same exercise in this session the next one.
@@ -39,6 +41,7 @@ import traceback
 ENV_LOG = "COURSE_CHECK_LOG"
 ENV_TRACEBACK = "COURSE_TRACEBACK"
 ENV_NBGRADER = "NBGRADER_EXECUTION"  # set by nbgrader while it autogrades: then every ✗ and TODO raises
+ENV_GATE = "COURSE_GATE"  # set by the test suite's gate: "learner" (✗ raises) or "answers" (✗ and TODO raise)
 PASS, FAIL, TODO, CRASH, SKIP = "pass", "fail", "todo", "crash", "skip"
 _MARK = {PASS: "✓", FAIL: "✗", TODO: "…", CRASH: "✗", SKIP: "-"}
 _LABEL = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet", CRASH: "CRASHED", SKIP: "skipped"}
@@ -171,10 +174,25 @@ def crash_summary(exc: BaseException) -> dict:
     return {"message": message, "where": where, "why": why}
 
 
+def raising_statuses(raise_on_fail: bool = False) -> set:
+    """The outcomes that :func:`exercise` re-raises here: by ``raise_on_fail``, nbgrader, and the suite's gate."""
+    out = {FAIL} if raise_on_fail else set()
+    if os.environ.get(ENV_NBGRADER):
+        out |= {FAIL, CRASH, TODO}
+    gate = os.environ.get(ENV_GATE, "")
+    if gate in ("learner", "answers"):
+        out |= {FAIL, CRASH} | ({TODO} if gate == "answers" else set())
+    elif gate:
+        raise ValueError(f"{ENV_GATE}={gate!r}: use 'learner' or 'answers' (or leave it unset)")
+    return out
+
+
 @contextlib.contextmanager
 def exercise(name: str, hint="", *, raise_on_fail: bool = False):
     """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done."""
-    strict = raise_on_fail or bool(os.environ.get(ENV_NBGRADER))
+    raising = raising_statuses(raise_on_fail)
+    strict = raise_on_fail or CRASH in raising  # a ✗ re-raised: no "the notebook goes on" note
+    caught = None
     try:
         yield
     except NotImplementedError as e:
@@ -183,6 +201,7 @@ def exercise(name: str, hint="", *, raise_on_fail: bool = False):
     except AssertionError as e:
         entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint))
     except Exception as e:  # noqa: BLE001 - any crash of the learner's code is a ✗, not a stop
+        caught = e
         info = crash_summary(e)
         entry = record(name, CRASH, info["message"], _hint_stage(name, hint), where=info["where"], why=info["why"])
         if os.environ.get(ENV_TRACEBACK):
@@ -192,8 +211,12 @@ def exercise(name: str, hint="", *, raise_on_fail: bool = False):
     else:
         record(name, PASS)
         return
-    if strict and (entry["status"] == FAIL or os.environ.get(ENV_NBGRADER)):
-        raise ExerciseFailed(f"{name}: {entry['message']}" + (f" -- hint: {entry['hint']}" if entry["hint"] else ""))
+    if entry["status"] in raising:
+        gate = os.environ.get(ENV_GATE)
+        why = {"answers": " [the test suite's gate: an answer version must pass every exercise]",
+               "learner": " [the test suite's gate: a learner version may say 'not done yet', never ✗]"}.get(gate, "")
+        raise ExerciseFailed(f"{name}: {entry['message']}" + (f" -- hint: {entry['hint']}" if entry["hint"] else "")
+                             + why) from (caught if entry["status"] == CRASH else None)
 
 
 def own(fn):

@@ -4,7 +4,8 @@
   run               execute every notebook headless into build/ (notebooks + HTML + summary)
   bench             run the GPU experiments on a real GPU and write reference data
   build-labs        regenerate labs/ from solutions/ (strip the solution regions)
-  check NOTEBOOK    run a learner's notebook in a fresh kernel and report each check
+  check NOTEBOOK    run a notebook in a fresh kernel and report each check; exit 1 on a ✗ or an
+                    exercise not reached (--answers: also on "not done yet")
   grade DIR         run every notebook under DIR; write grades.csv and feedback/STUDENT.html
   verify-embedding  the embedding capture report (--impl cpu-copy|device)
   workspace         copy the lessons and labs into work/ (yours to edit); --lab opens JupyterLab there
@@ -43,7 +44,7 @@ def _build_labs(args) -> int:
 
 def _check(args) -> int:
     from course.tools.grade import check_notebook
-    return check_notebook(args.notebook, timeout=args.timeout, total_timeout=args.total_timeout)
+    return check_notebook(args.notebook, timeout=args.timeout, total_timeout=args.total_timeout, answers=args.answers)
 
 
 def _grade(args) -> int:
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("notebook")
     c.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
     c.add_argument("--total-timeout", type=int, default=None, help="limit for the whole notebook in seconds")
+    c.add_argument("--answers", action="store_true", help="judge an answer version: 'not done yet' fails too "
+                   "(every exercise must pass, or be skipped with a reason)")
     c.set_defaults(func=_check)
     g = sub.add_parser("grade", help="run every submitted notebook in DIR; write a CSV and feedback pages")
     g.add_argument("folder")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
 import html
 import json
 import os
@@ -37,26 +38,59 @@ _WORDS = {"pass": "passed", "fail": "failed", "crash": "crashed", "todo": "not d
           "timed out": "timed out", "not reached": "not reached"}
 
 
+def _called(node) -> str | None:
+    return getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
+
+
+def _literal_exercises(tree) -> list:
+    """The names of the ``exercise("literal")`` calls under ``tree``, in order of appearance."""
+    calls = [n for n in ast.walk(tree) if _called(n) == "exercise" and n.args and isinstance(n.args[0], ast.Constant)
+             and isinstance(n.args[0].value, str)]
+    return [n.args[0].value for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
+
+
+@functools.lru_cache(maxsize=1)
+def course_checks() -> dict:
+    """Function name -> exercise names, for the course's functions that run checks (``lab.check_key`` ...).
+
+    A notebook that calls one of them declares its exercises as surely as one that calls ``exercise("...")``.
+    """
+    found = {}
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and (names := _literal_exercises(node)):
+                known = found.setdefault(node.name, [])
+                known += [n for n in names if n not in known]
+    return found
+
+
 def exercise_names(nb) -> list:
-    """The names of the ``exercise("...")`` checks a notebook's code cells contain, in order."""
+    """The names of the exercises a notebook declares, in order (see :func:`exercise_cells`)."""
     return list(exercise_cells(nb))
 
 
 def exercise_cells(nb) -> dict:
-    """Exercise name -> index of the first code cell that contains its ``exercise("...")`` call."""
-    found = {}
+    """Exercise name -> index of the first code cell that contains its check.
+
+    A check is an ``exercise("...")`` call, or a call of a course function that runs one (:func:`course_checks`,
+    unless the notebook defines a function of that name itself).
+    """
+    trees = {}
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "exercise"
-                    and node.args and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str) and node.args[0].value not in found):
-                found[node.args[0].value] = i
+        if cell.cell_type == "code":
+            try:
+                trees[i] = ast.parse(cell.source)
+            except SyntaxError:
+                continue
+    own = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
+    known = {k: v for k, v in course_checks().items() if k not in own}
+    found = {}
+    for i, tree in trees.items():
+        names = _literal_exercises(tree)
+        calls = sorted((n for n in ast.walk(tree) if _called(n) in known), key=lambda n: (n.lineno, n.col_offset))
+        names += [name for n in calls for name in known[_called(n)]]
+        for name in names:
+            found.setdefault(name, i)
     return found
 
 
@@ -82,7 +116,7 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
-    from course.core.checks import ENV_LOG, FAIL, PASS
+    from course.core.checks import ENV_LOG, PASS
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
@@ -152,7 +186,7 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
         row["max_points"] = maxp
         row["points"] = maxp if row["status"] == PASS else 0.0
         exercises.append(row)
-    failed = {x["name"] for x in exercises if x["status"] == FAIL}
+    failed = {x["name"] for x in exercises if x["status"] not in (PASS, "skip")}  # a check that re-raised its ✗
     stray = []
     for i, cell in enumerate(nb.cells):
         err = _error(cell)
@@ -162,12 +196,31 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
     return {"exercises": exercises, "stray": stray, "error": stopped, "seconds": time.monotonic() - start}
 
 
-def check_notebook(path, timeout: int = 600, total_timeout: int | None = None) -> int:
+def judge(exercises, answers: bool = False) -> list:
+    """The exercises (dicts with name, status, message) that fail the verdict, each as one line of why.
+
+    Failed, crashed, timed out and not reached always fail; with ``answers=True`` (an answer version) so
+    do "not done yet" and a skip that gives no reason. Passed and skipped with a reason never do.
+    """
+    bad = {"fail", "crash", "timed out", "not reached"} | ({"todo"} if answers else set())
+    out = []
+    for x in exercises:
+        if x["status"] in bad:
+            out.append(f"{_MARK[x['status']]} {x['name']}: {_WORDS[x['status']]}"
+                       + (f": {x['message']}" if x.get("message") else ""))
+        elif answers and x["status"] == "skip" and not (x.get("message") or "").strip():
+            out.append(f"- {x['name']}: skipped without a reason (checks.skip(name, why) must say why)")
+    return out
+
+
+def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, answers: bool = False) -> int:
     """Run the notebook at ``path`` in a fresh kernel and print each exercise's status.
 
     Prints ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's line) / "not done yet" /
     "timed out" / "not reached" (with why) per exercise, and cells that raised outside any check.
-    Returns 0 only if every check passed and no cell raised; 1 otherwise; 2 if the file cannot be read.
+    Returns 1 if an exercise failed, crashed, timed out or was not reached, or a cell raised; with
+    ``answers=True`` (judging an answer version) also if one is not done yet. 0 otherwise; 2 if the
+    file cannot be read.
     """
     path = Path(path)
     try:
@@ -204,7 +257,14 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None) -
     if total == 0:
         print("check: this notebook has no exercise checks.")
         return 0 if not rep["stray"] and not rep["error"] else 1
-    return 0 if counts["pass"] + counts["skip"] == total and not rep["stray"] else 1
+    bad = judge(rep["exercises"], answers=answers)
+    if bad or rep["stray"]:
+        print(f"check: FAIL ({len(bad)} exercise(s)" + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else "")
+              + (")" if answers else "; 'not done yet' is allowed here: add --answers to require every exercise)"))
+        return 1
+    if counts["todo"]:
+        print(f"check: OK, with {counts['todo']} not done yet (exit 0; --answers fails on them)")
+    return 0
 
 
 def _student(path: Path, root: Path) -> str:

@@ -9,6 +9,7 @@ Notebooks are committed without outputs; this is how executed copies are made.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -26,13 +27,44 @@ def plain(text: str) -> str:
     return _ANSI.sub("", text)
 
 
+def prepend_env_path(name: str, entry: str) -> None:
+    """Put ``entry`` first on the path-list environment variable ``name`` (once; later entries are kept)."""
+    parts = [p for p in os.environ.get(name, "").split(os.pathsep) if p]
+    if entry not in parts:
+        os.environ[name] = os.pathsep.join([entry] + parts)
+
+
+def nbconvert_share_dir() -> Path | None:
+    """``DIR/share/jupyter`` when nbconvert's templates sit beside the package (``pip install --target DIR``).
+
+    None when nbconvert is not importable or its templates are not there (a normal install keeps them under
+    ``sys.prefix``, where nbconvert looks by itself).
+    """
+    try:
+        import nbconvert
+    except ImportError:
+        return None
+    share = Path(nbconvert.__file__).resolve().parents[1] / "share" / "jupyter"
+    return share if (share / "nbconvert" / "templates").is_dir() else None
+
+
+def expose_nbconvert_templates() -> Path | None:
+    """Put nbconvert's templates on ``JUPYTER_PATH`` when it was installed with ``--target``; returns the folder.
+
+    Without this, HTML export fails with "No template sub-directory with name 'lab' found". The test
+    suite (conftest.py, for nbval's kernels) and ``course run`` (before writing HTML) both call it.
+    """
+    share = nbconvert_share_dir()
+    if share is not None:
+        prepend_env_path("JUPYTER_PATH", str(share))
+    return share
+
+
 def execute(path: Path, timeout: int = 900, env: dict | None = None):
     """Execute one notebook in a fresh kernel (cwd = its folder); returns (nb, error or None)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
-    import os
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", extra_arguments=list(KERNEL_ARGS),
@@ -54,6 +86,7 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
 
 def to_html(nb) -> tuple[str | None, str | None]:
     """The notebook as HTML, or (None, reason) when nbconvert cannot export (e.g. missing templates)."""
+    expose_nbconvert_templates()  # nbconvert installed with pip --target keeps its templates beside it
     try:
         from nbconvert import HTMLExporter
         body, _ = HTMLExporter().from_notebook_node(nb)

@@ -7,7 +7,10 @@
   function once under a watch for the operations that would break a real capture (a host read
   such as ``.item()``, ``nonzero``...), so fallbacks show up on a laptop too; "replay" calls the
   function on the static inputs and writes the results into the static outputs, so inputs that
-  were not copied in, or outputs overwritten by the next replay, behave exactly as on a GPU.
+  were not copied in, or outputs overwritten by the next replay, behave exactly as on a GPU. Its
+  ``memory_reserved()`` counts the bytes of the static inputs and outputs of the recordings still
+  alive (a real graph's memory stays reserved while anything references the graph), so a cache that
+  "clears" but keeps its recordings referenced elsewhere frees nothing here either.
 
 Both return a :class:`Recorded` (the replay callable and the static output) or raise
 :class:`CaptureFailed` with a one-line reason.
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import time
+import weakref
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TOOL_FILES = tuple(os.path.join(_HERE, f) for f in ("backends.py", "cache.py"))
@@ -100,6 +105,19 @@ def diagnose(error_type: str, message: str, frames) -> str:
     return f"{error_type}: {message}{where}"
 
 
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, or nested tuples/lists/dicts of them); other values count 0."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0
+
+
 def _copy_into(static, fresh) -> None:
     """Write ``fresh`` (a tensor or nested tuple/list of them) into ``static`` of the same structure."""
     import torch
@@ -122,6 +140,8 @@ class RecordingBackend:
     def __init__(self, pools: str = "shared"):
         self.pools = pools
         self.watch = True  # look for host reads at capture (they would break a real capture)
+        self._held: dict = {}  # recording id -> bytes it holds, while the Recorded object is alive
+        self._ids = itertools.count()
 
     def capture(self, fn, static_args, warmup: int = 1) -> Recorded:
         """Warm up ``warmup`` times, then run ``fn(*static_args)`` once as the 'capture'; raise CaptureFailed."""
@@ -146,15 +166,23 @@ class RecordingBackend:
         def replay():
             _copy_into(out, fn(*static_args))
 
-        return Recorded(replay, out, ms, 0)
+        rec = Recorded(replay, out, ms, 0)
+        key = next(self._ids)
+        self._held[key] = tensor_bytes(out) + tensor_bytes(list(static_args))
+        weakref.finalize(rec, self._held.pop, key, None)  # freed with the recording (its "graph")
+        return rec
 
     def new_pool(self):
         """No memory pools on the simulator path."""
         return None
 
     def memory_reserved(self) -> int:
-        """Always 0: the recording backend holds no graph memory."""
-        return 0
+        """Bytes of the static inputs and outputs of this backend's recordings that are still alive.
+
+        Like a graph's memory pool, they come back only when nothing references the recording any more
+        (call ``gc.collect()`` first if a reference cycle may hold one).
+        """
+        return sum(self._held.values())
 
     def reset_pool(self) -> None:
         """Nothing to forget on the simulator path."""

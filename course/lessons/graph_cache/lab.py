@@ -37,7 +37,7 @@ class CountingBackend:
         return rec
 
     def memory_reserved(self) -> int:
-        """The wrapped backend's reserved memory."""
+        """The wrapped backend's reserved memory (what its live recordings hold, on either path)."""
         return self.inner.memory_reserved()
 
     def reset_pool(self) -> None:
@@ -203,10 +203,25 @@ def check_fallback(cls) -> None:
         assert cache.stats["eager_calls"] == 2, f"eager_calls: {cache.stats['eager_calls']}, expected 2"
 
 
+def reserved_now(backend) -> int:
+    """The backend's reserved memory once garbage is collected (and, on a GPU, the allocator's cache emptied).
+
+    What a cache's recordings hold shows up here only while something references them, so the difference
+    before and after ``clear_cache()`` is the memory that clearing gave back.
+    """
+    import gc
+
+    gc.collect()
+    if backend.name != "recording":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return backend.memory_reserved()
+
+
 def check_enable_clear(cls) -> None:
-    """Step 7: set_enabled(False) runs eager without touching the graphs; clear_cache() forgets them."""
+    """Step 7: set_enabled(False) runs eager without touching the graphs; clear_cache() gives their memory back."""
     with exercise("lab 3.7 enable and clear", hint="disabled: call self.fn directly; clear: empty self.entries "
-                                                  "(and backend.reset_pool())"):
+                                                  "(and backend.reset_pool()), and keep no other reference to them"):
         d = _dev()
         cache, backend = _counted(cls, lambda x: x + 1)
         x = torch.ones(2, device=d)
@@ -217,7 +232,14 @@ def check_enable_clear(cls) -> None:
         cache.set_enabled(True)
         cache(x)
         assert backend.replays == 2 and backend.captures == 1, "enabled again: the recorded graph is replayed"
+        before = reserved_now(backend)
         cache.clear_cache()
         assert not cache.entries, "clear_cache() must drop every entry (their graphs and static buffers)"
+        after = reserved_now(backend)
+        assert after < before, (
+            f"clear_cache() emptied self.entries, but the memory the graphs held did not come back ({before} bytes "
+            f"reserved before, {after} after): something still references the old entries or their recordings. "
+            "Keep no copy of them (no second dict or list, no saved entry): a graph's memory is freed only when "
+            "nothing references it")
         cache(x)
         assert backend.captures == 2 and cache.stats["cache_misses"] == 2, "after clear_cache() the next call records"
