@@ -23,10 +23,9 @@ pytest_plugins = ["course.tools.gate"]
 
 
 def _expose_course_to_kernels() -> None:
-    from course.tools.render import expose_nbconvert_templates, prepend_env_path
+    from course.tools.render import expose_course_to_kernels
 
-    prepend_env_path("PYTHONPATH", str(ROOT))
-    expose_nbconvert_templates()
+    expose_course_to_kernels()
 
 
 def pytest_configure(config):

@@ -287,3 +287,14 @@ def test_no_target_install_leaves_jupyter_path_alone(tmp_path, monkeypatch):
     assert render.expose_nbconvert_templates() is None and os.environ["JUPYTER_PATH"] == ""
     monkeypatch.setitem(sys.modules, "nbconvert", None)  # not installed at all
     assert render.nbconvert_share_dir() is None
+
+
+def test_kernels_import_this_checkout_for_course_run_and_check(monkeypatch):
+    """`course run` and `course check` kernels import this checkout's course where it is not installed (the GPU
+    lane: `course check` there reported "No module named 'course'" in every cell)."""
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    render.expose_course_to_kernels()
+    parts = os.environ["PYTHONPATH"].split(os.pathsep)
+    assert parts[0] == str(render.ROOT) and "/elsewhere" in parts
+    render.expose_course_to_kernels()  # once only
+    assert os.environ["PYTHONPATH"].split(os.pathsep).count(str(render.ROOT)) == 1

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import nbformat
 
-from course.tools.render import KERNEL_ARGS
+from course.tools.render import KERNEL_ARGS, expose_course_to_kernels
 
 STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
 _MARK = {"pass": "✓", "fail": "✗", "crash": "✗", "todo": "…", "skip": "-", "timed out": "⏱", "not reached": "?"}
@@ -125,6 +125,7 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
     os.close(fd)
     old = os.environ.get(ENV_LOG)
     os.environ[ENV_LOG] = log_path
+    expose_course_to_kernels()  # the kernel imports this checkout's course, installed or not
     start, stopped, ran = time.monotonic(), None, set()
     deadline = start + total_timeout if total_timeout else None
     client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,

@@ -60,6 +60,16 @@ def expose_nbconvert_templates() -> Path | None:
     return share
 
 
+def expose_course_to_kernels() -> None:
+    """Let notebook kernels import this checkout's ``course`` and nbconvert find its templates, installed or not.
+
+    Kernels start in a notebook's folder: with this checkout first on ``PYTHONPATH`` they import it even where
+    the course is not installed (the GPU lane); see :func:`expose_nbconvert_templates` for the templates.
+    """
+    prepend_env_path("PYTHONPATH", str(ROOT))
+    expose_nbconvert_templates()
+
+
 def execute(path: Path, timeout: int = 900, env: dict | None = None):
     """Execute one notebook in a fresh kernel (cwd = its folder); returns (nb, error or None)."""
     import nbformat
@@ -71,6 +81,7 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
                             resources={"metadata": {"path": str(path.parent)}})
     saved = dict(os.environ)
     os.environ.update(env or {})
+    expose_course_to_kernels()
     # A non-interactive MPLBACKEND (Agg, set by test runners) would keep figures out of the notebook.
     os.environ.pop("MPLBACKEND", None)
     try:
