@@ -1,0 +1,84 @@
+"""transformers' own compiled decode path, reproduced as the library documents it, with its log kept as data.
+
+The recipe (transformers' "static cache and torch.compile" guide): ``generation_config.cache_implementation =
+"static"``, ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, then
+``model.generate``. :func:`hf_compiled_row` runs it on the GPU and returns one row: time per token (the
+difference between a long and a short ``generate``, so prefill and set-up cancel), time to the first
+``generate`` (compile and CUDA-graph recording included), the cudagraph log lines torch wrote (e.g.
+"skipping cudagraphs due to mutated inputs") and, when it fails, ``FAILED`` with the error: a finding,
+never a lost run. The model's ``forward`` and generation config are restored afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+LOG_FLAGS = ("skipping cudagraphs", "cudagraph", "overwritten", "recompil", "graph break")
+
+
+def _generate(model, prompt, n: int):
+    import torch
+
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False)
+
+
+def hf_compiled_row(model, n_short: int = 8, n_long: int = 40, repeats: int = 3, log=print) -> dict:
+    """One row for transformers' compiled path (GPU): ``us`` per token, ``first_call_s``, ``status``, ``log``."""
+    import statistics
+
+    import torch
+
+    from course.lessons.reduce_overhead import _condense, torch_log_messages
+
+    if not 0 < n_short < n_long:
+        raise ValueError(f"need 0 < n_short < n_long, got {n_short}, {n_long}")
+    torch._dynamo.reset()
+    own_forward = "forward" in vars(model)  # normally not: forward is the class's method
+    saved_forward, saved_impl = model.forward, model.generation_config.cache_implementation
+    prompt = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(next(model.parameters()).device)
+    row = {"variant": "transformers generate, reduce-overhead", "status": "ok", "us": float("nan"),
+           "q1_us": float("nan"), "q3_us": float("nan"), "first_call_s": float("nan"), "log": ""}
+    with torch_log_messages(cudagraphs=True, perf_hints=True, recompiles=True) as msgs:
+        try:
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+            log("real_model: transformers' compiled path: compiling and recording (first generate) ...")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _generate(model, prompt, n_short)
+            torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t0
+            log(f"real_model: transformers' compiled path: first generate took {row['first_call_s']:.1f} s; measuring")
+            per = []
+            for _ in range(repeats):
+                times = {}
+                for n in (n_short, n_long):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    _generate(model, prompt, n)
+                    end.record()
+                    end.synchronize()
+                    times[n] = start.elapsed_time(end) * 1e3
+                per.append((times[n_long] - times[n_short]) / (n_long - n_short))
+            qs = statistics.quantiles(per, n=4) if len(per) >= 4 else (min(per), 0, max(per))
+            row.update(us=statistics.median(per), q1_us=qs[0], q3_us=qs[-1])
+        except Exception as e:  # noqa: BLE001 - the library's failure is the finding
+            row["status"] = f"FAILED: {type(e).__name__}: {_condense(str(e), 2)[:300]}"
+            log(f"real_model: transformers' compiled path {row['status'][:160]}")
+            try:
+                from course.core.capture import recover
+                recover()
+            except Exception:  # noqa: BLE001 - best effort: leave CUDA usable for the next rows
+                pass
+        finally:
+            if own_forward:
+                model.forward = saved_forward
+            else:
+                vars(model).pop("forward", None)
+            model.generation_config.cache_implementation = saved_impl
+            torch._dynamo.reset()
+    lines = [_condense(m, 1)[:200] for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
+    row["log"] = " | ".join(dict.fromkeys(lines))[:600]
+    return row
