@@ -108,11 +108,11 @@ def size_of(model) -> Size:
 
 def weight_bytes(model) -> int:
     """Bytes of every parameter and buffer of the model (a tied weight counted once)."""
-    seen, total = set(), 0
+    seen, total = set(), 0  # parameters() already yields a tied Parameter once; identity, not data_ptr (0 on meta)
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
+        if id(t) in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
 
