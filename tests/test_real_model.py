@@ -281,3 +281,20 @@ def test_copy_bandwidth_needs_a_gpu():
     else:
         with pytest.raises(RuntimeError):
             copy_bandwidth_GBps()
+
+
+def test_doctor_reports_transformers_version(monkeypatch):
+    from course.core.provenance import package_version
+    from course.tools import catalog, doctor
+
+    rows, _ = doctor.diagnose()
+    row = next(r for r in rows if r.item == "transformers")
+    assert row.value == package_version("transformers") and row.status == doctor.OK
+    real = doctor.package_version
+    monkeypatch.setattr(doctor, "package_version", lambda n: None if n == "transformers" else real(n))
+    rows, verdict = doctor.diagnose()
+    row = next(r for r in rows if r.item == "transformers")
+    assert row.status == doctor.WARN and "lesson 06" in row.fix and not verdict["broken"]
+    paths = {e.path for e in catalog.CATALOG}
+    assert {"notebooks/06_real_model.ipynb", "labs/lab4_real_model.ipynb", "solutions/06_real_model.ipynb",
+            "solutions/lab4_real_model.ipynb"} <= paths
