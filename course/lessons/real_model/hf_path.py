@@ -4,7 +4,8 @@ The recipe (transformers' "static cache and torch.compile" guide): ``generation_
 "static"``, ``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, then
 ``model.generate``. :func:`hf_compiled_row` runs it on the GPU and returns one row: time per token (the
 difference between a long and a short ``generate``, so prefill and set-up cancel), time to the first
-``generate`` (compile and CUDA-graph recording included), the cudagraph log lines torch wrote (e.g.
+``generate`` (compile and CUDA-graph recording included), whether its tokens equal the uncompiled
+``generate``'s (greedy, same prompt), the cudagraph log lines torch wrote (e.g.
 "skipping cudagraphs due to mutated inputs") and, when it fails, ``FAILED`` with the error: a finding,
 never a lost run. The model's ``forward`` and generation config are restored afterwards.
 """
@@ -24,7 +25,8 @@ def _generate(model, prompt, n: int):
 
 
 def hf_compiled_row(model, n_short: int = 8, n_long: int = 40, repeats: int = 3, log=print) -> dict:
-    """One row for transformers' compiled path (GPU): ``us`` per token, ``first_call_s``, ``status``, ``log``."""
+    """One row for transformers' compiled path (GPU): ``us`` per token, ``first_call_s``, ``tokens_equal``, ``status``,
+    ``log``."""
     import statistics
 
     import torch
@@ -39,17 +41,21 @@ def hf_compiled_row(model, n_short: int = 8, n_long: int = 40, repeats: int = 3,
     prompt = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(next(model.parameters()).device)
     row = {"variant": "transformers generate, reduce-overhead", "status": "ok", "us": float("nan"),
-           "q1_us": float("nan"), "q3_us": float("nan"), "first_call_s": float("nan"), "log": ""}
+           "q1_us": float("nan"), "q3_us": float("nan"), "first_call_s": float("nan"), "tokens_equal": False,
+           "log": ""}
     with torch_log_messages(cudagraphs=True, perf_hints=True, recompiles=True) as msgs:
         try:
+            log("real_model: transformers' generate, uncompiled, for the reference tokens ...")
+            want = _generate(model, prompt, n_long)
             model.generation_config.cache_implementation = "static"
             model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
             log("real_model: transformers' compiled path: compiling and recording (first generate) ...")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _generate(model, prompt, n_short)
+            got = _generate(model, prompt, n_long)  # the long one first: its static cache serves the shorter ones
             torch.cuda.synchronize()
             row["first_call_s"] = time.perf_counter() - t0
+            row["tokens_equal"] = bool(got.shape == want.shape and torch.equal(got, want))
             log(f"real_model: transformers' compiled path: first generate took {row['first_call_s']:.1f} s; measuring")
             per = []
             for _ in range(repeats):
@@ -80,5 +86,6 @@ def hf_compiled_row(model, n_short: int = 8, n_long: int = 40, repeats: int = 3,
             model.generation_config.cache_implementation = saved_impl
             torch._dynamo.reset()
     lines = [_condense(m, 1)[:200] for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
+    lines.sort(key=lambda l: not any(k in l.lower() for k in ("skipping", "overwritten")))  # the reasons first
     row["log"] = " | ".join(dict.fromkeys(lines))[:600]
     return row
