@@ -91,6 +91,8 @@ def test_static_step_equals_naive_and_is_idempotent(model):
         StaticDecoder(model, 10_000)
     with pytest.raises(ValueError, match="position"):
         static.example_args(1, 32)
+    with pytest.raises(ValueError, match=r"ids \[B, 1\]"):
+        static.step(ids[:, 0], torch.zeros(1, dtype=torch.long, device=DEV))
 
 
 def test_naive_step_drifts_when_run_twice(model):

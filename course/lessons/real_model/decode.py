@@ -77,6 +77,9 @@ class StaticDecoder:
 
         Writes each row's K/V at ``position`` of this batch size's cache, attends over 0..position.
         """
+        if ids.dim() != 2 or ids.shape[1] != 1 or position.shape != (1,):  # shapes only: no device value is read
+            raise ValueError(f"step takes ids [B, 1] and position [1] (device tensors), got ids "
+                             f"{tuple(ids.shape)} and position {tuple(position.shape)}")
         b = ids.shape[0]
         cache = self.cache_for(b)
         for layer in cache.layers:  # the write position comes from our buffer, not from how often we ran

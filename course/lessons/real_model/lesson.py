@@ -4,7 +4,7 @@ from __future__ import annotations
 from course.lessons.real_model.roofline import PARTS
 
 COLORS = {"floor": "0.35", "fused above floor": "tab:green", "removed by fusion": "tab:orange",
-          "removed by graphs": "tab:red"}
+          "removed by graphs": "tab:red", "above floor, not split": "tab:purple"}
 
 
 def gpu_result(name: str, **params):
@@ -27,24 +27,27 @@ def gpu_result(name: str, **params):
 def plot_split(ax, parts: dict) -> None:
     """Stacked bars, one per variant, of :func:`~course.lessons.real_model.roofline.split`'s parts (us per token).
 
-    A negative part (a variant slower than the one it should improve on) is drawn as zero and named in
-    the bar's label, so the chart never hides it.
+    A variant measured but not split (transformers' own path) may come as ``{"floor": f, "above floor, not
+    split": t - f}``. A negative part (a variant slower than the one it should improve on) is drawn as zero and
+    named in the bar's label, so the chart never hides it.
     """
-    names = list(parts)
+    names, labelled = list(parts), set()
     for i, v in enumerate(names):
         bottom, odd = 0.0, []
-        for p in PARTS:
+        for p in (*PARTS, "above floor, not split"):
             us = parts[v].get(p)
             if us is None:
                 continue
             if us < 0:
                 odd.append(f"{p} {us:.0f} us")
                 continue
-            ax.bar(i, us, bottom=bottom, color=COLORS[p], label=p if i == 0 else None)
+            ax.bar(i, us, bottom=bottom, color=COLORS[p], label=None if p in labelled else p)
+            labelled.add(p)
             bottom += us
-        ax.text(i, bottom, f"{bottom:.0f} us" + ("\n(" + ", ".join(odd) + ")" if odd else ""), ha="center",
+        total = sum(u for u in parts[v].values() if u is not None)  # the variant's own time, negative parts too
+        ax.text(i, bottom, f"{total:.0f} us" + ("\n(" + ", ".join(odd) + ")" if odd else ""), ha="center",
                 va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), names)
+    ax.set_xticks(range(len(names)), [n if len(n) <= 16 else n[:15] + "…" for n in names], fontsize=8)
     ax.set_ylabel("time per token [us]")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
