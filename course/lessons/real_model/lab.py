@@ -6,7 +6,8 @@
 2. :func:`check_wrapped`: the learner's ``wrap(decoder)`` puts that step in a GraphCache with buckets
    whose replays equal eager for batches that need padding, without leaking padding into real rows.
 3. :func:`check_prediction`: tokens/s predicted from the roofline (bytes per token, bandwidth, batch).
-4. :func:`check_gap`: the launch cost per kernel, from eager and replayed time per token and the kernel count.
+4. :func:`check_gap`: a gap per kernel (eager to replayed: the launch cost; fused to the floor), from the times
+   per token and the kernel count.
 """
 from __future__ import annotations
 
@@ -95,11 +96,11 @@ def check_prediction(predict) -> None:
 
 
 def check_gap(per_kernel) -> None:
-    """Step 4: ``per_kernel(eager_us, replay_us, kernels)``: launch cost per kernel that graphs removed."""
+    """Step 4: ``per_kernel(slow_us, fast_us, kernels)``: the time between two variants per kernel of a step."""
     with exercise("lab 4.4 the gap, per kernel",
-                  hint="graphs remove the launch gaps: (eager - replayed) time, shared by every kernel of the step"):
-        for eager, replay, kernels in ((1000.0, 300.0, 350), (50.0, 40.0, 2)):
-            want = (eager - replay) / kernels
-            got = per_kernel(eager, replay, kernels)
+                  hint="the difference of the two times per token, shared by every kernel of the step"):
+        for slow, fast, kernels in ((1000.0, 300.0, 350), (50.0, 40.0, 2)):
+            want = (slow - fast) / kernels
+            got = per_kernel(slow, fast, kernels)
             assert got is not None and abs(got - want) <= 1e-9 + 1e-6 * abs(want), \
-                f"eager {eager} us, replayed {replay} us, {kernels} kernels: you said {got}, expected {want:.4g} us"
+                f"{slow} us vs {fast} us, {kernels} kernels: you said {got}, expected {want:.4g} us"
