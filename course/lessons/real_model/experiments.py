@@ -30,7 +30,9 @@ NAN = float("nan")
 
 
 def _reason(e: BaseException) -> str:
-    return f"FAILED: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    from course.lessons.reduce_overhead import _condense  # machine paths cut: reference data must not carry them
+
+    return f"FAILED: {type(e).__name__}: {_condense(str(e), 1)[:200]}"
 
 
 def kernels_per_call(fn, calls: int = 3) -> float:
@@ -64,8 +66,10 @@ def _mode(fn) -> str:
     stats = fn.get_stats() if hasattr(fn, "get_stats") else None
     if not stats:
         return "eager"
+    from course.lessons.reduce_overhead import _condense
+
     modes = set(stats["fusion_modes"].values())
-    reasons = "; ".join(stats["fallback_reasons"].values())
+    reasons = "; ".join(_condense(r, 1) for r in stats["fallback_reasons"].values())
     return ",".join(sorted(modes)) + (f" ({reasons[:160]})" if reasons else "")
 
 
