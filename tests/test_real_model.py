@@ -268,12 +268,14 @@ def test_gpu_copy_bandwidth_kernels_and_first_call():
 
 @gpu
 def test_gpu_hf_compiled_row_never_raises():
-    from course.lessons.real_model.hf_path import hf_compiled_row
+    from course.lessons.real_model.hf_path import RECIPES, hf_compiled_row
 
     m = build_model("tiny")
-    row = hf_compiled_row(m, n_short=2, n_long=4, repeats=1, log=lambda *_: None)
-    assert row["status"] == "ok" or row["status"].startswith("FAILED")
-    assert "forward" not in vars(m)
+    for recipe in RECIPES:
+        row = hf_compiled_row(m, recipe, n_short=2, n_long=4, repeats=1, log=lambda *_: None)
+        assert row["status"] == "ok" or row["status"].startswith("FAILED")
+        assert "forward" not in vars(m) and "_compiled_call" not in vars(m)
+        assert m.generation_config.cache_implementation is None
 
 
 def test_copy_bandwidth_needs_a_gpu():

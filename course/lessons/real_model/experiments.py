@@ -98,8 +98,14 @@ def _builders(model, max_len: int, autotune: bool):
 @experiment("real_model_decode", gpu_only=True,
             quick={"size": "tiny", "repeats": 5, "n_tokens": 8, "hf_path": False})
 def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int = 20, n_tokens: int = 32,
-                      hf_path: bool = True, autotune: bool = False, max_len: int = 256, log=print) -> Result:
-    """Batch-1 decode of the TinyLlama-shaped model: eager, graph-cached, fused, transformers' compiled path."""
+                      hf_path: bool = True, hf_recipes=("forward", "auto"), autotune: bool = False, max_len: int = 256,
+                      log=print) -> Result:
+    """Batch-1 decode of the TinyLlama-shaped model: eager, graph-cached, fused, transformers' compiled recipes.
+
+    ``hf_path=False`` leaves transformers' recipes out; ``hf_recipes`` picks them (keys of
+    :data:`~course.lessons.real_model.hf_path.RECIPES`); ``autotune=True`` adds a fused variant compiled with
+    ``mode="max-autotune-no-cudagraphs"`` (minutes more).
+    """
     require_gpu("timing the real model's decode step")
     import torch
 
@@ -147,9 +153,9 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
                     "correct": c.get("ok", name == "eager"), "log": ""})
     del steps
     _free()
-    if hf_path:
-        hf = hf_compiled_row(model, log=log)
-        out.append({"variant": hf["variant"], "status": hf["status"], "mode": "torch.compile reduce-overhead",
+    for recipe in (hf_recipes if hf_path else ()):
+        hf = hf_compiled_row(model, recipe, log=log)
+        out.append({"variant": hf["variant"], "status": hf["status"], "mode": f"transformers recipe {recipe!r}",
                     "first_call_s": hf["first_call_s"], "kernels_per_token": NAN, "us": hf["us"],
                     "q1_us": hf["q1_us"], "q3_us": hf["q3_us"], "tokens_equal": hf["tokens_equal"],
                     "max_logit_diff": NAN, "correct": "n/a (tokens only)", "log": hf["log"]})
@@ -161,7 +167,8 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
                   "kernels_per_token": "count", "first_call_s": "s", "tokens_equal": "", "max_logit_diff": "fraction",
                   "correct": "", "log": ""}, out,
                  params={"size": size, "position": position, "repeats": repeats, "n_tokens": n_tokens,
-                         "max_len": max_len, "autotune": autotune, "torch": torch.__version__,
+                         "max_len": max_len, "autotune": autotune, "hf_recipes": list(hf_recipes) if hf_path else [],
+                         "torch": torch.__version__,
                          "transformers": _transformers_version()})
     res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
     res.add_summary("bytes_per_token", nbytes, "B")

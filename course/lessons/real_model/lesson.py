@@ -47,7 +47,7 @@ def plot_split(ax, parts: dict) -> None:
         total = sum(u for u in parts[v].values() if u is not None)  # the variant's own time, negative parts too
         ax.text(i, bottom, f"{total:.0f} us" + ("\n(" + ", ".join(odd) + ")" if odd else ""), ha="center",
                 va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), [n if len(n) <= 16 else n[:15] + "…" for n in names], fontsize=8)
+    ax.set_xticks(range(len(names)), [n if len(n) <= 22 else n[:21] + "…" for n in names], fontsize=8)
     ax.set_ylabel("time per token [us]")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
