@@ -64,6 +64,12 @@ def test_provenance_has_versions_and_date():
         assert p.get(k), k
 
 
+# GPU experiments whose reference data has not been recorded yet (their notebooks say "reference data not recorded
+# yet" until `python -m course bench NAME` runs on a GPU). Once the JSON is committed it is checked like any other;
+# then drop the name from here.
+AWAITING_FIRST_RECORDING = {"real_model_decode", "real_model_batch_sweep"}
+
+
 def test_reference_registry_and_files_are_valid():
     reg = reference.load_all()
     assert {"launch_costs", "launch_sweep", "launch_timeline", "cpu_dispatch"} <= set(reg)
@@ -71,6 +77,8 @@ def test_reference_registry_and_files_are_valid():
         if exp.gpu_only:
             if exp.gpus > 1 and not reference.reference_path(name).exists():
                 continue  # multi-GPU data exists only once `course bench` ran on a machine with that many GPUs
+            if name in AWAITING_FIRST_RECORDING and not reference.reference_path(name).exists():
+                continue
             res = reference.load_reference(name)  # verifies the checksum
             assert res.provenance.get("gpus", 1) >= exp.gpus, f"{name}: recorded on fewer GPUs than it needs"
             assert res.provenance["path"] == "cuda", f"{name}: reference data must come from a GPU"

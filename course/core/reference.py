@@ -37,6 +37,7 @@ EXPERIMENT_MODULES = (
     "course.embedding.launch_cost",
     "course.lessons.sharding.experiments",
     "course.embedding.access",
+    "course.lessons.real_model.experiments",
 )
 
 

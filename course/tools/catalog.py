@@ -36,6 +36,11 @@ CATALOG = (
           "key, capture on miss, replay on hit, stats, buckets and padding, fallback, enable/clear"),
     Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
           "the seeds' DTensor test, vocab-parallel with the Numba kernel, capture on 2 GPUs, ranks must agree"),
+    Entry("notebooks/06_real_model.ipynb", "A real model's decode step", "lesson",
+          "transformers' Llama in TinyLlama's shape: the finder, the fixes, graph cache and fusion, correctness, "
+          "the roofline, a batch sweep"),
+    Entry("labs/lab4_real_model.ipynb", "Lab 4: capture a real model's decode step", "lab",
+          "make the step capturable, wrap it in the graph cache, predict tokens/s, explain the gap per kernel"),
     Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
           "lesson 01 with its exercise answered; generates notebooks/01_launch_overhead.ipynb"),
     Entry("solutions/02_capture_and_replay.ipynb", "Lesson 02 with answers", "solution",
@@ -46,12 +51,16 @@ CATALOG = (
           "lesson 04 with its exercises answered; generates notebooks/04_graph_cache.ipynb"),
     Entry("solutions/05_sharded_embedding.ipynb", "Lesson 05 with answers", "solution",
           "lesson 05 with its exercise answered; generates notebooks/05_sharded_embedding.ipynb"),
+    Entry("solutions/06_real_model.ipynb", "Lesson 06 with answers", "solution",
+          "lesson 06 with its exercises answered; generates notebooks/06_real_model.ipynb"),
     Entry("solutions/lab1_embedding_kernel.ipynb", "Lab 1 solution", "solution",
           "the reference answers for lab 1"),
     Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",
           "the reference answers for lab 2"),
     Entry("solutions/lab3_graph_cache.ipynb", "Lab 3 solution", "solution",
           "the reference answers for lab 3"),
+    Entry("solutions/lab4_real_model.ipynb", "Lab 4 solution", "solution",
+          "the reference answers for lab 4"),
 )
 
 

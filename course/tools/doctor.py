@@ -84,10 +84,12 @@ def diagnose() -> tuple[list, dict]:
     mv = package_version("matplotlib")
     rows.append(Row("matplotlib", mv or "not installed", OK if mv else BROKEN, "" if mv else "pip install matplotlib"))
     for pkg, needed in (("ipykernel", True), ("nbformat", True), ("nbclient", True), ("nbconvert", True),
-                        ("nbval", False), ("jupyterlab", False)):
+                        ("transformers", False), ("nbval", False), ("jupyterlab", False)):
         v = package_version(pkg)
         why = {"nbval": "needed only for the test suite: pip install nbval",
-               "jupyterlab": "needed only for `make lab`: pip install jupyterlab"}.get(pkg, f"pip install {pkg}")
+               "jupyterlab": "needed only for `make lab`: pip install jupyterlab",
+               "transformers": "needed for lesson 06 and lab 4 (the real model): pip install 'transformers>=5.17,<5.18'",
+               }.get(pkg, f"pip install {pkg}")
         rows.append(Row(pkg, v or "not installed", OK if v else (BROKEN if needed else WARN), "" if v else why))
 
     verdict = {"path": None, "reason": "", "fixes": [], "broken": False}

@@ -1,0 +1,21 @@
+"""Lesson 06 and lab 4: a real model's decode step (``transformers``' Llama, TinyLlama's shape), captured.
+
+- :mod:`~course.lessons.real_model.model`: the two sizes (TinyLlama-1.1B in bf16, a tiny one in fp32), the model
+  with seeded random weights, bytes read per token.
+- :mod:`~course.lessons.real_model.decode`: the naive step (a host-to-device copy, a counter that drifts), the
+  capturable step (StaticCache, positions in device buffers), the step in lesson 04's GraphCache.
+- :mod:`~course.lessons.real_model.generate`: greedy decoding, teacher-forced logits, the correctness check.
+- :mod:`~course.lessons.real_model.roofline`: copy bandwidth, the weight-read floor, the split of each variant's time.
+- :mod:`~course.lessons.real_model.hf_path`: transformers' own compiled ``generate`` path, its log kept as data.
+- :mod:`~course.lessons.real_model.experiments`: the registered GPU experiments (decode, batch sweep).
+- :mod:`~course.lessons.real_model.lesson`: notebook helpers (GPU results not recorded yet, the stacked bars).
+- :mod:`~course.lessons.real_model.lab`: lab 4's checks.
+"""
+from course.lessons.real_model.decode import NaiveDecoder, StaticDecoder, graph_cached, model_backend
+from course.lessons.real_model.generate import assert_correct, check_variants, forced_logits, greedy
+from course.lessons.real_model.model import SIZES, build_model, bytes_per_token, default_size, weight_bytes
+from course.lessons.real_model.roofline import floor_us, split, tokens_per_s
+
+__all__ = ["NaiveDecoder", "SIZES", "StaticDecoder", "assert_correct", "build_model", "bytes_per_token",
+           "check_variants", "default_size", "floor_us", "forced_logits", "graph_cached", "greedy", "model_backend",
+           "split", "tokens_per_s", "weight_bytes"]

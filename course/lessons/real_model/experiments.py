@@ -1,0 +1,260 @@
+"""Lesson 06's GPU experiments: the TinyLlama-shaped model's decode step, every way of running it.
+
+- :func:`decode_experiment` ("real_model_decode"): batch 1, eager (:class:`StaticDecoder`), graph-cached
+  (its eager kernels captured by the GraphCache), fused (``torch.compile`` default mode, captured by the
+  GraphCache) and transformers' own compiled ``generate`` path: time per token (median and IQR, CUDA
+  events, interleaved), kernels per token (profiler), time to the first token (compile and capture
+  included), tokens and logits against eager, and the weight-read floor from a measured copy bandwidth.
+- :func:`batch_sweep_experiment` ("real_model_batch_sweep"): tokens/s for batch 1..64, eager vs
+  graph-cached vs fused vs the floor.
+
+Every compiled or captured variant is guarded: a failure becomes a row with ``status`` "FAILED: ..."
+and the run goes on. Progress is printed as it runs (which variant, compiling or measuring).
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+from course.core.capture import require_gpu
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.timing import speedup, time_interleaved
+from course.lessons.real_model.decode import StaticDecoder, graph_cached
+from course.lessons.real_model.generate import check_variants
+from course.lessons.real_model.hf_path import hf_compiled_row
+from course.lessons.real_model.model import build_model, bytes_per_token, size_of
+from course.lessons.real_model.roofline import copy_bandwidth_GBps, floor_us, split, tokens_per_s
+
+NAN = float("nan")
+
+
+def _reason(e: BaseException) -> str:
+    from course.lessons.reduce_overhead import _condense  # machine paths cut: reference data must not carry them
+
+    return f"FAILED: {type(e).__name__}: {_condense(str(e), 1)[:200]}"
+
+
+def kernels_per_call(fn, calls: int = 3) -> float:
+    """GPU kernels executed per call of ``fn`` (profiler, CUDA activity; kernels inside replayed graphs count)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / calls
+
+
+def first_call(fn, args) -> tuple:
+    """(seconds, output) of the first call of ``fn(*args)`` (no grad), host clock, GPU synchronized before and after."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = fn(*args)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def _mode(fn) -> str:
+    stats = fn.get_stats() if hasattr(fn, "get_stats") else None
+    if not stats:
+        return "eager"
+    from course.lessons.reduce_overhead import _condense
+
+    modes = set(stats["fusion_modes"].values())
+    reasons = "; ".join(_condense(r, 1) for r in stats["fallback_reasons"].values())
+    return ",".join(sorted(modes)) + (f" ({reasons[:160]})" if reasons else "")
+
+
+def _free():
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _builders(model, max_len: int, autotune: bool):
+    import torch
+
+    out = {"eager": lambda: StaticDecoder(model, max_len).step,
+           "graph-cached": lambda: graph_cached(StaticDecoder(model, max_len)),
+           "fused": lambda: graph_cached(StaticDecoder(model, max_len), fusion=True)}
+    if autotune:
+        def tuned():
+            d = StaticDecoder(model, max_len)
+            return graph_cached(d, fused=torch.compile(d.step, mode="max-autotune-no-cudagraphs"))
+        out["fused, max-autotune"] = tuned
+    return out
+
+
+@experiment("real_model_decode", gpu_only=True,
+            quick={"size": "tiny", "repeats": 5, "n_tokens": 8, "hf_path": False})
+def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int = 20, n_tokens: int = 32,
+                      hf_path: bool = True, hf_recipes=("forward", "auto"), autotune: bool = False, max_len: int = 256,
+                      log=print) -> Result:
+    """Batch-1 decode of the TinyLlama-shaped model: eager, graph-cached, fused, transformers' compiled recipes.
+
+    ``hf_path=False`` leaves transformers' recipes out; ``hf_recipes`` picks them (keys of
+    :data:`~course.lessons.real_model.hf_path.RECIPES`); ``autotune=True`` adds a fused variant compiled with
+    ``mode="max-autotune-no-cudagraphs"`` (minutes more).
+    """
+    require_gpu("timing the real model's decode step")
+    import torch
+
+    torch._dynamo.reset()
+    model = build_model(size)
+    log(f"real_model_decode: {size} built ({model.dtype}); measuring the copy bandwidth")
+    bw = copy_bandwidth_GBps()
+    nbytes = bytes_per_token(model, 1, position)
+    floor = floor_us(nbytes, bw)
+    steps, rows = {}, {}
+    args = StaticDecoder(model, max_len).example_args(1, position)
+    for name, build in _builders(model, max_len, autotune).items():
+        log(f"real_model_decode: {name}: building, first call (compile and capture for the fast variants) ...")
+        try:
+            fn = build()
+            s, _ = first_call(fn, args)
+            log(f"real_model_decode: {name}: first call {s:.1f} s; counting kernels")
+            try:
+                kernels = kernels_per_call(lambda fn=fn: fn(*args))
+            except Exception:  # noqa: BLE001 - the kernel count is a bonus, never a lost row
+                kernels = NAN
+            steps[name] = fn
+            rows[name] = {"variant": name, "status": "ok", "mode": _mode(fn), "first_call_s": s,
+                          "kernels_per_token": kernels}
+        except Exception as e:  # noqa: BLE001 - a variant that breaks is a finding, not a lost run
+            rows[name] = {"variant": name, "status": _reason(e), "mode": "", "first_call_s": NAN,
+                          "kernels_per_token": NAN}
+            log(f"real_model_decode: {name}: {rows[name]['status']}")
+    log(f"real_model_decode: measuring {list(steps)} interleaved ({repeats} repeats, CUDA events)")
+    with torch.no_grad():
+        t = time_interleaved({n: (lambda fn=fn: fn(*args)) for n, fn in steps.items()}, clock="device",
+                             warmup=3, repeats=repeats, inner=5)
+    log(f"real_model_decode: checking {n_tokens} greedy tokens of every variant against eager")
+    first = torch.randint(3, model.config.vocab_size, (1,), generator=torch.Generator().manual_seed(1)).to(args[0].device)
+    fast = {n: fn for n, fn in steps.items() if n != "eager"}
+    check = check_variants(fast, StaticDecoder(model, max_len).step, first, n_tokens, model.dtype) if fast else None
+    checked = {r["variant"]: r for r in check.rows} if check else {}
+    out = []
+    for name, row in rows.items():
+        tm = t.get(name)
+        c = checked.get(name, {})
+        out.append({**row, "us": tm.us if tm else NAN, "q1_us": tm.q1 * 1e6 if tm else NAN,
+                    "q3_us": tm.q3 * 1e6 if tm else NAN, "tokens_equal": c.get("tokens_equal", name == "eager"),
+                    "max_logit_diff": c.get("max_logit_diff", 0.0 if name == "eager" else NAN),
+                    "correct": c.get("ok", name == "eager"), "log": ""})
+    del steps
+    _free()
+    for recipe in (hf_recipes if hf_path else ()):
+        hf = hf_compiled_row(model, recipe, log=log)
+        out.append({"variant": hf["variant"], "status": hf["status"], "mode": f"transformers recipe {recipe!r}",
+                    "first_call_s": hf["first_call_s"], "kernels_per_token": NAN, "us": hf["us"],
+                    "q1_us": hf["q1_us"], "q3_us": hf["q3_us"], "tokens_equal": hf["tokens_equal"],
+                    "max_logit_diff": NAN, "correct": "n/a (tokens only)", "log": hf["log"]})
+    s = size_of(model)
+    res = Result("real_model_decode",
+                 f"LlamaForCausalLM, {s.name} shape ({s.layers} layers, hidden {s.hidden}, {s.dtype}), random "
+                 f"weights, batch 1 at position {position}: time per token (CUDA events, interleaved)",
+                 {"variant": "", "status": "", "mode": "", "us": "us", "q1_us": "us", "q3_us": "us",
+                  "kernels_per_token": "count", "first_call_s": "s", "tokens_equal": "", "max_logit_diff": "fraction",
+                  "correct": "", "log": ""}, out,
+                 params={"size": size, "position": position, "repeats": repeats, "n_tokens": n_tokens,
+                         "max_len": max_len, "autotune": autotune, "hf_recipes": list(hf_recipes) if hf_path else [],
+                         "torch": torch.__version__,
+                         "transformers": _transformers_version()})
+    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    res.add_summary("bytes_per_token", nbytes, "B")
+    res.add_summary("floor_us", floor, "us")
+    if "eager" in t and "fused" in t:
+        res.add_summary("fused_vs_floor", t["fused"].us / floor, "x")
+        res.add_summary("eager_vs_fused", speedup("eager", t["eager"], "fused", t["fused"]).ratio, "x")
+        res.add_summary("eager vs fused", str(speedup("eager", t["eager"], "fused", t["fused"])), "")
+    if "eager" in t and "graph-cached" in t:
+        res.add_summary("eager vs graph-cached", str(speedup("eager", t["eager"], "graph-cached", t["graph-cached"])),
+                        "")
+    if all(k in t for k in ("eager", "graph-cached", "fused")):
+        parts = split(t["eager"].us, t["graph-cached"].us, t["fused"].us, floor)["eager"]
+        for part, us in parts.items():
+            res.add_summary(f"split: {part}", us, "us")
+    return res
+
+
+def _transformers_version() -> str:
+    from course.core.provenance import package_version
+
+    return package_version("transformers") or "not installed"
+
+
+@experiment("real_model_batch_sweep", gpu_only=True,
+            quick={"size": "tiny", "batches": (1, 2, 4), "repeats": 3, "fused_batches": ()})
+def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32, 64), position: int = 32,
+                           repeats: int = 10, fused_batches=(1, 4, 16, 64), max_len: int = 64, log=print) -> Result:
+    """Tokens/s against batch size: eager, graph-cached, fused (GraphCache, one bucket per batch) and the floor.
+
+    The fused variant compiles the step once per batch size (tens of seconds each for TinyLlama's shape), so it
+    runs only at ``fused_batches`` (by default 4 of the 7 sizes, to bound the run's time);
+    pass ``fused_batches=batches`` for all of them.
+    """
+    require_gpu("the real model's batch sweep")
+    import torch
+
+    batches = sorted(set(int(b) for b in batches))
+    if not batches or batches[0] < 1:
+        raise ValueError(f"batches must be positive ints, got {batches}")
+    torch._dynamo.reset()
+    model = build_model(size)
+    bw = copy_bandwidth_GBps()
+    eager_dec, cache_dec, fused_dec = (StaticDecoder(model, max_len) for _ in range(3))
+    fused_batches = sorted(set(int(b) for b in fused_batches) & set(batches))
+    variants = {"eager": eager_dec.step, "graph-cached": graph_cached(cache_dec, buckets=batches)}
+    if fused_batches:
+        variants["fused"] = graph_cached(fused_dec, buckets=batches, fused=torch.compile(fused_dec.step))
+    rows = []
+    for b in batches:
+        args = eager_dec.example_args(b, position, seed=b)
+        ready = {}
+        for name, fn in variants.items():
+            if name == "fused" and b not in fused_batches:
+                continue
+            log(f"real_model_batch_sweep: batch {b}: {name}: first call (capture / compile) ...")
+            try:
+                s, _ = first_call(fn, args)
+                ready[name] = (fn, s)
+            except Exception as e:  # noqa: BLE001 - a failed variant is a row, not a lost run
+                rows.append({"batch": b, "variant": name, "status": _reason(e), "us": NAN, "q1_us": NAN,
+                             "q3_us": NAN, "tokens_per_s": NAN, "first_call_s": NAN})
+        log(f"real_model_batch_sweep: batch {b}: measuring {list(ready)} interleaved")
+        with torch.no_grad():
+            t = time_interleaved({n: (lambda fn=fn: fn(*args)) for n, (fn, _) in ready.items()}, clock="device",
+                                 warmup=2, repeats=repeats, inner=3)
+        for name, (fn, s) in ready.items():
+            status = "ok" if _mode(fn) in ("eager", "fusion", "graph_replay") else f"fell back: {_mode(fn)}"
+            rows.append({"batch": b, "variant": name, "status": status, "us": t[name].us, "q1_us": t[name].q1 * 1e6,
+                         "q3_us": t[name].q3 * 1e6, "tokens_per_s": tokens_per_s(b, t[name].us), "first_call_s": s})
+        fl = floor_us(bytes_per_token(model, b, position), bw)
+        rows.append({"batch": b, "variant": "floor", "status": "computed", "us": fl, "q1_us": fl, "q3_us": fl,
+                     "tokens_per_s": tokens_per_s(b, fl), "first_call_s": 0.0})
+    s = size_of(model)
+    res = Result("real_model_batch_sweep",
+                 f"LlamaForCausalLM, {s.name} shape ({s.dtype}), random weights: tokens/s against batch size at "
+                 f"position {position} (CUDA events, variants interleaved per batch)",
+                 {"batch": "", "variant": "", "status": "", "us": "us", "q1_us": "us", "q3_us": "us",
+                  "tokens_per_s": "tokens/s", "first_call_s": "s"}, rows,
+                 params={"size": size, "batches": batches, "position": position, "repeats": repeats,
+                         "fused_batches": fused_batches,
+                         "max_len": max_len, "torch": torch.__version__, "transformers": _transformers_version()})
+    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    best = max((r for r in rows if r["variant"] != "floor" and r["tokens_per_s"] == r["tokens_per_s"]),
+               key=lambda r: r["tokens_per_s"], default=None)
+    if best:
+        res.add_summary("best_tokens_per_s", best["tokens_per_s"], "tokens/s")
+        res.add_summary("best_at", f"{best['variant']}, batch {best['batch']}", "")
+    return res
