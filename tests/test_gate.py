@@ -152,3 +152,18 @@ def test_course_check_judges_answers_and_learner_versions(tmp_path, capsys):
     assert G.check_notebook(unreached, timeout=120) == 1
     args = cli.build_parser().parse_args(["check", "--answers", str(todo)])
     assert args.answers and cli.main(["check", "--answers", str(todo)]) == 1
+
+
+def test_keep_outputs_writes_what_each_cell_printed(tmp_path, monkeypatch):
+    """COURSE_KEEP_OUTPUTS=DIR: the lane's executed copies, for reading what each cell printed on that machine."""
+    from course.tools.gate import keep_outputs
+
+    kept = tmp_path / "kept"
+    monkeypatch.setenv("COURSE_KEEP_OUTPUTS", str(kept))
+    path = _write(tmp_path, "solutions", "printing", 'print("measured 42 us")', PASSING)
+    got, log = _outcomes(tmp_path, path)
+    assert got.get("solutions/printing.ipynb::exercises") == "PASSED", log
+    nb = nbformat.read(kept / "solutions__printing.ipynb", as_version=4)
+    assert "measured 42 us" in "".join(o.get("text", "") for o in nb.cells[0].outputs)
+    monkeypatch.delenv("COURSE_KEEP_OUTPUTS")
+    assert keep_outputs(None) is None  # not asked for: nothing written, nothing read

@@ -30,6 +30,8 @@ import pytest
 
 from course.core.checks import CRASH, ENV_GATE, ENV_LOG, FAIL
 
+ENV_KEEP = "COURSE_KEEP_OUTPUTS"  # a folder: write each notebook as nbval ran it, outputs included
+
 MODES = {"solutions": "answers", "labs": "learner", "notebooks": "learner"}
 ITEM_NAME = "exercises"
 
@@ -85,6 +87,7 @@ class ExercisesItem(pytest.Item):
 
     def runtest(self):
         """Fail with every problem :func:`problems` finds in the notebook's check log."""
+        keep_outputs(self.parent)
         gate = self.parent._course_gate
         bad = problems(read_log(gate["log"]), gate["declared"], gate["mode"])
         if bad:
@@ -104,6 +107,33 @@ class ExercisesItem(pytest.Item):
     def reportinfo(self):
         """Where pytest reports this item: the notebook."""
         return self.path, None, f"{self.parent.path.name}::{self.name}"
+
+
+def keep_outputs(notebook_item) -> Path | None:
+    """With ``COURSE_KEEP_OUTPUTS=DIR``, write the notebook as nbval just ran it (outputs included) into DIR.
+
+    The GPU lane's executed copies, for reading what each cell printed on that machine; nothing is written
+    otherwise. Returns the file written, or None.
+    """
+    folder = os.environ.get(ENV_KEEP)
+    if not folder:
+        return None
+    import nbformat
+
+    nb = nbformat.from_dict(notebook_item.nb)
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    for item in notebook_item.session.items:
+        if item.parent is notebook_item and type(item).__name__ == "IPyNbCell" and item.test_outputs is not None:
+            cell = cells[item.cell_num] if 0 <= getattr(item, "cell_num", -1) < len(cells) else None
+            if cell is not None:
+                cell.outputs = [nbformat.from_dict(dict(o)) for o in item.test_outputs]
+    out = Path(folder) / f"{Path(notebook_item.path).parent.name}__{Path(notebook_item.path).name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        nbformat.write(nb, str(out))
+    except Exception:  # noqa: BLE001 - a copy for reading; never fails the gate
+        return None
+    return out
 
 
 def _is_notebook_file(node) -> bool:

@@ -8,16 +8,17 @@ COLORS = {"floor": "0.35", "fused above floor": "tab:green", "removed by fusion"
 
 
 def gpu_result(name: str, **params):
-    """``reference.run(name)``, or None with a printed note when this machine cannot run it and no reference exists.
+    """``reference.heavy(name)``, or None with a printed note when it cannot run here and no reference exists.
 
-    On the GPU path the experiment runs live (errors are raised as usual). On the simulator path the
-    reference file may not be recorded yet (``python -m course bench`` on a GPU writes it): then the cell
+    These experiments take minutes (compiles, transformers' own path), so on the GPU path they run live only
+    with ``COURSE_FULL=1`` and otherwise show the recorded result, captioned as such (:func:`reference.heavy`).
+    Where the reference file is not recorded yet (``python -m course bench`` on a GPU writes it), the cell
     says so and the notebook goes on.
     """
     from course.core import reference
 
     try:
-        return reference.run(name, **params)
+        return reference.heavy(name, **params)
     except FileNotFoundError:
         print(f"reference data not recorded yet for {name!r}: on a GPU, `python -m course bench {name}` records "
               "it; the cells that show it are skipped until then.")
