@@ -241,3 +241,12 @@ def test_one_sample_times_one_repeat():
     calls = []
     took = one_sample(lambda: (calls.append(1), _t.sleep(0.001)), 3, "wall")
     assert len(calls) == 3 and took >= 0.003
+
+
+def test_too_few_gpus_caption_says_so(monkeypatch):
+    """On the 1-GPU H100 lesson 05 said 'this machine has no usable GPU': the caption names the GPU count instead."""
+    import types
+    monkeypatch.setattr(reference, "runtime", lambda: types.SimpleNamespace(on_gpu=True))
+    monkeypatch.setattr(reference, "gpu_count", lambda: 1)
+    cap = reference.run("sharding_capture").caption()
+    assert "this machine has 1 GPU(s) and the experiment needs 2" in cap and "no usable GPU" not in cap

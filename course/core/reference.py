@@ -116,7 +116,10 @@ def run(name: str, **params) -> Result:
     """
     exp = get(name)
     if exp.gpu_only and (not runtime().on_gpu or gpu_count() < exp.gpus):
-        return load_reference(name)
+        res = load_reference(name)
+        if runtime().on_gpu:  # a GPU, but too few of them: say so (not "no usable GPU")
+            res.source = (f"reference: this machine has {gpu_count()} GPU(s) and the experiment needs {exp.gpus}")
+        return res
     res = exp.fn(**params)
     if not isinstance(res, Result):
         raise TypeError(f"experiment {name!r} returned {type(res).__name__}, not a Result")
