@@ -162,16 +162,7 @@ def time_ranks(fn, *, group=None, warmup: int = 3, repeats: int = 15, inner: int
     samples = []
     for _ in range(repeats):
         dist.all_reduce(token, group=group)  # the aligned start
-        if gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e-3)
-        else:
-            samples.append(one_sample(fn, inner, "wall"))
+        samples.append(one_sample(fn, inner, "device" if gpu else "wall"))  # NCCL ranks: on the GPU path
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, samples, group=group)
     return _stats([max(col) for col in zip(*every)], inner,
