@@ -38,6 +38,7 @@ EXPERIMENT_MODULES = (
     "course.lessons.sharding.experiments",
     "course.embedding.access",
     "course.lessons.real_model.experiments",
+    "course.lessons.real_model.gemv_bench",
 )
 
 

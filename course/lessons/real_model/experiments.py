@@ -2,11 +2,13 @@
 
 - :func:`decode_experiment` ("real_model_decode"): batch 1, eager (:class:`StaticDecoder`), graph-cached
   (its eager kernels captured by the GraphCache), fused (``torch.compile`` default mode, captured by the
-  GraphCache) and transformers' own compiled ``generate`` path: time per token (median and IQR, CUDA
+  GraphCache), fused + GEMV (the same, on the twin whose q/k/v and gate/up products are stacked and whose
+  batch-1 products run the course's Numba GEMV: :mod:`~course.lessons.real_model.gemv`) and transformers'
+  own compiled ``generate`` path: time per token (median and IQR, CUDA
   events, interleaved), kernels per token (profiler), time to the first token (compile and capture
   included), tokens and logits against eager, and the weight-read floor from a measured copy bandwidth.
 - :func:`batch_sweep_experiment` ("real_model_batch_sweep"): tokens/s for batch 1..64, eager vs
-  graph-cached vs fused vs the floor.
+  graph-cached vs fused vs fused + GEMV (above batch 1 its stacked products run on cuBLAS) vs the floor.
 
 Every compiled or captured variant is guarded: a failure becomes a row with ``status`` "FAILED: ..."
 and the run goes on. Progress is printed as it runs (which variant, compiling or measuring).
@@ -81,12 +83,25 @@ def _free():
     torch.cuda.empty_cache()
 
 
+FAST = "fused + GEMV"  # the fastest variant: compiled, stacked projections, the Numba GEMV at batch 1
+
+
 def _builders(model, max_len: int, autotune: bool):
     import torch
 
+    from course.lessons.real_model.projections import gemv_model
+
+    twin = []  # built on first use: the stacked weights take memory only when that variant runs
+
+    def fast():
+        if not twin:
+            twin.append(gemv_model(model, fuse=True))
+        return graph_cached(StaticDecoder(twin[0], max_len), fusion=True)
+
     out = {"eager": lambda: StaticDecoder(model, max_len).step,
            "graph-cached": lambda: graph_cached(StaticDecoder(model, max_len)),
-           "fused": lambda: graph_cached(StaticDecoder(model, max_len), fusion=True)}
+           "fused": lambda: graph_cached(StaticDecoder(model, max_len), fusion=True),
+           FAST: fast}
     if autotune:
         def tuned():
             d = StaticDecoder(model, max_len)
@@ -179,6 +194,12 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
         res.add_summary("fused_vs_floor", t["fused"].us / floor, "x")
         res.add_summary("eager_vs_fused", speedup("eager", t["eager"], "fused", t["fused"]).ratio, "x")
         res.add_summary("eager vs fused", str(speedup("eager", t["eager"], "fused", t["fused"])), "")
+    if "eager" in t and FAST in t:
+        res.add_summary("fused_gemv_vs_floor", t[FAST].us / floor, "x")
+        res.add_summary("eager_vs_fused_gemv", speedup("eager", t["eager"], FAST, t[FAST]).ratio, "x")
+        res.add_summary("eager vs fused + GEMV", str(speedup("eager", t["eager"], FAST, t[FAST])), "")
+    if "fused" in t and FAST in t:
+        res.add_summary("fused vs fused + GEMV", str(speedup("fused", t["fused"], FAST, t[FAST])), "")
     if "eager" in t and "graph-cached" in t:
         res.add_summary("eager vs graph-cached", str(speedup("eager", t["eager"], "graph-cached", t["graph-cached"])),
                         "")
@@ -199,11 +220,12 @@ def _transformers_version() -> str:
             quick={"size": "tiny", "batches": (1, 2, 4), "repeats": 3, "fused_batches": ()})
 def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32, 64), position: int = 32,
                            repeats: int = 10, fused_batches=(1, 4, 16, 64), max_len: int = 64, log=print) -> Result:
-    """Tokens/s against batch size: eager, graph-cached, fused (GraphCache, one bucket per batch) and the floor.
+    """Tokens/s against batch size: eager, graph-cached, fused, fused + GEMV (GraphCache, one bucket per batch), floor.
 
-    The fused variant compiles the step once per batch size (tens of seconds each for TinyLlama's shape), so it
-    runs only at ``fused_batches`` (by default 4 of the 7 sizes, to bound the run's time);
-    pass ``fused_batches=batches`` for all of them.
+    The fused variants compile the step once per batch size (tens of seconds each for TinyLlama's shape), so
+    they run only at ``fused_batches`` (by default 4 of the 7 sizes, to bound the run's time);
+    pass ``fused_batches=batches`` for all of them. Above batch 1 "fused + GEMV" runs its stacked
+    projections on cuBLAS (the GEMV takes one row).
     """
     require_gpu("the real model's batch sweep")
     import torch
@@ -218,13 +240,17 @@ def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32,
     fused_batches = sorted(set(int(b) for b in fused_batches) & set(batches))
     variants = {"eager": eager_dec.step, "graph-cached": graph_cached(cache_dec, buckets=batches)}
     if fused_batches:
+        from course.lessons.real_model.projections import gemv_model
+
+        fast_dec = StaticDecoder(gemv_model(model, fuse=True), max_len)
         variants["fused"] = graph_cached(fused_dec, buckets=batches, fused=torch.compile(fused_dec.step))
+        variants[FAST] = graph_cached(fast_dec, buckets=batches, fused=torch.compile(fast_dec.step))
     rows = []
     for b in batches:
         args = eager_dec.example_args(b, position, seed=b)
         ready = {}
         for name, fn in variants.items():
-            if name == "fused" and b not in fused_batches:
+            if name in ("fused", FAST) and b not in fused_batches:
                 continue
             log(f"real_model_batch_sweep: batch {b}: {name}: first call (capture / compile) ...")
             try:
