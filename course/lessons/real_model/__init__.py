@@ -7,6 +7,11 @@
 - :mod:`~course.lessons.real_model.generate`: greedy decoding, teacher-forced logits, the correctness check.
 - :mod:`~course.lessons.real_model.roofline`: copy bandwidth, the weight-read floor, the split of each variant's time.
 - :mod:`~course.lessons.real_model.hf_path`: transformers' own compiled ``generate`` path, its log kept as data.
+- :mod:`~course.lessons.real_model.gemv`: a batch-1 matrix-vector product in Numba CUDA, as a torch custom op
+  (``torch.ops.course.gemv``) and an ``nn.Linear`` that uses it for one row.
+- :mod:`~course.lessons.real_model.projections`: q/k/v and gate/up stacked into one product each, on a twin of
+  the model that shares its other weights (``gemv_model``).
+- :mod:`~course.lessons.real_model.gemv_bench`: the GEMV per weight shape, cuBLAS against Numba, timed from memory.
 - :mod:`~course.lessons.real_model.experiments`: the registered GPU experiments (decode, batch sweep).
 - :mod:`~course.lessons.real_model.lesson`: notebook helpers (GPU results not recorded yet, the stacked bars).
 - :mod:`~course.lessons.real_model.lab`: lab 4's checks.
