@@ -126,3 +126,66 @@ def test_gpu_gemv_experiment_quick():
     res = reference.run("real_model_gemv", **reference.get("real_model_gemv").quick)
     assert res.live and len(res.rows) == len(shapes_of("tiny"))
     assert all(r["rel_diff"] < 1e-3 and r["Numba GEMV us"] > 0 and r["cuBLAS us"] > 0 for r in res.rows)
+
+
+# --------------------------------------------------------------------------- decode attention
+from course.lessons.real_model import attention as A  # noqa: E402
+
+
+def _attention_case(dtype, b=2, h=4, kv=2, length=12, d=16, pos=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*s, generator=g).to(dtype).to(DEV) for s in ((b, h, 1, d), (b, kv, length, d), (b, kv, length, d)))
+    mask = (torch.arange(length, device=DEV) <= pos).view(1, 1, 1, length).expand(b, 1, 1, length)
+    kr, vr = (t.float().repeat_interleave(h // kv, 1) for t in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kr, vr, attn_mask=mask).transpose(1, 2)
+    return q, k, v, mask, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa_with_grouped_heads_and_a_mask(dtype):
+    q, k, v, mask, ref = _attention_case(dtype)
+    assert A.applies(q, k, mask) == ""
+    out, weights = A.attention(None, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    assert weights is None and out.shape == (2, 1, 4, 16) and out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_decode_attention_falls_back_to_sdpa_where_it_does_not_apply():
+    q, k, v, mask, ref = _attention_case(torch.float32)
+    assert "one query token" in A.applies(torch.zeros(2, 4, 3, 16), k, mask)
+    assert "boolean mask" in A.applies(q, k, None) and "boolean mask" in A.applies(q, k, mask.float())
+    assert "cache" in A.applies(q, k[:, :, :5], mask)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, False  # what transformers' sdpa reads off an attention module
+    additive = torch.zeros(mask.shape, device=DEV).masked_fill(~mask, float("-inf"))  # not boolean: sdpa's path
+    out, _ = A.attention(module, q, k, v, additive, scaling=q.shape[-1] ** -0.5)
+    assert torch.allclose(out.float(), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_attention takes"):
+        A.decode_attention(q.reshape(8, 16), k.reshape(-1, 16), v.reshape(-1, 16)[:5], mask[:, 0, 0, :])
+    with pytest.raises(TypeError, match="decode attention takes"):
+        A.kernel(torch.float16)
+
+
+def test_gemv_model_with_attention_decodes_like_the_original():
+    """The twin with the course's attention kernel (stacked projections implied), batch 2 (cuBLAS products)."""
+    model = build_model("tiny")
+    twin = gemv_model(gemv_model(model, fuse=True), attention=True)  # derived from a twin: its weights shared
+    assert all(getattr(layer.self_attn, "course_attention", False) for layer in twin.model.layers)
+    a, b = StaticDecoder(model, 16), StaticDecoder(twin, 16)
+    args = a.example_args(2, position=3)
+    with torch.no_grad():
+        assert (a.step(*args) - b.step(*args)).abs().max().item() < 1e-5
+
+
+@GPU
+def test_gpu_attention_twin_captured_matches_eager():
+    from course.lessons.real_model import graph_cached
+
+    model = build_model("tiny")
+    eager, fast = StaticDecoder(model, 32), graph_cached(StaticDecoder(gemv_model(model, attention=True), 32), fusion=True)
+    args = eager.example_args(1, position=5)
+    with torch.no_grad():
+        want = eager.step(*args)
+        fast(*args)
+        got = fast(*args)
+    assert fast.get_stats()["fusion_modes"] and (got - want).abs().max().item() < 1e-4
