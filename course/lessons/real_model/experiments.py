@@ -3,14 +3,12 @@
 - :func:`decode_experiment` ("real_model_decode"): batch 1, eager (:class:`StaticDecoder`), graph-cached
   (its eager kernels captured by the GraphCache), fused (``torch.compile`` default mode, captured by the
   GraphCache), fused + GEMV (the same, on the twin whose q/k/v and gate/up products are stacked and whose
-  batch-1 products run the course's Numba GEMV: :mod:`~course.lessons.real_model.gemv`), fused + GEMV +
-  attention (and each layer's decode attention as one Numba kernel: :mod:`~course.lessons.real_model.attention`)
-  and transformers' own compiled ``generate`` path: time per token (median and IQR, CUDA
+  batch-1 products run the course's Numba GEMV: :mod:`~course.lessons.real_model.gemv`) and transformers'
+  own compiled ``generate`` path: time per token (median and IQR, CUDA
   events, interleaved), kernels per token (profiler), time to the first token (compile and capture
   included), tokens and logits against eager, and the weight-read floor from a measured copy bandwidth.
 - :func:`batch_sweep_experiment` ("real_model_batch_sweep"): tokens/s for batch 1..64, eager vs
-  graph-cached vs fused vs fused + GEMV (above batch 1 its stacked products run on cuBLAS) vs fused + GEMV +
-  attention vs the floor.
+  graph-cached vs fused vs fused + GEMV (above batch 1 its stacked products run on cuBLAS) vs the floor.
 
 Every compiled or captured variant is guarded: a failure becomes a row with ``status`` "FAILED: ..."
 and the run goes on. Progress is printed as it runs (which variant, compiling or measuring).
@@ -85,8 +83,7 @@ def _free():
     torch.cuda.empty_cache()
 
 
-FAST = "fused + GEMV"  # compiled, stacked projections, the Numba GEMV at batch 1
-FASTEST = "fused + GEMV + attention"  # the same, and each layer's decode attention as one Numba kernel
+FAST = "fused + GEMV"  # the fastest variant: compiled, stacked projections, the Numba GEMV at batch 1
 
 
 def _builders(model, max_len: int, autotune: bool):
@@ -94,20 +91,17 @@ def _builders(model, max_len: int, autotune: bool):
 
     from course.lessons.real_model.projections import gemv_model
 
-    twins = {}  # built on first use; the attention twin shares the first twin's stacked weights
+    twin = []  # built on first use: the stacked weights take memory only when that variant runs
 
-    def twin(attention: bool):
-        if False not in twins:
-            twins[False] = gemv_model(model, fuse=True)
-        if attention and True not in twins:
-            twins[True] = gemv_model(twins[False], attention=True)
-        return twins[attention]
+    def fast():
+        if not twin:
+            twin.append(gemv_model(model, fuse=True))
+        return graph_cached(StaticDecoder(twin[0], max_len), fusion=True)
 
     out = {"eager": lambda: StaticDecoder(model, max_len).step,
            "graph-cached": lambda: graph_cached(StaticDecoder(model, max_len)),
            "fused": lambda: graph_cached(StaticDecoder(model, max_len), fusion=True),
-           FAST: lambda: graph_cached(StaticDecoder(twin(False), max_len), fusion=True),
-           FASTEST: lambda: graph_cached(StaticDecoder(twin(True), max_len), fusion=True)}
+           FAST: fast}
     if autotune:
         def tuned():
             d = StaticDecoder(model, max_len)
@@ -206,12 +200,6 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
         res.add_summary("eager vs fused + GEMV", str(speedup("eager", t["eager"], FAST, t[FAST])), "")
     if "fused" in t and FAST in t:
         res.add_summary("fused vs fused + GEMV", str(speedup("fused", t["fused"], FAST, t[FAST])), "")
-    if "eager" in t and FASTEST in t:
-        res.add_summary("fastest_vs_floor", t[FASTEST].us / floor, "x")
-        res.add_summary("eager_vs_fastest", speedup("eager", t["eager"], FASTEST, t[FASTEST]).ratio, "x")
-        res.add_summary("eager vs fused + GEMV + attention", str(speedup("eager", t["eager"], FASTEST, t[FASTEST])), "")
-    if FAST in t and FASTEST in t:
-        res.add_summary("fused + GEMV vs fused + GEMV + attention", str(speedup(FAST, t[FAST], FASTEST, t[FASTEST])), "")
     if "eager" in t and "graph-cached" in t:
         res.add_summary("eager vs graph-cached", str(speedup("eager", t["eager"], "graph-cached", t["graph-cached"])),
                         "")
@@ -254,17 +242,15 @@ def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32,
     if fused_batches:
         from course.lessons.real_model.projections import gemv_model
 
-        twin = gemv_model(model, fuse=True)
-        fast_dec, fastest_dec = StaticDecoder(twin, max_len), StaticDecoder(gemv_model(twin, attention=True), max_len)
+        fast_dec = StaticDecoder(gemv_model(model, fuse=True), max_len)
         variants["fused"] = graph_cached(fused_dec, buckets=batches, fused=torch.compile(fused_dec.step))
         variants[FAST] = graph_cached(fast_dec, buckets=batches, fused=torch.compile(fast_dec.step))
-        variants[FASTEST] = graph_cached(fastest_dec, buckets=batches, fused=torch.compile(fastest_dec.step))
     rows = []
     for b in batches:
         args = eager_dec.example_args(b, position, seed=b)
         ready = {}
         for name, fn in variants.items():
-            if name in ("fused", FAST, FASTEST) and b not in fused_batches:
+            if name in ("fused", FAST) and b not in fused_batches:
                 continue
             log(f"real_model_batch_sweep: batch {b}: {name}: first call (capture / compile) ...")
             try:

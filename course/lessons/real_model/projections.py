@@ -62,11 +62,8 @@ def _classes():
                 query_states, key_states = L.apply_rotary_pos_emb(query_states, key_states, cos, sin)
                 if past_key_values is not None:
                     key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-                if getattr(self, "course_attention", False):  # the course's one-kernel decode attention
-                    from course.lessons.real_model.attention import attention
-                else:
-                    attention = L.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                        L.eager_attention_forward)
+                attention = L.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    L.eager_attention_forward)
                 out, weights = attention(self, query_states, key_states, value_states, attention_mask,
                                          dropout=0.0, scaling=self.scaling, **kwargs)
                 out = out.reshape(*input_shape, -1).contiguous()
@@ -107,31 +104,25 @@ def fuse_projections(model) -> int:
     return len(layers)
 
 
-def gemv_model(model, fuse: bool = True, attention: bool = False):
+def gemv_model(model, fuse: bool = True):
     """A twin of ``model`` that shares its weights and buffers, with every ``nn.Linear`` a :class:`~course.lessons.real_model.gemv.GemvLinear`.
 
     The twin's parameters are the original's tensors (nothing copied), so the two models compute with the
     same weights. ``fuse=True`` also stacks each layer's q/k/v and gate/up weights into one product each
     (:func:`fuse_projections`): those stacked matrices are new
     tensors, about 60 % of the weights again in memory (never re-homed: graphs of the original read them).
-    ``attention=True`` (stacking implied) also runs each layer's decode attention as the course's one kernel
-    (:func:`~course.lessons.real_model.attention.attention`).
     """
     from course.lessons.real_model.gemv import GemvLinear
 
     shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
-    linears = 0
+    swapped = 0
     for mod in twin.modules():
         if type(mod) is torch.nn.Linear:
             mod.__class__ = GemvLinear
-        linears += isinstance(mod, torch.nn.Linear)
-    if not linears:
+            swapped += 1
+    if not swapped:
         raise ValueError("gemv_model: this model has no nn.Linear layer to route through the GEMV")
-    if fuse or attention:
+    if fuse:
         fuse_projections(twin)
-    if attention:
-        for mod in twin.modules():
-            if isinstance(mod, _classes()["attention"]):
-                mod.course_attention = True
     return twin
