@@ -11,7 +11,8 @@ A matrix-vector product timed alone, call after call on the same matrix, measure
   per copy is captured: every call reads from memory, as in the model.
 
 :func:`gemv_experiment` ("real_model_gemv") reports, for each shape, microseconds per call and the
-bandwidth reached (weight bytes / time) for both, the largest difference from cuBLAS's result, and how
+bandwidth reached (weight bytes / time) for both, with the IQR of the repeats, the largest difference from
+cuBLAS's result, and how
 many layers of the model use that shape (the stacked q/k/v and gate/up shapes of
 :mod:`~course.lessons.real_model.projections` included).
 """
@@ -80,6 +81,7 @@ def gemv_experiment(size: str = "tinyllama", repeats: int = 15, log=print) -> Re
         for name, tm in t.items():
             us = tm.us / copies
             row[f"{name} us"] = us
+            row[f"{name} q1 us"], row[f"{name} q3 us"] = tm.q1 * 1e6 / copies, tm.q3 * 1e6 / copies
             row[f"{name} GB/s"] = nbytes / us / 1e3
         rows.append(row)
         del graphs, weights
@@ -88,8 +90,9 @@ def gemv_experiment(size: str = "tinyllama", repeats: int = 15, log=print) -> Re
     res = Result("real_model_gemv",
                  f"batch-1 matrix-vector products of the {size} shapes (bf16): one call per distinct copy of the "
                  f"matrix ({L2_FACTOR}x the L2 in copies), captured in a CUDA graph, CUDA events, interleaved",
-                 {"shape": "", "what": "", "layers": "count", "MB": "MB", "cuBLAS us": "us", "cuBLAS GB/s": "GB/s",
-                  "Numba GEMV us": "us", "Numba GEMV GB/s": "GB/s", "rel_diff": "fraction"}, rows,
+                 {"shape": "", "what": "", "layers": "count", "MB": "MB", "cuBLAS us": "us", "cuBLAS q1 us": "us",
+                  "cuBLAS q3 us": "us", "cuBLAS GB/s": "GB/s", "Numba GEMV us": "us", "Numba GEMV q1 us": "us",
+                  "Numba GEMV q3 us": "us", "Numba GEMV GB/s": "GB/s", "rel_diff": "fraction"}, rows,
                  params={"size": size, "repeats": repeats, "l2_bytes": l2, "l2_factor": L2_FACTOR,
                          "torch": torch.__version__})
     per_token = {name: sum(r[f"{name} us"] * r["layers"] for r in rows if not r["what"].startswith("stacked"))
