@@ -17,9 +17,9 @@ reused, so the only question is how close to the memory's bandwidth the reads ru
 :func:`gemv` is the validated launch (float32 and bfloat16); :data:`OP` is the same launch registered
 as a PyTorch custom operator (``torch.ops.course.gemv``), so ``torch.compile`` keeps it as one opaque
 call and fuses the elementwise work around it, and a CUDA graph captures its launch like any other
-kernel on torch's stream. :class:`GemvLinear` is an ``nn.Linear`` that calls it when its input is a single row (batch-1 decode)
-and cuBLAS otherwise; :func:`~course.lessons.real_model.projections.gemv_model` builds a twin of the
-model with those layers.
+kernel on torch's stream. :class:`GemvLinear` is an ``nn.Linear`` that calls it when its input is a
+single row (batch-1 decode) and cuBLAS otherwise; :func:`~course.lessons.real_model.projections.gemv_model`
+builds a twin of the model with those layers.
 
 On the simulator every thread runs in Python: the kernel is checked there on small matrices, but a
 model decode through it would take seconds per token, so the decode variants that use it are GPU-only.

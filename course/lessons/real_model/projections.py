@@ -105,12 +105,12 @@ def fuse_projections(model) -> int:
 
 
 def gemv_model(model, fuse: bool = True):
-    """A twin of ``model`` that shares its weights and buffers, with every ``nn.Linear`` a :class:`~course.lessons.real_model.gemv.GemvLinear`.
+    """A twin of ``model`` sharing its weights and buffers, every ``nn.Linear`` a :class:`~.gemv.GemvLinear`.
 
     The twin's parameters are the original's tensors (nothing copied), so the two models compute with the
     same weights. ``fuse=True`` also stacks each layer's q/k/v and gate/up weights into one product each
-    (:func:`fuse_projections`): those stacked matrices are new
-    tensors, about 60 % of the weights again in memory (never re-homed: graphs of the original read them).
+    (:func:`fuse_projections`): those stacked matrices are new tensors, about 60 % of the weights again in
+    memory (never re-homed: graphs of the original read them).
     """
     from course.lessons.real_model.gemv import GemvLinear
 
