@@ -126,3 +126,16 @@ def test_gpu_gemv_experiment_quick():
     res = reference.run("real_model_gemv", **reference.get("real_model_gemv").quick)
     assert res.live and len(res.rows) == len(shapes_of("tiny"))
     assert all(r["rel_diff"] < 1e-3 and r["Numba GEMV us"] > 0 and r["cuBLAS us"] > 0 for r in res.rows)
+
+
+@GPU
+def test_gpu_gemv_twin_decodes_64_greedy_tokens_like_eager_in_float32():
+    """The issue's correctness target for the fastest variant: 64 greedy tokens, tiny float32 model, exactly eager's."""
+    from course.lessons.real_model import check_variants, graph_cached
+
+    model = build_model("tiny")
+    fast = graph_cached(StaticDecoder(gemv_model(model), 80), buckets=[1], fusion=True)
+    first = torch.tensor([11], device=DEV)
+    res = check_variants({"fused + GEMV": fast}, StaticDecoder(model, 80).step, first, 64)
+    row = res.rows[0]
+    assert row["tokens_equal"] and row["ok"], row
