@@ -238,15 +238,23 @@ def _register():
 OP = _register()
 
 
+def linear(x, weight, bias=None):
+    """``F.linear(x, weight, bias)``, through :data:`OP` (the GEMV) when :func:`eligible` allows it, else cuBLAS.
+
+    The choice reads shapes and dtypes only, so ``torch.compile`` and a CUDA graph fix it once per shape.
+    """
+    if eligible(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    y = OP(x, weight)
+    return y if bias is None else y + bias
+
+
 class GemvLinear(torch.nn.Linear):
     """An ``nn.Linear`` that calls the course's GEMV (``torch.ops.course.gemv``) for a single-row input, else cuBLAS."""
 
     def forward(self, x):
-        """``F.linear(x, weight, bias)``, through :func:`gemv` when :func:`eligible` allows it (shapes only)."""
-        if eligible(x, self.weight):
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        y = OP(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        """:func:`linear` with this layer's weight and bias."""
+        return linear(x, self.weight, self.bias)
 
 
 def linear_shapes(model) -> list:

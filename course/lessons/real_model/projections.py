@@ -25,12 +25,6 @@ import torch
 _CLASSES: dict = {}
 
 
-def _linear(x, weight):
-    from course.lessons.real_model.gemv import OP, eligible
-
-    return torch.nn.functional.linear(x, weight) if eligible(x, weight) else OP(x, weight)
-
-
 def _stack(module, names):
     """One matrix of the named linears' weights (a new tensor, rows in ``names`` order); the linears are removed."""
     linears = [getattr(module, n) for n in names]
@@ -46,6 +40,8 @@ def _classes():
     if not _CLASSES:
         from transformers.models.llama import modeling_llama as L
 
+        from course.lessons.real_model.gemv import linear
+
         class FusedAttention(L.LlamaAttention):
             """transformers' LlamaAttention with q, k and v from one product (``qkv_weight``)."""
 
@@ -54,7 +50,7 @@ def _classes():
                 """LlamaAttention.forward, its three projections replaced by one (same order of everything else)."""
                 input_shape = hidden_states.shape[:-1]
                 hidden_shape = (*input_shape, -1, self.head_dim)
-                q, k, v = _linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
+                q, k, v = linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
                 query_states = q.reshape(hidden_shape).transpose(1, 2)
                 key_states = k.reshape(hidden_shape).transpose(1, 2)
                 value_states = v.reshape(hidden_shape).transpose(1, 2)
@@ -74,7 +70,7 @@ def _classes():
 
             def forward(self, x):
                 """``down(act(gate(x)) * up(x))`` with gate and up from one product."""
-                gate, up = _linear(x, self.gate_up_weight).split(self.gate_up_sizes, dim=-1)
+                gate, up = linear(x, self.gate_up_weight).split(self.gate_up_sizes, dim=-1)
                 return self.down_proj(self.act_fn(gate) * up)
 
         _CLASSES.update(attention=FusedAttention, mlp=FusedMLP)
