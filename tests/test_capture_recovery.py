@@ -128,3 +128,99 @@ def test_pool_in_use_follows_replacements():
     finally:
         capture._REPLACED.clear()
         capture._REPLACED.update(saved)
+
+
+def test_collector_paused_keeps_the_collector_off_and_restores_it():
+    import gc
+
+    was_on = gc.isenabled()
+    with capture.collector_paused():
+        assert not gc.isenabled(), "the collector must stay off inside the block"
+    assert gc.isenabled() == was_on
+    gc.disable()
+    try:
+        with pytest.raises(KeyError):
+            with capture.collector_paused():
+                raise KeyError("x")
+        assert not gc.isenabled(), "a collector that was off stays off"
+    finally:
+        if was_on:
+            gc.enable()
+
+
+@gpu
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_a_graph_freed_by_the_collector_during_a_capture_breaks_torch_cuda_graph(by_hand):
+    """The hazard reproduced: a graph held by a dead reference cycle, collected in the middle of a capture."""
+    row = recovery.run_isolated(recovery.__name__, "freed_during_capture", timeout=120, guarded=False,
+                                by_hand=by_hand)
+    assert not row["next_capture_ok"] and row["failure"], row
+
+
+@gpu
+def test_course_graph_is_immune_to_a_graph_freed_by_the_collector():
+    row = recovery.run_isolated(recovery.__name__, "freed_during_capture", timeout=120, guarded=True)
+    assert row["next_capture_ok"] and row["replay_right"] and not row["failure"], row
+
+
+@gpu
+def test_a_graph_cache_after_caches_left_in_cycles_captures_every_key():
+    """The trace that failed on the H100: caches dropped inside reference cycles, then GraphCache on a trace."""
+    import gc
+
+    from course.lessons.graph_cache import GraphCache
+
+    saved = gc.get_threshold()
+    gc.set_threshold(50)  # the collector comes due often: inside the captures, if it may run there
+    try:
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            dropped = GraphCache(lambda t: t * 2 + 1, buckets=[4, 8])
+            dropped(x), dropped(x[:3])
+            dropped.cycle = dropped  # a cache kept alive by a cycle, then forgotten
+            del dropped
+        w = torch.randn(16, 16, device="cuda")
+        cache = GraphCache(lambda t: torch.relu(t @ w) + 1, buckets=[1, 2, 4, 8])
+        for b in [1, 2, 3, 8, 5, 1, 4, 7]:
+            x = torch.randn(b, 16, device="cuda")
+            assert torch.allclose(cache(x), torch.relu(x @ w) + 1, atol=1e-4)
+    finally:
+        gc.set_threshold(*saved)
+    assert not cache.get_stats()["fallback_reasons"], cache.get_stats()["fallback_reasons"]
+
+
+def test_the_freed_graph_hazard_reads_as_the_lesson_shows_it():
+    """Lesson 03 prints these sources: the hazard marks its two lines, the fix captures through graph()."""
+    import inspect
+
+    from course.lessons.what_breaks import zoo
+
+    hazard = zoo.source(recovery.freed_graph_hazard)
+    assert hazard.count("# hazard") == 2 and "abandoned_graph_cycle" in hazard and "torch.cuda.graph" in hazard
+    fixed = inspect.getsource(recovery.freed_graph_fixed)
+    assert "from course.core.capture import graph" in fixed and "# hazard" not in fixed
+    assert "cycle[\"self\"] = cycle" in inspect.getsource(recovery.abandoned_graph_cycle)
+
+
+@gpu
+def test_an_abandoned_graph_cycle_is_freed_only_by_the_collector_and_the_fix_captures():
+    import gc
+    import weakref
+
+    x = torch.randn(8, 32, device="cuda")
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)}
+    gc.disable()
+    try:
+        recovery.abandoned_graph_cycle(x)
+        left = [weakref.ref(o) for o in gc.get_objects()
+                if isinstance(o, torch.cuda.CUDAGraph) and id(o) not in before]
+    finally:
+        gc.enable()
+    assert left and all(r() is not None for r in left), "the abandoned graph should survive refcounting"
+    g, out = recovery.freed_graph_fixed(x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, recovery.good_step(x), atol=1e-3)
+    gc.collect()
+    assert all(r() is None for r in left), "the collector frees the abandoned graph"

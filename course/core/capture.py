@@ -17,11 +17,21 @@ device allocator's recording (:func:`release_pool`) but none for the host alloca
 :func:`graph` never captures into that pool again: later captures that name it get a fresh pool in
 its place (graphs recorded before the failure keep theirs; memory is no longer shared across the
 failure). It also puts the stream and the generators back.
+
+A graph freed during another capture invalidates that capture (measured on an H100, torch 2.11): a
+``CUDAGraph`` that only a reference cycle keeps alive is destroyed whenever Python's garbage collector
+happens to run, and its destructor calls CUDA, which a stream in global capture mode does not permit: the
+capture in progress fails (the next CUDA call inside it reports the error, e.g. cuBLAS's
+``CUBLAS_STATUS_EXECUTION_FAILED``). Torch no longer collects garbage as a capture begins
+(``torch.compiler.config.force_cudagraph_gc``, off by default, because a full collection costs tens of
+milliseconds), so :func:`graph` keeps the collector off until the capture has ended
+(:func:`collector_paused`): what was due is collected after the capture, outside it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import traceback
 import warnings
 
@@ -142,13 +152,31 @@ def release_pool(pool) -> None:
 
 
 @contextlib.contextmanager
+def collector_paused():
+    """Keep Python's garbage collector off until the block ends; its previous state comes back however it ends.
+
+    Around a capture: a dead reference cycle that holds a CUDA graph is then never freed in the middle of
+    the capture (where the graph's destructor would invalidate it), only after it. Cheap: nothing is
+    collected here. (An explicit ``gc.collect()`` inside the block still runs: don't call one in a capture.)
+    """
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"):
     """``torch.cuda.graph`` that leaves CUDA clean when the capture fails (see the module docstring).
 
     Use it like ``torch.cuda.graph``. On failure the error the body raised (or, if the body ran
     through, the error ending the capture raised) propagates, after the device allocator's recording
     is ended, the stream and the random generators are put back, and ``pool`` is retired: a later
-    capture that names it records into a fresh pool instead (:func:`pool_in_use`).
+    capture that names it records into a fresh pool instead (:func:`pool_in_use`). The garbage
+    collector is off during the capture (:func:`collector_paused`), so no graph is freed in the middle of it.
     """
     import torch
 
@@ -156,9 +184,9 @@ def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"
     pool = torch.cuda.graph_pool_handle() if pool is None else pool_in_use(pool)
     stream = stream if stream is not None else _capture_stream()
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # what torch.cuda.graph does as it starts
     body_error = end_error = None
-    with torch.cuda.stream(stream):  # the previous stream is current again however the capture ends
+    with collector_paused(), torch.cuda.stream(stream):  # the previous stream is current again however it ends
+        torch.cuda.empty_cache()  # what torch.cuda.graph does as it starts
         try:
             cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
         except BaseException:

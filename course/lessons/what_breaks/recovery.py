@@ -11,6 +11,13 @@ captures a good step into the same pool and replays it on new data:
   mempool_id"); a device-to-host copy that torch refuses before CUDA sees it leaves no trace;
 - :func:`course.core.capture.graph` (guarded): the same failures, then the same good capture.
 
+One more hazard leaves no failing line in the step at all: a graph freed *during* another capture
+(:func:`freed_graph_hazard`). A dead reference cycle that still holds a captured graph is destroyed
+whenever Python's garbage collector runs; if that happens while another capture is in progress, the
+graph's destructor calls CUDA and the capture in progress is invalidated. ``torch.cuda.graph`` no
+longer collects garbage before capturing; :func:`course.core.capture.graph` keeps the collector off
+until the capture ends (:func:`freed_graph_fixed` is the same code through it).
+
 Each case runs in a fresh process (:mod:`course.core.isolate`), since a raw failure poisons the
 process it happens in; a last row makes every kind fail in turn in one process, guarded, with a
 good capture after each.
@@ -65,6 +72,104 @@ def _capture(guarded: bool, fn, pool):
     with ctx:
         out = fn()
     return g, out
+
+
+def abandoned_graph_cycle(x):
+    """Capture and replay a small graph, then drop it inside a reference cycle: only the collector frees it.
+
+    This is what a cache that "clears" by dropping entries that point back at the cache leaves behind.
+    """
+    import torch
+
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        y = x * 2
+    old.replay()
+    cycle = {"graph": old, "output": y}
+    cycle["self"] = cycle  # a reference cycle: refcounting alone never frees it
+
+
+def _capture_with_collection(capture, x, by_hand: bool, allocations: int = 2000):
+    """Capture ``good_step(x)`` with ``capture`` while the body makes Python garbage (the collector comes due).
+
+    ``by_hand``: call ``gc.collect()`` inside the capture instead, so the collection lands there every time.
+    """
+    import gc
+
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    with capture(g):
+        out = good_step(x)
+        if by_hand:
+            gc.collect()  # what the collector does whenever it is due: here, every time
+        junk = [[i] for i in range(allocations)]  # container allocations: the collector comes due
+        out = out + 0
+        del junk
+    return g, out
+
+
+def freed_graph_hazard(x, by_hand: bool = False):
+    """The hazard: a graph left in a reference cycle, then a ``torch.cuda.graph`` capture with the collector on."""
+    import torch
+
+    abandoned_graph_cycle(x)  # hazard: a graph only the garbage collector will free
+    return _capture_with_collection(torch.cuda.graph, x, by_hand)  # hazard: the collector runs mid-capture
+
+
+def freed_graph_fixed(x, by_hand: bool = False):
+    """The fix: the same abandoned graph, captured through :func:`course.core.capture.graph` (collector off)."""
+    from course.core.capture import graph
+
+    abandoned_graph_cycle(x)
+    return _capture_with_collection(graph, x, by_hand)
+
+
+def freed_during_capture(guarded: bool, by_hand: bool = False, threshold: int = 500, rows: int = 64) -> dict:
+    """In this process: a graph abandoned in a reference cycle, then a capture while the collector comes due.
+
+    The cycle is made with the collector off, then the collector goes on with a first-generation
+    ``threshold`` that the capture's body crosses (the few allocations before the capture begins do not):
+    the collection lands inside the capture, as it did by chance after lab 3's caches. ``by_hand``: the
+    body calls ``gc.collect()`` itself. Returns whether the capture worked and its first error line.
+    """
+    import gc
+
+    import torch
+
+    from course.core.capture import recover, warm_up
+
+    require_gpu("the freed-graph hazard")
+    x = torch.randn(rows, 32, device="cuda")
+    warm_up(lambda: good_step(x), 2)
+    saved, was_on = gc.get_threshold(), gc.isenabled()
+    row = {"kind": "graph freed during capture" + (" (gc.collect() by hand)" if by_hand else ""),
+           "capture": "course graph()" if guarded else "torch.cuda.graph",
+           "failure": "", "next_capture_ok": False, "replay_right": False, "next_error": ""}
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            gc.set_threshold(threshold)
+            fn = freed_graph_fixed if guarded else freed_graph_hazard
+            gc.enable()
+            g, out = fn(x, by_hand)
+            row["next_capture_ok"] = True
+        finally:
+            gc.set_threshold(*saved)
+            (gc.enable if was_on else gc.disable)()
+        x.copy_(torch.randn(rows, 32, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        row["replay_right"] = bool(torch.allclose(out, good_step(x), atol=1e-3))
+    except Exception as e:  # noqa: BLE001 - the failure is the point
+        row["failure"] = _first_line(_root_cause(e))
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        try:
+            recover()
+        except Exception as e2:  # noqa: BLE001 - a poisoned process is a result
+            row["next_error"] = _first_line(e2)
+    return row
 
 
 def _first_line(e: BaseException) -> str:
@@ -127,14 +232,22 @@ def recovery_experiment(kinds=KINDS, timeout: float = 120.0) -> Result:
 
     jobs = [("after_failure", {"kind": k, "guarded": g}) for k in kinds for g in (False, True)]
     jobs.append(("all_in_a_row", {"kinds": list(kinds)}))
+    jobs += [("freed_during_capture", {"guarded": g, "by_hand": h}) for g in (False, True) for h in (False, True)]
     with ThreadPoolExecutor(max_workers=4) as pool:  # independent processes: four at a time on one GPU
         rows = list(pool.map(lambda job: run_isolated(__name__, job[0], timeout=timeout, **job[1]), jobs))
-    res = Result("capture_recovery", "After each kind of failed capture: the next capture into the same pool",
+    res = Result("capture_recovery", "After each kind of failed capture: the next capture into the same pool; "
+                 "and a graph freed by the garbage collector during a capture",
                  {"kind": "", "capture": "", "failure": "", "next_capture_ok": "", "replay_right": "",
                   "next_error": ""}, rows, params={"kinds": list(kinds)})
+    freed = {r["capture"]: r for r in rows if r["kind"] == "graph freed during capture"}
+    rows = [r for r in rows if not r["kind"].startswith("graph freed during capture")]
     guarded = [r for r in rows if r["capture"] == "course graph()"]
     raw = [r for r in rows if r["capture"] == "torch.cuda.graph"]
     res.add_summary("captures_after_failure_ok", all(r["next_capture_ok"] and r["replay_right"] for r in guarded))
     res.add_summary("raw torch.cuda.graph: kinds that poisoned the next capture",
                     sum(not (r["next_capture_ok"] and r["replay_right"]) for r in raw))
+    res.add_summary("graph freed during capture: torch.cuda.graph captured",
+                    bool(freed["torch.cuda.graph"]["next_capture_ok"]))
+    res.add_summary("graph freed during capture: course graph() captured and replayed right",
+                    bool(freed["course graph()"]["next_capture_ok"] and freed["course graph()"]["replay_right"]))
     return res
