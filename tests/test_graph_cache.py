@@ -490,10 +490,10 @@ def test_lab_checks_pass_the_answer():
     (lab.check_static, (_make_static, lambda s, a, n, p: _copy_in(s, a, n, p, refill=False)), "pad_value"),
     (lab.check_copy_out, (lambda out, n, b, copy=True: tuple(o[:n] if o.shape[0] == b else o for o in out)
                           if isinstance(out, tuple) else out[:n],), "Clone"),
-    (lab.check_miss_and_hit, (_bugged("eager_hit"),), "replayed"),
+    (lab.check_miss_and_hit, (_bugged("eager_hit"),), "does a hit call the forward eagerly"),
     (lab.check_miss_and_hit, (_bugged("no_copy_in"),), "copied"),
     (lab.check_miss_and_hit, (_bugged("no_clone"),), "overwritten"),
-    (lab.check_buckets, (_bugged("no_refill"),), "padding rows leaked"),
+    (lab.check_buckets, (_bugged("no_refill"),), "slots holds [3] where its pad_value is 10"),
 ])
 def test_lab_checks_diagnose_wrong_caches(check, args, message, capsys):
     check(*args)  # a wrong answer is a printed ✗ (exercise() does not raise unless asked to)
@@ -510,13 +510,21 @@ def test_lab_check_says_not_done_yet(capsys):
 
 def test_counting_backend_counts():
     b = lab.CountingBackend(RecordingBackend())
-    rec = b.capture(lambda x: x + 1, [torch.ones(2)])
+    static = [torch.ones(2), "tag"]
+    rec = b.capture(lambda x, tag: x + 1, static)
+    assert b.replayed_inputs() == ()
     rec.replay()
     # the recording holds its static input and output (2 + 2 float32), and gives them back when freed
     assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 16, "recording")
-    del rec
-    assert lab.reserved_now(b) == 0
+    got = b.replayed_inputs()
+    assert got[0] is static[0] and got[1] is None and b.replaced == 0
+    static[0] = torch.zeros(2)  # a new buffer in the captured list: a real graph would still read the old one
+    rec.replay()
+    assert b.replaced == 1 and b.replayed_inputs()[0] is not static[0]
+    del rec, got
+    assert lab.reserved_now(b) == 0 and b.replayed_inputs()[0] is None, "it keeps no static input alive"
     b.reset_pool()
+    assert b.pool_resets == 1
 
 
 def test_recording_backend_counts_what_live_recordings_hold():

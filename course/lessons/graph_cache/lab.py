@@ -2,46 +2,65 @@
 
 Every check uses the default backend of this machine (a real CUDA graph on the GPU path, the
 recording backend on the simulator path), wrapped in :class:`CountingBackend` so it can tell whether
-the learner's cache really records and replays. The messages diagnose the classic wrong caches:
-keys that ignore the dtype, inputs not copied into the static buffers, outputs overwritten by the
-next replay, padding rows that leak into results.
+the learner's cache really records and replays, which static inputs a replay read, and whether the
+pool was reset. The messages diagnose the classic wrong caches: keys (or lookups) that ignore the
+dtype, inputs not copied into the static buffers, outputs overwritten by the next replay, padding
+rows that hold anything but ``pad_value``, eager keys counted as hits, a clear that keeps the graphs.
+Hints are staged: a nudge, then the idea, then the line.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from course.core.checks import exercise
 from course.core.runtime import torch_device
-from course.lessons.graph_cache.backends import Recorded, default_backend
+from course.lessons.graph_cache.backends import CaptureFailed, Recorded, default_backend
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
 
 
 class CountingBackend:
-    """Wraps a backend and counts captures and replays (so a check sees what the cache under test did)."""
+    """Wraps a backend and counts captures, replays and pool resets (so a check sees what the cache did).
+
+    It also remembers, without keeping them alive, the static inputs each recording was captured on:
+    :meth:`replayed_inputs` gives those of the latest replay (the memory that graph reads), and
+    ``replaced`` counts the replays whose static-input list no longer held those tensors (a cache that put
+    new buffers in it: a real graph would still read the old ones).
+    """
 
     def __init__(self, inner=None):
         self.inner = inner or default_backend()
         self.name = self.inner.name
-        self.captures = self.replays = 0
+        self.captures = self.replays = self.pool_resets = self.replaced = 0
+        self._replayed = ()
 
     def capture(self, fn, static_args, warmup: int = 1) -> Recorded:
         """Capture through the wrapped backend and count it (failed attempts count too)."""
         self.captures += 1
+        refs = tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else None for a in static_args)
         rec = self.inner.capture(fn, static_args, warmup=warmup)
         inner_replay = rec.replay
 
         def replay():
             self.replays += 1
+            self._replayed = refs
+            self.replaced += any(r is not None and r() is not a for r, a in zip(refs, static_args))
             inner_replay()
         rec.replay = replay
         return rec
+
+    def replayed_inputs(self) -> tuple:
+        """The static inputs the latest replay read, one per argument (None: not a tensor, or freed)."""
+        return tuple(r() if r is not None else None for r in self._replayed)
 
     def memory_reserved(self) -> int:
         """The wrapped backend's reserved memory (what its live recordings hold, on either path)."""
         return self.inner.memory_reserved()
 
     def reset_pool(self) -> None:
-        """Forget the wrapped backend's shared pool."""
+        """Forget the wrapped backend's shared pool (and count the call)."""
+        self.pool_resets += 1
         self.inner.reset_pool()
 
 
@@ -51,8 +70,13 @@ def _dev():
 
 def check_key(cache_key) -> None:
     """Step 1: ``cache_key(args, bucket)`` tells apart dtypes, shapes and values, and merges rows padded alike."""
-    with exercise("lab 3.1 the key", hint="one entry per argument: ('tensor', shape with dim 0 = bucket, dtype, "
-                                         "device) or ('value', v); a tuple, so it can be a dict key"):
+    with exercise("lab 3.1 the key", hint=[
+            "a graph is valid only for the shapes and dtypes it was captured with, and for the values that steered "
+            "it: which parts of each argument must the key hold, and which must it leave out?",
+            "one entry per argument: ('tensor', shape with dim 0 replaced by the bucket, dtype, device) for a tensor, "
+            "('value', v) otherwise; all of it in tuples, so the key can be a dict key",
+            "key.append(('tensor', (bucket, *a.shape[1:]), str(a.dtype), str(a.device))) for a tensor, "
+            "key.append(('value', a)) otherwise; return tuple(key)"]):
         d = _dev()
         ids64, ids32 = torch.zeros(3, 2, dtype=torch.int64, device=d), torch.zeros(3, 2, dtype=torch.int32, device=d)
         k = cache_key((ids64, 5), 4)
@@ -64,6 +88,8 @@ def check_key(cache_key) -> None:
             "the same shapes and dtypes gave different keys: key on shapes and dtypes, never on tensor values"
         assert k != cache_key((ids32, 5), 4), ("your key ignores the dtype: int32 and int64 ids would share one "
                                               "graph, whose kernels and buffers were made for one of them")
+        assert k != cache_key((torch.zeros(3, 2, dtype=torch.int64, device="meta"), 5), 4), \
+            "your key ignores the device: a graph recorded for one device's memory cannot serve another's tensors"
         assert k != cache_key((torch.zeros(3, 5, dtype=torch.int64, device=d), 5), 4), \
             "your key ignores the shape after the batch dimension"
         assert k != cache_key((ids64, 6), 4), \
@@ -75,8 +101,13 @@ def check_key(cache_key) -> None:
 
 def check_static(make_static, copy_in) -> None:
     """Step 2: static buffers of the bucket's size, written in place, padding rows refilled on every call."""
-    with exercise("lab 3.2 static inputs", hint="torch.empty((bucket, *a.shape[1:])) per tensor; then "
-                                               "static[:n].copy_(a) and static[n:].fill_(pad)"):
+    with exercise("lab 3.2 static inputs", hint=[
+            "a replay reads the same memory every time: whose memory is it, how many rows does it need, and what "
+            "must every row hold before the replay?",
+            "make_static: a new buffer of the bucket's rows per tensor (its dtype, its device); copy_in: rows [:n] "
+            "from the caller, in place, rows [n:] the argument's own pad, on every call",
+            "torch.empty((bucket, *a.shape[1:]), dtype=a.dtype, device=a.device); in copy_in: "
+            "s[:n].copy_(a) and s[n:].fill_(pad)"]):
         d = _dev()
         x, ids = torch.randn(3, 4, device=d), torch.tensor([7, 8, 9], device=d)
         static = make_static((x, ids, "tag"), 4)
@@ -87,6 +118,9 @@ def check_static(make_static, copy_in) -> None:
         assert tuple(static[0].shape) == (4, 4) and tuple(static[1].shape) == (4,), \
             f"static buffers need the bucket's rows: got shapes {tuple(static[0].shape)}, {tuple(static[1].shape)}"
         assert static[0].dtype == x.dtype and static[1].dtype == ids.dtype, "static buffers keep each input's dtype"
+        other = make_static((torch.empty(3, 4, device="meta"), ids, "tag"), 4)[0]
+        assert other.device == torch.device("meta"), (f"a buffer for an input on device 'meta' was made on "
+                                                      f"{other.device}: static buffers keep each input's device")
         ptrs = [s.data_ptr() for s in static[:2]]
         copy_in(static, (x, ids, "tag"), 3, (0.0, -1, None))
         assert [s.data_ptr() for s in static[:2]] == ptrs, ("copy_in replaced a static buffer: write into it "
@@ -103,8 +137,13 @@ def check_static(make_static, copy_in) -> None:
 
 def check_copy_out(copy_out) -> None:
     """Step 3: outputs sliced back to the batch, cloned by default, views when copy=False."""
-    with exercise("lab 3.3 outputs", hint="t[:n].clone() for every tensor whose dim 0 is the bucket; keep the "
-                                         "structure (a tuple stays a tuple)"):
+    with exercise("lab 3.3 outputs", hint=[
+            "the next replay writes into the same static output: what must the caller get instead of it, and how "
+            "many rows?",
+            "rows [:n] of every tensor whose dim 0 is the bucket, cloned (views only when copy=False); a tuple or "
+            "list of outputs stays one, handled element by element",
+            "out = out[:n] if out.dim() and out.shape[0] == bucket else out; return out.clone() if copy else out "
+            "(and type(out)(copy_out(o, n, bucket, copy) for o in out) for a tuple)"]):
         d = _dev()
         out = torch.arange(8.0, device=d).view(4, 2)
         other = torch.ones(3, device=d)
@@ -127,15 +166,35 @@ def _counted(cls, fn, **kw):
 
 def check_miss_and_hit(cls) -> None:
     """Step 4: a miss records through the backend, a hit replays with the new inputs; the stats count both."""
-    with exercise("lab 3.4 capture on miss, replay on hit",
-                  hint="miss: record (static buffers, copy in, backend.capture); hit: copy in, replay, copy out"):
+    with exercise("lab 3.4 capture on miss, replay on hit", hint=[
+            "a new key is recorded once, a known key reuses its recording: either way the call ends in a replay of "
+            "the graph, on the caller's inputs, and a different dtype is a different key",
+            "look the entry up by cache_key(args, bucket); miss: make_static, copy_in, self.backend.capture(self.fn, "
+            "static), count a recording; hit: copy_in into that entry's static buffers; then replay and copy_out",
+            "entry = self.entries.get(key); if entry is None: entry = self.entries[key] = self.record(...); else: "
+            "copy_in(entry['static'], ...); entry['recorded'].replay(); return copy_out(entry['recorded'].output, "
+            "n, bucket)"]):
         d = _dev()
         w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(d)
         fn = lambda x: torch.relu(x @ w) + 1  # noqa: E731
         cache, backend = _counted(cls, fn)
         xs = [torch.randn(4, 8, device=d), torch.randn(4, 8, device=d), torch.randn(2, 8, device=d),
               torch.randn(4, 8, device=d)]
-        outs = [cache(x) for x in xs]
+        outs, seen = [], set()
+        for i, x in enumerate(xs):
+            replays = backend.replays
+            outs.append(cache(x))
+            first = tuple(x.shape) not in seen
+            seen.add(tuple(x.shape))
+            assert backend.replays == replays + 1, (
+                f"call {i}, the first of its shape, returned without a replay: a capture only records (on a GPU its "
+                "output holds nothing yet), so replay the new recording before returning" if first else
+                f"call {i} (a hit) ended in {backend.replays - replays} replays, expected 1: does a hit call the "
+                "forward eagerly?")
+        assert backend.captures == 2, f"2 shapes should be recorded once each; the backend captured {backend.captures}x"
+        assert not backend.replaced, (
+            "after the capture, your cache put new tensors into the static input list it was captured with: the "
+            "graph reads the buffers it was captured on, whatever the list holds now. Write into them with copy_()")
         for i, (x, o) in enumerate(zip(xs, outs)):
             assert torch.allclose(o, fn(x), atol=1e-5), (
                 f"call {i} returned a wrong result" + (" (the same as the previous call: were the new inputs copied "
@@ -143,18 +202,42 @@ def check_miss_and_hit(cls) -> None:
                                                        if i and torch.allclose(o, fn(xs[i - 1]), atol=1e-5) else "")
                 + (" (it was overwritten by a later replay: return a copy)" if i == 0 and
                    torch.allclose(o, fn(xs[3]), atol=1e-5) else ""))
-        assert backend.captures == 2, f"2 shapes should be recorded once each; the backend captured {backend.captures}x"
-        assert backend.replays == 4, (f"every call should end in a replay (the first call of a shape too); the backend "
-                                      f"replayed {backend.replays}x: does a hit call the forward eagerly?")
         s = cache.stats
         assert (s["cache_misses"], s["cache_hits"], s["recordings"]) == (2, 2, 2), \
             f"stats: misses {s['cache_misses']}, hits {s['cache_hits']}, recordings {s['recordings']}; expected 2, 2, 2"
+        _check_dtypes(cls, d)
+
+
+def _check_dtypes(cls, d) -> None:
+    """One shape in two dtypes: two keys, two recordings, each call answered in its own dtype."""
+    cache, backend = _counted(cls, lambda x: x * 2 + 1)
+    calls = [torch.randn(4, 8, device=d), torch.randn(4, 8, device=d).half(), torch.randn(4, 8, device=d)]
+    for i, x in enumerate(calls):
+        got = cache(x)
+        other = calls[1 - min(i, 1)].dtype  # the dtype of the other key
+        assert got.dtype == x.dtype, (
+            f"a {_dt(x.dtype)} call with the same shape as an earlier {_dt(other)} call returned {_dt(got.dtype)}: "
+            f"your cache found the {_dt(other)} entry for it. Look entries up by cache_key(args, bucket), which "
+            "tells the dtypes apart: each dtype needs its own recording")
+        assert torch.allclose(got.float(), (x * 2 + 1).float(), atol=1e-2), \
+            f"call {i} ({_dt(x.dtype)}, after a call of the other dtype with the same shape) returned a wrong result"
+    assert backend.captures == 2, (f"one shape in float32 and float16 should be recorded once per dtype (2 "
+                                   f"captures); the backend captured {backend.captures}x")
+
+
+def _dt(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def check_buckets(cls) -> None:
     """Step 5: buckets and padding on the tiny decoder: results equal eager, padding never leaks, stats add up."""
-    with exercise("lab 3.5 buckets and padding", hint="bucket = next_bucket(n, self.sizes); None: run eager; "
-                                                     "padded_rows += bucket - n"):
+    with exercise("lab 3.5 buckets and padding", hint=[
+            "a batch runs in its bucket's graph, so its padding rows run through the model too: what they hold "
+            "decides which KV slot they write and which ids the embedding sees",
+            "bucket = next_bucket(n, self.sizes) (None, above the largest: run self.fn eagerly, an eager call); "
+            "copy_in fills rows [n:] of argument i with its own pad_value[i] on every call; padded_rows += bucket - n",
+            "if not self.enabled or bucket is None: self.stats['eager_calls'] += 1; return self.fn(*args); "
+            "copy_in(static, args, n, self.pads(args)); self.stats['padded_rows'] += bucket - n"]):
         cfg = DecoderConfig(layers=1, max_seq=8, slots=10)
         eager, cached = TinyDecoder(cfg), TinyDecoder(cfg)
         cache, backend = _counted(cls, cached.step, buckets=[2, 4, 8], pad_value=cached.pad_values())
@@ -165,7 +248,17 @@ def check_buckets(cls) -> None:
             g = torch.Generator().manual_seed(i)
             ids = torch.randint(0, cfg.vocab, (b,), generator=g).to(eager.tok.device)
             args = (ids, torch.full((b,), pos, dtype=torch.long, device=ids.device), torch.arange(b, device=ids.device))
-            want, got = eager.step(*args), cache(*args)
+            want, replays = eager.step(*args), backend.replays
+            try:
+                got = cache(*args)
+            except Exception as e:  # noqa: BLE001 - above the largest bucket, a crash is this step's defect
+                if b <= 8:
+                    raise
+                raise AssertionError(f"call {i} (batch {b}, above the largest bucket 8) raised {type(e).__name__}: "
+                                     f"{(str(e).splitlines() or [''])[0][:120]}. Such a batch has no graph: when "
+                                     "next_bucket returns None, run self.fn eagerly and count an eager call") from e
+            if backend.replays > replays:
+                _check_padding(i, b, backend.replayed_inputs(), cached.pad_values())
             assert tuple(got.shape) == tuple(want.shape), \
                 f"call {i} (batch {b}): output shape {tuple(got.shape)}, expected {tuple(want.shape)}: slice it back"
             assert torch.allclose(got, want, atol=1e-4), (
@@ -178,23 +271,52 @@ def check_buckets(cls) -> None:
         assert backend.captures == 3, f"buckets 4, 8 and 2 should be captured once each, not {backend.captures} times"
 
 
+def _check_padding(i: int, b: int, static, pads) -> None:
+    """The padding rows of the static inputs the replay read hold exactly each argument's pad_value."""
+    bad, bucket = [], b
+    for name, s, pad in zip(("ids", "pos", "slots"), static, pads):
+        if isinstance(s, torch.Tensor) and s.dim() and s.shape[0] > b:
+            rows, bucket = s[b:], s.shape[0]
+            if not bool((rows == pad).all()):
+                held = sorted({int(v) for v in rows.flatten().tolist()})
+                bad.append(f"{name} holds {held[:4]} where its pad_value is {pad}")
+    assert not bad, (
+        f"call {i} (batch {b}, bucket {bucket}) replayed with padding rows that are not pad_value: " + "; ".join(bad)
+        + ". Fill rows [n:] of every argument with its own pad_value, on every call: other values make padding rows "
+        "write into a real sequence's KV slot, or count bad ids the caller never passed")
+
+
 def _hazard(x):
     return x / x.abs().max().item()  # a host read: cannot be captured
 
 
 def check_fallback(cls) -> None:
     """Step 6: a key whose capture fails runs eager from then on, with its reason; other keys still capture."""
-    with exercise("lab 3.6 fallback", hint="try: backend.capture(...) except CaptureFailed as e: remember the key "
-                                          "as eager, with e.reason"):
+    with exercise("lab 3.6 fallback", hint=[
+            "a key that cannot be captured must not be an outage, nor a capture attempted on every call: remember "
+            "what happened to it, and why",
+            "catch CaptureFailed around backend.capture; store an eager entry with e.reason and put the reason in "
+            "stats['fallbacks'][key]; every call of that key runs self.fn and counts an eager call, never a hit",
+            "except CaptureFailed as e: self.stats['fallbacks'][key] = e.reason; return {'eager': True, "
+            "'reason': e.reason}; and count cache_hits only for an entry that is not eager"]):
         d = _dev()
         fn = lambda x, hazard: _hazard(x) if hazard else x * 2  # noqa: E731
         cache, backend = _counted(cls, fn)
         x = torch.randn(4, 3, device=d)
         for _ in range(2):
-            got = cache(x, True)
+            try:
+                got = cache(x, True)
+            except CaptureFailed as e:
+                raise AssertionError(f"your cache let CaptureFailed escape ({e.reason}): catch it around "
+                                     "backend.capture and run that key eagerly") from e
             assert torch.allclose(got, _hazard(x)), "a key that cannot be captured must still return the right answer"
         assert backend.captures == 1, (f"the failing key was captured {backend.captures} times: remember that it "
                                        "runs eager instead of trying again on every call")
+        hits, misses = cache.stats["cache_hits"], cache.stats["cache_misses"]
+        assert (hits, misses) == (0, 1), (
+            f"two calls of a key that fell back to eager counted {hits} cache_hits and {misses} cache_misses; "
+            "expected 0 and 1: the first call is a miss, the next ones are eager_calls, never hits (a hit replays "
+            "a recorded graph)")
         assert torch.allclose(cache(x, False), x * 2) and backend.captures == 2 and backend.replays >= 1, \
             "after a failed capture, other keys must still be recorded and replayed"
         reasons = list(cache.stats["fallbacks"].values())
@@ -220,8 +342,12 @@ def reserved_now(backend) -> int:
 
 def check_enable_clear(cls) -> None:
     """Step 7: set_enabled(False) runs eager without touching the graphs; clear_cache() gives their memory back."""
-    with exercise("lab 3.7 enable and clear", hint="disabled: call self.fn directly; clear: empty self.entries "
-                                                  "(and backend.reset_pool()), and keep no other reference to them"):
+    with exercise("lab 3.7 enable and clear", hint=[
+            "disabled: the cache is bypassed but keeps its graphs; cleared: nothing of the old graphs is left, in "
+            "the cache or in the backend's pool",
+            "set_enabled stores the flag and __call__ runs self.fn eagerly while it is off; clear_cache empties "
+            "self.entries, keeps no other reference to them, and calls self.backend.reset_pool()",
+            "self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"]):
         d = _dev()
         cache, backend = _counted(cls, lambda x: x + 1)
         x = torch.ones(2, device=d)
@@ -235,6 +361,9 @@ def check_enable_clear(cls) -> None:
         before = reserved_now(backend)
         cache.clear_cache()
         assert not cache.entries, "clear_cache() must drop every entry (their graphs and static buffers)"
+        assert backend.pool_resets >= 1, (
+            "clear_cache() never called self.backend.reset_pool(): the backend keeps the dropped graphs' pool and "
+            "would put the next captures into it. Call it after emptying self.entries, so they start a fresh pool")
         after = reserved_now(backend)
         assert after < before, (
             f"clear_cache() emptied self.entries, but the memory the graphs held did not come back ({before} bytes "
