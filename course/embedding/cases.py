@@ -4,9 +4,13 @@
 :func:`lookup_cases` and :func:`reject_cases`; :func:`fallback` lets a notebook go on with the
 reference version when the learner's is not done yet. When a lookup is wrong, :func:`diagnose` reruns
 it on a :func:`named_table` (values that name their row and column) and says what was read where;
-:func:`check_bad_ids` names the out-of-range ids that were not zeroed or not counted.
+:func:`check_bad_ids` names the out-of-range ids that were not zeroed or not counted (the output's
+memory poisoned by :func:`poisoned_empty`, so a row never written cannot pass for a zero row).
+``check_rejects(..., host=True)`` checks a host check alone: the kernel's error flag cannot stand in.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -155,30 +159,81 @@ def diagnose(fn, ids, weight, **kw) -> str:
     return " ".join(said).rstrip(";") + "."
 
 
+@contextlib.contextmanager
+def poisoned_empty():
+    """While active, ``torch.empty`` returns floating tensors filled with NaN instead of leftover memory.
+
+    Fresh memory is often zeros (always on a CPU), so an output row a kernel never wrote could
+    pass for a zeroed one; poisoned, it holds NaN and the check sees it.
+    """
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+_BAD = (5, 9, -1)  # on a 5-row table: the first id past the end, one far past it, a negative one
+
+
 def check_bad_ids(launch, *, dim: int = 4, device=None) -> None:
     """Check that ``launch(ids, weight)`` writes zero rows for out-of-range ids and counts each once in err[0].
 
-    Uses ids [0, 9, -1] on a 5-row table; the AssertionError names the ids not zeroed or not counted.
+    Uses ids [0, 5, 9, -1] on a 5-row table, with the output's memory poisoned
+    (:func:`poisoned_empty`); the AssertionError names the ids not zeroed or not counted, or
+    says that a bad id indexed the table (the simulator's IndexError).
     """
+    from course.embedding.kernels import EmbeddingIndexError
     from course.embedding.lookup import error_flag
 
     device = device if device is not None else torch.device(runtime().device)
     reset_errors()
     table = named_table(5, dim, device=device)
-    ids = torch.tensor([0, 9, -1], device=device)
-    out = launch(ids, table).reshape(3, dim).cpu()
+    ids = torch.tensor([0, *_BAD], device=device)
+    try:
+        with poisoned_empty():
+            out = launch(ids, table).reshape(len(ids), dim).cpu()
+    except EmbeddingIndexError:
+        raise
+    except IndexError as e:
+        reset_errors()
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise AssertionError(f"with ids {ids.tolist()} on a 5-row table the kernel went outside an array ({first}): "
+                             "a bad id must never index the table. Valid ids are 0..4, so 5 is already outside: "
+                             "guard with idx >= 0 and idx < weight.shape[0]") from None
     count = int(error_flag()[0].item())
     reset_errors()
     assert torch.equal(out[0], table[0].cpu()), f"id 0 must give row 0 {table[0].tolist()}, got {out[0].tolist()}"
-    for n, bad_id in ((1, 9), (2, -1)):
-        assert out[n].abs().sum() == 0, (f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, "
-                                         f"it holds {out[n].tolist()} (never read the table with a bad id)")
+    for n, bad_id in enumerate(_BAD, 1):
+        if bool(torch.isnan(out[n]).all()):
+            raise AssertionError(f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, but it "
+                                 "was never written (it still holds the NaN the check filled it with): write a zero "
+                                 "for a bad id")
+        held = out[n].tolist()
+        assert out[n].abs().sum() == 0, (
+            f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, it holds "
+            f"{held[:8]}{' ...' if len(held) > 8 else ''} (never read the table with a bad id: only ids with "
+            "idx >= 0 and idx < weight.shape[0] may read it)")
+    want = len(_BAD)
     if count == 0:
-        raise AssertionError("ids 9 and -1 were not counted (err[0] is 0, expected 2): "
+        raise AssertionError(f"ids 5, 9 and -1 were not counted (err[0] is 0, expected {want}): "
                              "cuda.atomic.add(err, 0, 1) once per bad id")
-    assert count == 2, (f"err[0] is {count}, expected 2 (ids 9 and -1): "
-                        + (f"each bad id was counted {count // 2} times; count it once, by the thread of column 0"
-                           if count % 2 == 0 else "count each bad id exactly once"))
+    if count < want:
+        raise AssertionError(f"err[0] is {count}, expected {want}: {want - count} of the bad ids 5, 9 and -1 "
+                             f"{'was' if want - count == 1 else 'were'} not counted. Every id outside "
+                             "idx >= 0 and idx < weight.shape[0] is bad (5 too: valid ids are 0..4), counted once")
+    assert count == want, (f"err[0] is {count}, expected {want} (ids 5, 9 and -1): "
+                           + (f"each bad id was counted {count // want} times; count it once, by one thread of its "
+                              "row (the thread of column 0: d == 0, or tx == 0 in a row of threads)"
+                              if count % want == 0 else "count each bad id exactly once"))
 
 
 def reject_cases(*, padding: bool = True) -> list:
@@ -201,13 +256,22 @@ def reject_cases(*, padding: bool = True) -> list:
     return cases
 
 
-def check_rejects(fn, *, padding: bool = True, after=None) -> list:
+_HOST_MISSED = {  # what a host check that let this case through is missing
+    "an id equal to num_embeddings": ("an id >= num_embeddings", "raise IndexError when ids.max() >= weight.shape[0]"),
+    "a negative id": ("an id < 0", "raise IndexError when ids.min() < 0"),
+}
+
+
+def check_rejects(fn, *, padding: bool = True, after=None, host: bool = False) -> list:
     """Check that ``fn`` rejects each of :func:`reject_cases` with the right exception and a message.
 
     ``after`` (default :func:`check_errors`) runs right after ``fn`` returns, so errors a
-    kernel reports through the error flag count too. Returns "case: Error: message" lines.
+    kernel reports through the error flag count too. ``host=True`` checks a host check
+    alone: every error must be raised by ``fn`` itself (the flag cannot stand in), and a
+    missed id range is named ("an id < 0 was not rejected by your host check"). The flag is
+    cleared after every case. Returns "case: Error: message" lines.
     """
-    after = check_errors if after is None else after
+    after = (lambda: None) if host else (check_errors if after is None else after)
     reset_errors()
     lines = []
     for desc, args, kw, exc in reject_cases(padding=padding):
@@ -223,6 +287,13 @@ def check_rejects(fn, *, padding: bool = True, after=None) -> list:
             raise
         except Exception as e:  # noqa: BLE001 - report the wrong type
             raise AssertionError(f"{desc}: expected {exc.__name__}, got {type(e).__name__}: {e}") from None
+        finally:
+            reset_errors()
+        if host and desc in _HOST_MISSED:
+            what, fix = _HOST_MISSED[desc]
+            ids, weight = args[0], args[1]
+            raise AssertionError(f"{what} was not rejected by your host check (ids {ids.tolist()} for a table of "
+                                 f"{weight.shape[0]} rows, and the call returned normally): {fix}")
         raise AssertionError(f"{desc}: expected {exc.__name__}, but the call returned normally")
     return lines
 

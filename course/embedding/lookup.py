@@ -67,10 +67,14 @@ def check_errors(*, reset: bool = True, device=None) -> int:
     if reset:
         reset_errors(device)
     where = f"the first at flat position {pos}" if pos != INT64_MAX else "position not recorded"
+    if vocab > 0:  # the kernel recorded the table size (and a bad value with it)
+        what = (f"for an embedding table with {vocab} rows ({where}; one bad value: {value}). Valid ids are "
+                f"0..{vocab - 1}. Their output rows were written as zeros.")
+    else:  # a kernel that only counts (lab 1's kernels): no table size, no value
+        what = f"({where}; the kernel that saw them did not record the table size or a bad value)."
     raise EmbeddingIndexError(
-        f"{count} id(s) were out of range for an embedding table with {vocab} rows ({where}; one bad value: "
-        f"{value}). Valid ids are 0..{vocab - 1}. Their output rows were written as zeros. Fix the ids "
-        "(tokenizer and vocabulary size disagree?) or mask them before the lookup.")
+        f"{count} id(s) were out of range {what} Fix the ids (tokenizer and vocabulary size disagree?) "
+        "or mask them before the lookup.")
 
 
 # --------------------------------------------------------------------------- validation

@@ -15,7 +15,7 @@ the launch is captured.
 
 :class:`SwapEmbedding` holds the table and switches between the two with ``impl``;
 :func:`make_model` builds a small model around it and :func:`swap` switches a whole
-model. :class:`ReplayStandIn` mimics ``graph.replay()`` on the simulator so the replay
+model (:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` mimics ``graph.replay()`` on the simulator so the replay
 exercise can be checked without a GPU.
 """
 from __future__ import annotations
@@ -134,6 +134,45 @@ def swap(model: torch.nn.Module, impl: str) -> torch.nn.Module:
     for m in found:
         m.impl = impl
     return model
+
+
+def check_swap(swap_fn, model: torch.nn.Module) -> None:
+    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model; the AssertionError names the defect.
+
+    Checks that it returns the model, sets ``impl`` on every :class:`SwapEmbedding` (also inside
+    nested modules), keeps the weights, gives the same output both ways, and refuses an unknown
+    impl with a ValueError that lists the valid ones. Leaves ``model`` on "device".
+    """
+    ids = torch.randint(0, model.embed.weight.shape[0], (4, 32), device=model.embed.weight.device)
+    tables = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
+    weights = [(m.weight, m.weight.data_ptr(), m.weight.clone()) for m in tables]
+    got = swap_fn(model, "device")
+    assert got is model, f"swap() must return the model it was given, it returned {type(got).__name__}"
+    assert model.embed.impl == "device", f"swap(model, 'device') left model.embed.impl = {model.embed.impl!r}"
+    before = model(ids)
+    swap_fn(model, "cpu-copy")
+    assert model.embed.impl == "cpu-copy", f"swap(model, 'cpu-copy') left model.embed.impl = {model.embed.impl!r}"
+    for (w, ptr, copy), m in zip(weights, tables):
+        assert m.weight is w and m.weight.data_ptr() == ptr and torch.equal(m.weight, copy), \
+            "swap() must keep the weights: change .impl only, not the table"
+    assert torch.equal(before, model(ids)), "both implementations must give the same output for the same ids"
+    nested = torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4),
+                                 torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4, seed=1)))
+    swap_fn(nested, "cpu-copy")
+    left = [name for name, m in nested.named_modules() if isinstance(m, SwapEmbedding) and m.impl != "cpu-copy"]
+    assert not left, (f"in a nested model, swap() left {', '.join(left)} unchanged: walk every module with "
+                      "model.modules() (it goes into submodules), not only the top level or the first one")
+    try:
+        swap_fn(model, "gpu")
+    except ValueError as e:
+        missing = [i for i in IMPLS if i not in str(e)]
+        assert not missing, f'swap(model, "gpu") raised ValueError({str(e)!r}): say which values are valid, {IMPLS}'
+    else:
+        raise AssertionError(f'swap(model, "gpu") should raise ValueError listing the valid impls {IMPLS}')
+    finally:
+        for m in model.modules():
+            if isinstance(m, SwapEmbedding):
+                m.impl = "device"
 
 
 # --------------------------------------------------------------------------- finding host copies
