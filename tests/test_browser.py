@@ -71,7 +71,7 @@ def lab_server():
     nbformat.write(crash, dest / "labs" / "lab1_crash.ipynb")
 
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_CONFIG_DIR=str(tmp / "config"))
+    env = dict(workspace.lab_env(dest), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_CONFIG_DIR=str(tmp / "config"))
     env.pop("MPLBACKEND", None)  # figures go into the notebook, as for a learner
     cmd = workspace.lab_command(dest, port=port, token=token) + [
         "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={tmp / 'lab-workspaces'}",
@@ -175,6 +175,8 @@ def test_notebook_00_runs_in_jupyterlab(browser, lab_server):
     state = _run_all(browser, lab_server, rel)
     _assert_ran_clean(state, rel)
     assert "Running on" in state["text"], "the header (course.header()) is not visible"
+    teacher = browser.execute_script("return window.jupyterapp.listPlugins().filter(p => p.includes('nbgrader'))")
+    assert teacher == [], f"nbgrader's plugins (Validate, Create Assignment) are loaded for the learner: {teacher}"
 
 
 def test_lab1_shows_done_and_not_done_marks(browser, lab_server):
