@@ -77,6 +77,7 @@ def test_learners_lab_turns_nbgrader_off(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_CONFIG_PATH", "/elsewhere")
     env = workspace.lab_env(tmp_path)
     cfg = tmp_path / workspace.CONFIG
+    assert workspace.learner_config_dir(tmp_path) == cfg
     assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep) == [str(cfg), "/elsewhere"], "ours must come first"
     page = json.loads((cfg / "labconfig" / "page_config.json").read_text())
     assert page["disabledExtensions"] == {n: True for n in lab}
