@@ -46,14 +46,14 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)  ## create the environment and install the course
 
 course: setup  ## set up, check the environment, execute every notebook into build/
-	$(PY) -m course doctor
+	COURSE_FROM_MAKE=course $(PY) -m course doctor
 	$(PY) -m course run
 
 test: setup  ## set up, then run the unit tests and every notebook, lab and solution under nbval
 	$(PY) -m pytest -p no:cacheprovider $(TEST_PATHS) $(NBVAL)
 
 doctor: setup
-	$(PY) -m course doctor
+	COURSE_FROM_MAKE=doctor $(PY) -m course doctor
 
 workspace: setup  ## copy the lessons and labs into work/ (your copies; the shipped files stay clean)
 	$(PY) -m course workspace

@@ -71,7 +71,7 @@ def lab_server():
     nbformat.write(crash, dest / "labs" / "lab1_crash.ipynb")
 
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_CONFIG_DIR=str(tmp / "config"))
+    env = dict(workspace.lab_env(dest), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTER_CONFIG_DIR=str(tmp / "config"))
     env.pop("MPLBACKEND", None)  # figures go into the notebook, as for a learner
     cmd = workspace.lab_command(dest, port=port, token=token) + [
         "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={tmp / 'lab-workspaces'}",
@@ -175,6 +175,8 @@ def test_notebook_00_runs_in_jupyterlab(browser, lab_server):
     state = _run_all(browser, lab_server, rel)
     _assert_ran_clean(state, rel)
     assert "Running on" in state["text"], "the header (course.header()) is not visible"
+    teacher = browser.execute_script("return window.jupyterapp.listPlugins().filter(p => p.includes('nbgrader'))")
+    assert teacher == [], f"nbgrader's plugins (Validate, Create Assignment) are loaded for the learner: {teacher}"
 
 
 def test_lab1_shows_done_and_not_done_marks(browser, lab_server):
@@ -198,3 +200,37 @@ def test_a_crashing_kernel_is_one_cross_and_run_all_reaches_the_end(browser, lab
     assert any("your line" in l for l in lines) and any("hint: [1/" in l for l in lines)
     assert "Traceback" not in state["text"]
     assert any("3. fast kernel" in l and "passed" in l for l in lines), "Run All did not reach exercise 3"
+
+
+def test_long_result_tables_stay_on_the_page(browser, tmp_path):
+    """`course run`'s HTML of a result with a long reason and many columns: the reason wraps, whole, and a table
+    wider than the page scrolls inside its own box instead of widening the page."""
+    from course.tools import render
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from course.core.reference import load_reference\nload_reference('graph_cache_fallback')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "t.ipynb"
+    nbformat.write(nb, path)
+    nb, err = render.execute(path, timeout=120)
+    assert err is None, err
+    body, why = render.to_html(nb)
+    assert body, why
+    (tmp_path / "t.html").write_text(body, encoding="utf-8")
+    browser.set_window_size(900, 900)
+    try:
+        browser.get((tmp_path / "t.html").as_uri())
+        got = browser.execute_script("""
+          const cells = [...document.querySelectorAll('.course-result td')];
+          const reason = cells.find(c => c.textContent.includes('after replay'));
+          const box = document.querySelector('.course-result').getBoundingClientRect();
+          const out = document.querySelector('.course-result').closest('.jp-OutputArea-output');
+          return {page: document.documentElement.scrollWidth, view: document.documentElement.clientWidth,
+                  right: box.right, out: out.clientWidth, out_content: out.scrollWidth, reason: reason.textContent, height: reason.getBoundingClientRect().height,
+                  font: parseFloat(getComputedStyle(reason).fontSize)};""")
+    finally:
+        browser.set_window_size(1400, 1000)
+    assert got["page"] <= got["view"] and got["right"] <= got["view"], got
+    assert got["out_content"] <= got["out"], f"the table spills out of the cell's output area: {got}"
+    assert got["height"] > 3 * got["font"], f"the reason should wrap onto several lines: {got}"
+    assert got["reason"].endswith("after replay. (at lookup.py:134)"), got["reason"]

@@ -147,6 +147,60 @@ def test_make_targets_venv_conda_lab_and_gpu_lane(tmp_path):
     assert "--target" in gpu and "COURSE_PATH=cuda" in gpu and "gpu-site" in gpu
 
 
+def test_pyproject_license_is_an_spdx_string():
+    """setuptools >= 77 wants `license = "SPDX"`; the old table form prints a deprecation banner per build step."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert isinstance(meta["project"]["license"], str) and meta["project"]["license"] == "Apache-2.0"
+    req = next(r for r in meta["build-system"]["requires"] if r.startswith("setuptools"))
+    assert tuple(int(x) for x in re.search(r">=\s*([\d.]+)", req).group(1).split(".")) >= (77,), req
+
+
+def test_building_the_course_prints_no_deprecation_banner(tmp_path):
+    """Build a wheel with this environment's setuptools (no download): no warning banner, the licence in METADATA."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} here; the build uses >= 77 (pyproject.toml)")
+    import shutil
+    import zipfile
+    src = tmp_path / "src"  # a copy: an in-tree build would leave build/ and *.egg-info in the checkout
+    shutil.copytree(ROOT / "course", src / "course", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                          "-w", str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "deprecat" not in text.lower() and "BuildBackendWarning" not in text, text[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith("METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in meta
+
+
+def test_make_course_doctor_does_not_say_run_make_course():
+    recipe = _make_n("course")
+    assert "COURSE_FROM_MAKE=course" in recipe and "COURSE_FROM_MAKE=doctor" in _make_n("doctor")
+    ok = {"broken": False, "path": None}
+    assert "make course" not in doctor.next_step(ok, "course") and "Running the notebooks next" in \
+        doctor.next_step(ok, "course")
+    assert "`make course`" in doctor.next_step(ok, "doctor")
+    assert "python -m course run" in doctor.next_step(ok, None)
+    assert "run `make course` again" in doctor.next_step({"broken": True}, "course")
+    assert "`python -m course doctor` again" in doctor.next_step({"broken": True}, None)
+
+
+def test_doctor_reads_where_it_runs(monkeypatch, capsys):
+    rows = [doctor.Row("Python", "3")]
+    monkeypatch.setattr(doctor, "diagnose", lambda: (rows, {"broken": False, "path": None}))
+    monkeypatch.setenv(doctor.ENV_FROM_MAKE, "course")
+    assert doctor.main() == 0
+    assert capsys.readouterr().out.rstrip().endswith("Ready. Running the notebooks next (python -m course run).")
+    monkeypatch.delenv(doctor.ENV_FROM_MAKE)
+    doctor.main()
+    assert "Ready: run `python -m course run`" in capsys.readouterr().out
+    assert "Ready: run `make course`" in doctor.render(rows, {"broken": False, "path": None}, "doctor")
+
+
 def test_ci_installs_the_browser_and_fails_on_no_tests():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "chromium-driver" in ci and "apt-get" in ci and "set -euo pipefail" in ci

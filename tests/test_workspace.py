@@ -1,5 +1,6 @@
 """The learner's workspace: copies of the lessons and labs in a git-ignored folder, opened by `make lab`."""
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,6 +65,87 @@ def test_lab_command_is_headless_on_the_workspace(tmp_path, monkeypatch):
     assert "--allow-root" in workspace.lab_command(tmp_path)
     monkeypatch.setattr(workspace, "is_root", lambda: False)
     assert "--allow-root" not in workspace.lab_command(tmp_path)
+
+
+def test_learners_lab_turns_nbgrader_off(tmp_path, monkeypatch):
+    """nbgrader is the teacher's tool: its Validate button, Create Assignment sidebar and warnings stay out."""
+    server, lab = workspace.teacher_extensions()
+    assert set(workspace.NBGRADER_SERVER) <= set(server) and "@jupyter/nbgrader" in lab
+    cmd = workspace.lab_command(tmp_path)
+    for name in workspace.NBGRADER_SERVER:
+        assert f"--ServerApp.jpserver_extensions={name}=False" in cmd
+    monkeypatch.setenv("JUPYTER_CONFIG_PATH", "/elsewhere")
+    env = workspace.lab_env(tmp_path)
+    cfg = tmp_path / workspace.CONFIG
+    assert workspace.learner_config_dir(tmp_path) == cfg
+    assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep) == [str(cfg), "/elsewhere"], "ours must come first"
+    page = json.loads((cfg / "labconfig" / "page_config.json").read_text())
+    assert page["disabledExtensions"] == {n: True for n in lab}
+    srv = json.loads((cfg / "jupyter_server_config.json").read_text())["ServerApp"]["jpserver_extensions"]
+    assert srv == {n: False for n in server}
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
+    """Start the learner's JupyterLab headless and ask it: nbgrader's pages are gone, its lab extension disabled."""
+    pytest.importorskip("jupyterlab")
+    import re
+    import secrets
+    import time
+    import urllib.error
+    import urllib.request
+
+    dest = tmp_path / "work"
+    dest.mkdir()
+    port, token = _free_port(), secrets.token_hex(8)
+    env = workspace.lab_env(dest)
+    env.update(JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "user-config"))
+    base = f"http://127.0.0.1:{port}"
+
+    def get(url):
+        try:
+            with urllib.request.urlopen(f"{base}{url}?token={token}", timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, ""
+
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(workspace.lab_command(dest, port=port, token=token), env=env, cwd=dest,
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 90
+            while True:
+                try:
+                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    assert server.poll() is None and time.time() < deadline, \
+                        f"JupyterLab did not start: {(tmp_path / 'server.log').read_text()[-2000:]}"
+                    time.sleep(0.3)
+            for url in ("/formgrader", "/courses", "/assignments", "/assignments/validate"):
+                assert get(url)[0] == 404, f"nbgrader's {url} is served in the learner's JupyterLab"
+            status, page = get("/lab")
+            assert status == 200
+            data = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
+                                        page, re.S).group(1))
+            assert "@jupyter/nbgrader" in data["disabledExtensions"], data["disabledExtensions"]
+            status, body = get("/lab/api/extensions")
+            if status == 200:  # the extension manager's view agrees
+                listed = {e["name"]: e["enabled"] for e in json.loads(body)}
+                assert not any(on for name, on in listed.items() if "nbgrader" in name), listed
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    assert "nbgrader_config.py" not in (tmp_path / "server.log").read_text()
 
 
 def test_cli_workspace(monkeypatch, tmp_path):

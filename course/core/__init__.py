@@ -5,5 +5,6 @@
 - :mod:`~course.core.results` and :mod:`~course.core.provenance`: results with units and provenance.
 - :mod:`~course.core.reference`: registered experiments and the reference data ``course bench`` records.
 - :mod:`~course.core.plots`: captions and plot helpers; :mod:`~course.core.checks`: exercise checks.
+- :mod:`~course.core.text`: reasons for tables, shortened at a sentence's end; torch's log messages condensed.
 - :mod:`~course.core.capture` and :mod:`~course.core.blocking`: trial captures, GPU sleeps, host-blocking tests.
 """

@@ -21,7 +21,10 @@ its grade cells score 0 for them. The test suite's gate (:mod:`course.tools.gate
 ``answers`` (the solutions) every ✗ and "not done yet" too, so nbval fails that cell.
 
 Hints can be staged: pass a list (a nudge, then the idea, then the line). The first ✗ shows
-the first stage, each further ✗ of the same exercise in this session the next one.
+the first stage, each further ✗ of the same exercise in this session the next one. A fresh
+kernel starts every exercise at the first stage, unless ``COURSE_HINT_STAGES`` holds a JSON
+object {exercise name: ✗ so far}: ``python -m course check`` carries the count from one run
+to the next that way (:mod:`course.tools.grade`), so its hints advance too.
 
 Outcomes are remembered for the notebook's session (:func:`status`, :func:`progress`), so a
 "What you measured" cell reports every exercise whatever order the cells ran in. When
@@ -42,6 +45,7 @@ ENV_LOG = "COURSE_CHECK_LOG"
 ENV_TRACEBACK = "COURSE_TRACEBACK"
 ENV_NBGRADER = "NBGRADER_EXECUTION"  # set by nbgrader while it autogrades: then every ✗ and TODO raises
 ENV_GATE = "COURSE_GATE"  # set by the test suite's gate: "learner" (✗ raises) or "answers" (✗ and TODO raise)
+ENV_STAGES = "COURSE_HINT_STAGES"  # JSON {exercise: ✗ so far}, set by `course check`: where each staged hint starts
 PASS, FAIL, TODO, CRASH, SKIP = "pass", "fail", "todo", "crash", "skip"
 _MARK = {PASS: "✓", FAIL: "✗", TODO: "…", CRASH: "✗", SKIP: "-"}
 _LABEL = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet", CRASH: "CRASHED", SKIP: "skipped"}
@@ -64,6 +68,20 @@ class ExerciseFailed(AssertionError):
     """A check failed; the message carries the hint (only with ``raise_on_fail=True``)."""
 
 
+def carried_failures(name: str) -> int:
+    """The ✗ of exercise ``name`` in earlier runs, from ``COURSE_HINT_STAGES`` (0 when unset or unreadable)."""
+    try:
+        n = json.loads(os.environ.get(ENV_STAGES) or "{}").get(name, 0)
+    except (ValueError, AttributeError):  # a bad value must never break the learner's notebook
+        return 0
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def failures(name: str) -> int:
+    """How many times exercise ``name`` has failed or crashed: in this session, plus those carried in."""
+    return _SESSION[name]["failures"] if name in _SESSION else carried_failures(name)
+
+
 def _hint_stage(name: str, hint, more: bool = True) -> str:
     """The hint to show for this ✗: the next stage of a staged (list) hint."""
     if not hint:
@@ -71,7 +89,7 @@ def _hint_stage(name: str, hint, more: bool = True) -> str:
     if isinstance(hint, str):
         return hint
     stages = list(hint)
-    i = min(_SESSION.get(name, {}).get("failures", 0), len(stages) - 1)
+    i = min(failures(name), len(stages) - 1)
     tail = " (run the check again after a change for the next hint)" if more and i < len(stages) - 1 else ""
     return f"[{i + 1}/{len(stages)}] {stages[i]}{tail}"
 
@@ -80,7 +98,8 @@ def record(name: str, status: str, message: str = "", hint: str = "", **extra) -
     """Print one check outcome, remember it for the session, append it to the check log if set."""
     if status not in _MARK:
         raise ValueError(f"status must be one of {list(_MARK)}")
-    entry = {"name": name, "status": status, "message": message, "hint": hint, **extra}
+    count = failures(name) + (status in (FAIL, CRASH))
+    entry = {"name": name, "status": status, "message": message, "hint": hint, **extra, "failures": count}
     line = f"{_MARK[status]} {name}: {_LABEL[status]}"
     if message and status != PASS:
         line += f" ({message})"
@@ -93,9 +112,7 @@ def record(name: str, status: str, message: str = "", hint: str = "", **extra) -
         print(f"  why: {extra['why']}")
     if status != PASS and hint:
         print(f"  hint: {hint}")
-    prev = _SESSION.get(name, {})
-    failures = prev.get("failures", 0) + (status in (FAIL, CRASH))
-    _SESSION[name] = {"status": status, "message": message, "failures": failures}
+    _SESSION[name] = {"status": status, "message": message, "failures": count}
     path = os.environ.get(ENV_LOG)
     if path:
         with open(path, "a", encoding="utf-8") as f:

@@ -11,6 +11,13 @@ import hashlib
 import json
 
 from course.core.provenance import describe, provenance
+from course.core.text import tidy
+
+# text cells wrap (long reasons become paragraphs, long words break) instead of widening the table past the page;
+# a table still wider than its box scrolls inside it. Only styles JupyterLab's HTML sanitizer keeps.
+TEXT_CELL = "text-align:left;white-space:normal;overflow-wrap:break-word"
+LONG_TEXT = 60  # characters: a longer text cell gets room to be a paragraph (min-width), not a thin column
+NUMBER_CELL = "text-align:right;white-space:nowrap"
 
 
 class Html(str):
@@ -70,7 +77,7 @@ class Result:
     def table(self, max_rows: int = 40) -> str:
         """A plain-text table with units in the header."""
         heads = [f"{c} [{u}]" if u else c for c, u in self.columns.items()]
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(tidy(v))
         body = [[fmt(r[c]) for c in self.columns] for r in self.rows[:max_rows]]
         widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(heads)]
         line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
@@ -89,7 +96,8 @@ class Result:
         """An HTML table (units in the header, numbers right-aligned, summary and caption below).
 
         ``columns`` picks and orders columns (default: all). Notebooks show a result as this
-        table (its rich display); the terminal keeps :meth:`table`.
+        table (its rich display); the terminal keeps :meth:`table`. Text cells wrap and are shown
+        whole, tidied (:func:`course.core.text.tidy`): never cut mid-sentence, no dangling "Found from :".
         """
         import html as _h
 
@@ -97,19 +105,21 @@ class Result:
         unknown = [c for c in cols if c not in self.columns]
         if unknown:
             raise KeyError(f"{self.name!r} has no column(s) {unknown}; it has {list(self.columns)}")
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(tidy(v))
         num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-        head = "".join(f"<th>{_h.escape(c)}" + (f" [{_h.escape(self.columns[c])}]" if self.columns[c] else "")
-                       + "</th>" for c in cols)
+        style = lambda text, number: NUMBER_CELL if number else TEXT_CELL + (";min-width:16em;max-width:40em"
+                                                                              if len(text) > LONG_TEXT else "")
+        name = lambda c: _h.escape(c).replace("_", "_<wbr>")  # long snake_case headers may break after "_"
+        head = "".join(f"<th>{name(c)}" + (f" [{_h.escape(self.columns[c])}]" if self.columns[c] else "") + "</th>"
+                       for c in cols)
         body = []
         for r in self.rows[:max_rows]:
-            cells = "".join(f"<td style='text-align:{'right' if num(r[c]) else 'left'}'>{_h.escape(fmt(r[c]))}</td>"
-                            for c in cols)
+            cells = "".join(f"<td style='{style(fmt(r[c]), num(r[c]))}'>{_h.escape(fmt(r[c]))}</td>" for c in cols)
             body.append(f"<tr>{cells}</tr>")
         more = f"<p>... {len(self.rows) - max_rows} more rows</p>" if len(self.rows) > max_rows else ""
         summ = "".join(f"<li>{_h.escape(k)}: {_h.escape(fmt(v['value']))} {_h.escape(v['unit'])}</li>"
                        for k, v in self.summary.items())
-        return Html(f"<div class='course-result'><b>{_h.escape(self.title)}</b>"
+        return Html(f"<div class='course-result' style='max-width:100%;overflow-x:auto'><b>{_h.escape(self.title)}</b>"
                     f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{more}"
                     + (f"<ul>{summ}</ul>" if summ else "")
                     + f"<p style='color:#555;font-size:smaller'>({_h.escape(self.caption())})</p></div>")

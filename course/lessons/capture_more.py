@@ -18,6 +18,7 @@ import course.core.isolate as isolate
 from course.core.capture import require_gpu, try_capture, warm_up
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import clip
 from course.core.timing import speedup, time_interleaved
 from course.lessons.capture_replay import mlp
 
@@ -99,7 +100,7 @@ def forgotten_join(batch: int = 64, width: int = 2048) -> dict:
 
     warm_up(forgot_join, 1)
     out = try_capture(forgot_join)
-    return {"captured": out.ok, "error": "" if out.ok else f"{out.error_type}: {out.error}"[:240]}
+    return {"captured": out.ok, "error": "" if out.ok else clip(f"{out.error_type}: {out.error}", 240)}
 
 
 @experiment("graphs_two_streams", gpu_only=True, quick={"repeats": 5})

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import re
 import time
 
 from course.core.capture import require_gpu
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import clip, condense
 from course.core.timing import speedup, time_interleaved
 
 
@@ -92,14 +92,10 @@ def torch_log_messages(**artifacts):
         torch._logging.set_logs()
 
 
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^\s/\\:\"']+)+[/\\]([^\s/\\:\"']+)")
-
-
 def _condense(message: str, lines: int = 4) -> str:
     """The first few non-empty lines of a (multi-line) log message, joined with ' / ', machine paths cut to
-    their file names (a recorded log must not carry the recording machine's folders)."""
-    kept = [_PATH.sub(r"\1", l.strip()) for l in message.strip().splitlines() if l.strip()][:lines]
-    return " / ".join(kept)[:400]
+    their file names, torch's "Found from :" joined to its location (:func:`course.core.text.condense`)."""
+    return condense(message, lines)
 
 
 def launch_counts(fn) -> dict:
@@ -248,7 +244,7 @@ def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, 
                     log.append(f"recorded {recorded} CUDA graph(s)")
                 rows.append({"call": call, "batch": b, "new_shape": new_shape and i == 0, "call_ms": dt * 1e3,
                              "graphs_compiled": compiled_now, "graphs_recorded": recorded,
-                             "log": " | ".join(_condense(l, 1) for l in log)[:300]})
+                             "log": clip(" | ".join(_condense(l, 1) for l in log), 300)})
                 call += 1
     _reset_compile()
     res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new input shapes',

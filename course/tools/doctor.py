@@ -3,11 +3,16 @@
 Exits non-zero only for a broken install (something the course cannot run without),
 never merely because there is no GPU: the simulator path is a first-class way to
 take the course.
+
+Its last line says what to do next, fitting where it runs: ``make course`` sets
+``COURSE_FROM_MAKE=course`` (the notebooks run next: nothing to tell), ``make doctor``
+``COURSE_FROM_MAKE=doctor``; run by hand, it names the commands.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -16,6 +21,7 @@ from course.core.provenance import driver_version, package_version
 from course.tools.catalog import ROOT
 
 OK, WARN, BROKEN = "ok", "warn", "broken"
+ENV_FROM_MAKE = "COURSE_FROM_MAKE"  # the make target that runs the doctor ("course", "doctor"), or unset
 
 
 @dataclasses.dataclass
@@ -127,8 +133,20 @@ def other_env_hint(root: Path = ROOT) -> str:
             "or `make doctor`, or `.venv/bin/python -m course doctor`")
 
 
-def render(rows, verdict) -> str:
-    """The doctor's report as text."""
+def next_step(verdict, context: str | None = None) -> str:
+    """The report's last line: what to do now, for where the doctor runs (``context``: a make target or None)."""
+    if verdict["broken"]:
+        again = {"course": "`make course`", "doctor": "`make doctor`"}.get(context, "`python -m course doctor`")
+        return f"BROKEN: fix the items marked XX (the arrow says how), then run {again} again."
+    if context == "course":
+        return "Ready. Running the notebooks next (python -m course run)."
+    if context == "doctor":
+        return "Ready: run `make course` (every notebook, into build/) or open the notebooks with `make lab`."
+    return "Ready: run `python -m course run` (or `make course`) or open the notebooks with `make lab`."
+
+
+def render(rows, verdict, context: str | None = None) -> str:
+    """The doctor's report as text; its last line fits ``context`` (see :func:`next_step`)."""
     mark = {OK: "ok", WARN: "--", BROKEN: "XX"}
     w = max(len(r.item) for r in rows)
     out = ["Capture & Replay: environment check", ""]
@@ -145,18 +163,18 @@ def render(rows, verdict) -> str:
         out.append("  reference data recorded on a real GPU, with the device, driver, versions and date.")
         for f in verdict["fixes"]:
             out.append(f"  To take the GPU path: {f}")
-    if verdict["broken"]:
-        out.append("BROKEN: fix the items marked XX (the arrow says how), then run `python -m course doctor` again.")
-    else:
-        out.append("Ready: run `make course` (or `python -m course run`) or open the notebooks with `make lab`.")
+    out.append(next_step(verdict, context))
     return "\n".join(out)
 
 
-def main(json_out: bool = False) -> int:
-    """Print the report; exit code 1 only when the course cannot run at all (a missing GPU path is a warning)."""
+def main(json_out: bool = False, context: str | None = None) -> int:
+    """Print the report; exit code 1 only when the course cannot run at all (a missing GPU path is a warning).
+
+    ``context`` (default: ``COURSE_FROM_MAKE``) is the make target running the doctor, for its last line.
+    """
     rows, verdict = diagnose()
     if json_out:
         print(json.dumps({"rows": [dataclasses.asdict(r) for r in rows], "verdict": verdict}, indent=1))
     else:
-        print(render(rows, verdict))
+        print(render(rows, verdict, context if context is not None else os.environ.get(ENV_FROM_MAKE) or None))
     return 1 if verdict["broken"] else 0

@@ -15,6 +15,12 @@ notebook under a total limit. Each exercise the notebook contains ends in one st
 or its folder's name for ``DIR/STUDENT/lab.ipynb``) and writes ``grades.csv`` (student, notebook,
 exercise, status, points, max_points, message) and one ``feedback/STUDENT.html`` per student.
 Points come from the nbgrader metadata of the exercise's cell (``points``), else 1.
+
+``course check`` shows what the notebook shows: the message, the learner's line, the crash's
+"why:" and the hint. Staged hints advance from one ``course check`` to the next: the count of
+✗ per exercise is kept in ``.course_hints.json`` beside the notebook (git-ignored; reset when
+the exercise passes) and handed to the kernel in ``COURSE_HINT_STAGES``. ``--answers`` and
+``course grade`` neither read nor write it.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from pathlib import Path
 
 import nbformat
 
+from course.tools.hints import load_hint_state, save_hint_state
 from course.tools.render import KERNEL_ARGS, expose_course_to_kernels
 
 STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
@@ -106,25 +113,29 @@ def _points(cell) -> float:
     return float(meta.get("points", 1)) if meta.get("grade") else 1.0
 
 
-def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) -> dict:
+def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, stages: dict | None = None) -> dict:
     """Run the notebook at ``path`` in a fresh kernel; return its exercises, stray cell errors and timings.
 
-    Result: ``{"exercises": [{"name", "status", "message", "hint", "where", "points", "max_points"}],
-    "stray": [(cell, ename, evalue)], "error": None or a reason, "seconds": float}``. Raises
-    ``OSError``/``ValueError`` if the file cannot be read as a notebook.
+    Result: ``{"exercises": [{"name", "status", "message", "hint", "where", "why", "failures", "points",
+    "max_points"}], "stray": [(cell, ename, evalue)], "error": None or a reason, "seconds": float}``.
+    ``stages`` (exercise -> ✗ in earlier runs) makes staged hints start where the last run left them.
+    Raises ``OSError``/``ValueError`` if the file cannot be read as a notebook.
     """
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
-    from course.core.checks import ENV_LOG, PASS
+    from course.core.checks import ENV_LOG, ENV_STAGES, PASS
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     cells = exercise_cells(nb)
     fd, log_path = tempfile.mkstemp(prefix="course-check-", suffix=".jsonl")
     os.close(fd)
-    old = os.environ.get(ENV_LOG)
+    old = {k: os.environ.get(k) for k in (ENV_LOG, ENV_STAGES)}
     os.environ[ENV_LOG] = log_path
+    os.environ.pop(ENV_STAGES, None)  # the kernel inherits it: only this run's stages, never a stale value
+    if stages:
+        os.environ[ENV_STAGES] = json.dumps(stages)
     expose_course_to_kernels()  # the kernel imports this checkout's course, installed or not
     start, stopped, ran = time.monotonic(), None, set()
     deadline = start + total_timeout if total_timeout else None
@@ -152,10 +163,11 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
     except Exception as e:  # noqa: BLE001 - a kernel that cannot start: say so
         stopped = stopped or f"the notebook could not be run: {type(e).__name__}: {e}"
     finally:
-        if old is None:
-            os.environ.pop(ENV_LOG, None)
-        else:
-            os.environ[ENV_LOG] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         text = Path(log_path).read_text(encoding="utf-8") if Path(log_path).exists() else ""
         Path(log_path).unlink(missing_ok=True)
 
@@ -174,14 +186,16 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None) 
             row = {"status": "timed out", "message": f"cell {i} was interrupted after its time limit "
                                                      f"({client.timeout} s): an endless loop?"}
         elif e is not None:
-            row = {k: e.get(k, "") for k in ("status", "message", "hint", "where")}
+            row = {k: e.get(k, "") for k in ("status", "message", "hint", "where", "why")}
+            row["failures"] = e.get("failures", 0)
         elif err:
             row = {"status": "not reached", "message": f"cell {i} raised {err[0]}: {err[1]} before the check ran"}
         elif i is not None and i not in ran:
             row = {"status": "not reached", "message": stopped or f"cell {i} did not run"}
         else:
             row = {"status": "not reached", "message": "its cell ran but the check did not (inside an if?)"}
-        row = {"name": name, "hint": "", "where": "", **row, "max_points": maxp}
+        row = {"name": name, "hint": "", "where": "", "why": "", **row, "max_points": maxp}
+        row.setdefault("failures", (stages or {}).get(name, 0))
         if row["status"] == "skip":
             maxp = 0.0  # cannot be done on this machine: not counted
         row["max_points"] = maxp
@@ -217,8 +231,10 @@ def judge(exercises, answers: bool = False) -> list:
 def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, answers: bool = False) -> int:
     """Run the notebook at ``path`` in a fresh kernel and print each exercise's status.
 
-    Prints ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's line) / "not done yet" /
-    "timed out" / "not reached" (with why) per exercise, and cells that raised outside any check.
+    Prints what the notebook prints: ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's line,
+    why and the hint) / "not done yet" / "timed out" / "not reached" (with why) per exercise, cells that
+    raised outside any check, and a verdict line. Staged hints go on from the last ``course check`` of
+    this notebook (:mod:`course.tools.hints`), except with ``answers``.
     Returns 1 if an exercise failed, crashed, timed out or was not reached, or a cell raised; with
     ``answers=True`` (judging an answer version) also if one is not done yet. 0 otherwise; 2 if the
     file cannot be read.
@@ -230,25 +246,28 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         print(f"check: cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return 2
     print(f"check: running {path} in a fresh kernel (up to {timeout} s per cell) ...")
-    rep = run_checks(path, cell_timeout=timeout, total_timeout=total_timeout)
+    rep = run_checks(path, cell_timeout=timeout, total_timeout=total_timeout,
+                     stages=None if answers else load_hint_state(path))
+    unsaved = None if answers else save_hint_state(path, rep["exercises"])
     print()
     counts = {s: 0 for s in STATUSES}
     for x in rep["exercises"]:
         counts[x["status"]] += 1
         line = f"  {_MARK[x['status']]} {x['name']}"
         if x["status"] == "pass":
-            print(line)
+            print(line + ": passed")
             continue
-        print(line + f": {_WORDS[x['status']]}" + (f": {x['message']}" if x["message"] and x["status"] != "todo" else ""))
-        if x.get("where"):
-            print(f"      your line: {x['where']}")
-        if x.get("hint"):
-            print(f"      hint: {x['hint']}")
+        print(line + f": {_WORDS[x['status']]}" + (f": {x['message']}" if x["message"] else ""))
+        for key, label in (("where", "your line"), ("why", "why"), ("hint", "hint")):
+            if x.get(key):
+                print(f"      {label}: {x[key]}")
     for i, ename, evalue in rep["stray"]:
         kind = "timed out" if ename == "KeyboardInterrupt" else f"raised {ename}"
         print(f"  ✗ cell {i} {kind}: {evalue}")
     if rep["error"]:
         print(f"  ! {rep['error']}")
+    if unsaved:
+        print(f"  (the hints cannot advance: {unsaved})")
     total = len(rep["exercises"])
     print()
     print(f"check: {counts['pass']}/{total} passed, {counts['fail']} failed, {counts['crash']} crashed, "
@@ -265,6 +284,13 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         return 1
     if counts["todo"]:
         print(f"check: OK, with {counts['todo']} not done yet (exit 0; --answers fails on them)")
+    elif counts["skip"] and not counts["pass"]:
+        print("check: every exercise was skipped on this machine (see why above); none failed.")
+    elif counts["skip"]:
+        print(f"check: all {counts['pass']} exercise(s) that run on this machine passed "
+              f"({counts['skip']} skipped here, see why above).")
+    else:
+        print(f"check: all {total} exercises passed." if total > 1 else "check: the exercise passed.")
     return 0
 
 
@@ -291,6 +317,8 @@ def feedback_html(student: str, reports: list) -> str:
             detail = e(x["message"] or "")
             if x.get("where"):
                 detail += f"<br><code>{e(x['where'])}</code>"
+            if x.get("why"):
+                detail += f"<br>why: {e(x['why'])}"
             if x.get("hint"):
                 detail += f"<br><i>hint: {e(x['hint'])}</i>"
             parts.append(f"<tr class='{x['status'].split()[0]}'><td>{_MARK[x['status']]}</td><td>{e(x['name'])}</td>"

@@ -14,9 +14,17 @@ overwrites a copy (``--reset NAME`` replaces one copy with a fresh one).
 the URL with its token is printed), on 127.0.0.1, ``--allow-root`` when run as
 root (containers). On a remote machine, forward the port first:
 ``ssh -L 8888:localhost:8888 USER@HOST``, then open the printed URL locally.
+
+The learner's JupyterLab shows the course, not the teacher's tools: nbgrader (installed for
+``course grade`` and the tests) would add a Validate button that prints raw tracebacks for "not
+done yet", a Create Assignment sidebar and "No nbgrader_config.py" warnings. Its server
+extensions are switched off on the command line (:func:`lab_command`) and its JupyterLab
+extension in a config folder inside the workspace (:func:`learner_config_dir`, put first on
+``JUPYTER_CONFIG_PATH`` by :func:`lab_env`). ``python -m course check`` is the learner's validate.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -27,6 +35,11 @@ from course.tools.catalog import ROOT, entries
 
 WORKDIR = "work"
 KINDS = ("lesson", "lab")  # solutions are not copied: the workspace is for the learner's own answers
+CONFIG = ".course-jupyter"  # the learner's JupyterLab config, inside the workspace (hidden in the file browser)
+# nbgrader 0.9's extensions (more are found where installed, see teacher_extensions)
+NBGRADER_SERVER = ("nbgrader.server_extensions.formgrader", "nbgrader.server_extensions.validate_assignment",
+                   "nbgrader.server_extensions.assignment_list", "nbgrader.server_extensions.course_list")
+NBGRADER_LAB = ("@jupyter/nbgrader",)
 
 
 def workspace_dir(root: Path = ROOT) -> Path:
@@ -71,10 +84,63 @@ def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
+def teacher_extensions() -> tuple:
+    """(server extensions, JupyterLab extensions) of nbgrader: the known ones and any installed one named nbgrader."""
+    from jupyter_core.paths import jupyter_config_path, jupyter_path
+
+    server, lab = set(NBGRADER_SERVER), set(NBGRADER_LAB)
+    for folder in map(Path, jupyter_config_path()):
+        for f in [folder / "jupyter_server_config.json", *sorted((folder / "jupyter_server_config.d").glob("*.json"))]:
+            try:
+                names = json.loads(f.read_text(encoding="utf-8"))["ServerApp"]["jpserver_extensions"]
+                server |= {n for n in names if "nbgrader" in n}
+            except (OSError, ValueError, KeyError, TypeError):  # absent or not ours to read: skip
+                continue
+    for folder in map(Path, jupyter_path("labextensions")):
+        for pkg in [*folder.glob("*/package.json"), *folder.glob("@*/*/package.json")]:
+            try:
+                name = json.loads(pkg.read_text(encoding="utf-8"))["name"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if "nbgrader" in name:
+                lab.add(name)
+    return sorted(server), sorted(lab)
+
+
+def learner_config_dir(dest: Path) -> Path:
+    """Write the learner's JupyterLab config into ``dest/.course-jupyter``: nbgrader's extensions off; return it.
+
+    ``labconfig/page_config.json`` disables nbgrader's JupyterLab extension (Validate button, Create
+    Assignment sidebar, the nbgrader menu); ``jupyter_server_config.json`` its server extensions.
+    """
+    server, lab = teacher_extensions()
+    cfg = Path(dest) / CONFIG
+    (cfg / "labconfig").mkdir(parents=True, exist_ok=True)
+    (cfg / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {n: True for n in lab}}, indent=1) + "\n", encoding="utf-8")
+    (cfg / "jupyter_server_config.json").write_text(
+        json.dumps({"ServerApp": {"jpserver_extensions": {n: False for n in server}}}, indent=1) + "\n",
+        encoding="utf-8")
+    return cfg
+
+
+def lab_env(dest: Path, base: dict | None = None) -> dict:
+    """The environment for the learner's JupyterLab: ``base`` (default: this one) with :func:`learner_config_dir`
+    first on ``JUPYTER_CONFIG_PATH`` (the highest-priority config folder)."""
+    env = dict(os.environ if base is None else base)
+    rest = [p for p in env.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep) if p]
+    env["JUPYTER_CONFIG_PATH"] = os.pathsep.join([str(learner_config_dir(dest))] + rest)
+    return env
+
+
 def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str | None = None) -> list:
-    """The JupyterLab command line serving the workspace ``dest`` headless."""
+    """The JupyterLab command line serving the workspace ``dest`` headless, nbgrader's server extensions off.
+
+    Run it with :func:`lab_env`'s environment, which also turns off nbgrader's JupyterLab extension.
+    """
     cmd = [sys.executable, "-m", "jupyter", "lab", f"--ServerApp.root_dir={dest}", "--no-browser",
            f"--ip={ip}", f"--port={port}"]
+    cmd += [f"--ServerApp.jpserver_extensions={n}=False" for n in teacher_extensions()[0]]
     if token is not None:
         cmd.append(f"--IdentityProvider.token={token}")
     if is_root():
@@ -104,6 +170,6 @@ def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1") -
     print(f"On a remote machine: ssh -L {port}:localhost:{port} USER@HOST, then open that URL on your computer.\n",
           flush=True)
     try:
-        return subprocess.call(lab_command(dest, port=port, ip=ip))
+        return subprocess.call(lab_command(dest, port=port, ip=ip), env=lab_env(dest))
     except KeyboardInterrupt:
         return 0

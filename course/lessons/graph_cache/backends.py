@@ -24,6 +24,8 @@ import os
 import time
 import weakref
 
+from course.core.text import complete_statement
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TOOL_FILES = tuple(os.path.join(_HERE, f) for f in ("backends.py", "cache.py"))
 
@@ -101,7 +103,8 @@ def diagnose(error_type: str, message: str, frames) -> str:
         if path and path not in _TOOL_FILES and not is_library_file(fr[0]):
             user = fr
             break
-    where = f" (at {os.path.basename(user[0])}:{user[1]}: {user[3]})" if user else ""
+    code = f": {user[3]}" if user and user[3] and complete_statement(user[3]) else ""  # not half a statement
+    where = f" (at {os.path.basename(user[0])}:{user[1]}{code})" if user else ""
     return f"{error_type}: {message}{where}"
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 
+from course.core.text import condense
 from course.lessons.graph_cache.backends import CaptureFailed, default_backend
 from course.lessons.graph_cache.buckets import next_bucket
 
@@ -195,7 +196,7 @@ class GraphCache:
             except Exception as e:  # noqa: BLE001 - the compiled forward failed to run: fall back to the eager kernels
                 if mode != "fusion":
                     raise  # the forward itself is broken: that is the caller's error, not a fallback
-                reason = f"the compiled forward failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                reason = f"the compiled forward failed: {type(e).__name__}: {condense(str(e), 1, 200)}"
                 self.fusion_fallbacks += 1
                 continue
             self.fusion_successes += mode == "fusion"

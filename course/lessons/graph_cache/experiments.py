@@ -18,6 +18,7 @@ from course.core.capture import require_gpu
 import course.core.isolate as isolate
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import condense
 from course.lessons.graph_cache.buckets import bucket_sizes, decode_trace
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
@@ -139,7 +140,7 @@ def _trace_row(label, kind, build, trace, all_args) -> dict:
     cold, steady = passes
     stats = fn.get_stats() if kind == "cache" else {}
     flags = ("recompile_limit", "cache_size_limit", "distinct input size", "skipping cudagraphs")
-    notes = list(dict.fromkeys(m.strip().splitlines()[0][:160] for m in msgs if any(f in m for f in flags)))
+    notes = list(dict.fromkeys(condense(m, 1, 200) for m in msgs if any(f in m for f in flags)))
     return {"variant": label, "p50_us": _percentile(steady, 0.5) * 1e6, "p99_us": _percentile(steady, 0.99) * 1e6,
             "mean_us": statistics.fmean(steady) * 1e6,
             "recordings": stats.get("recordings", sum("Recording function" in m for m in msgs)),
@@ -203,7 +204,7 @@ def trace_experiment(steps: int = 300, max_batch: int = 64, presets=("vllm", "sg
             rows.append({"variant": label, "p50_us": nan, "p99_us": nan, "mean_us": nan, "recordings": 0,
                          "first_8_sizes_s": nan, "cold_pass_s": nan, "steady_pass_s": nan, "memory_MB": nan,
                          "padding_waste": nan, "eager_calls": 0, "graph_launches_last5": nan,
-                         "note": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[-1][:200]}"})
+                         "note": f"FAILED: {type(e).__name__}: {condense((str(e).splitlines() or [''])[-1], 1, 200)}"})
         say(f"graph_cache_trace [{i}/{len(labels)}] {label}: done in {time.perf_counter() - t0:.1f} s")
     res = Result("graph_cache_trace", f"Tiny decoder on a decode trace of {steps} steps (batch 1..{max(trace)}, "
                  f"{len(set(trace))} distinct sizes): every way of running it, same run; step latency is "

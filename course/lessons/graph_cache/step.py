@@ -25,6 +25,7 @@ import time
 from course.core.capture import require_gpu
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import clip, condense, tidy
 from course.core.timing import Timing, speedup, time_interleaved
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
@@ -84,13 +85,13 @@ def _first_calls(build, call_args, want):
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
         ok = _close(out, want)
-    skips = [m.strip().splitlines()[0][:200] for m in msgs if "skipping cudagraphs" in m]
+    skips = [condense(m, 1, 200) for m in msgs if "skipping cudagraphs" in m]
     return fn, {"first_3_calls_s": first_s, "matches_eager": ok, "skip_reason": skips[0] if skips else ""}
 
 
 def _failed(e: Exception) -> dict:
     return {"first_3_calls_s": float("nan"), "matches_eager": False,
-            "skip_reason": f"FAILED: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+            "skip_reason": f"FAILED: {type(e).__name__}: {condense(str(e), 1, 200)}"}
 
 
 def step_rows(order, facts: dict, timings: dict, launches: dict) -> list:
@@ -210,7 +211,7 @@ def step_lines(res) -> str:
                      f"graph launches/step {r['graph_launches']:.0f}")
     for r in res.rows:
         if r["skip_reason"]:
-            lines.append(f"{r['variant']}: torch logged '{r['skip_reason'][:150]}'")
+            lines.append(f"{r['variant']}: torch logged '{clip(tidy(r['skip_reason']), 150)}'")
     lines.append(f"how: {res.params.get('timing', OLD_METHOD)}")
     lines.append(f"[{res.name}] {res.caption()}")
     return "\n".join(lines)

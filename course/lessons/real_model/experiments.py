@@ -21,6 +21,7 @@ import time
 from course.core.capture import require_gpu
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import clip
 from course.core.timing import speedup, time_interleaved
 from course.lessons.real_model.decode import StaticDecoder, graph_cached
 from course.lessons.real_model.generate import check_variants
@@ -34,7 +35,7 @@ NAN = float("nan")
 def _reason(e: BaseException) -> str:
     from course.lessons.reduce_overhead import _condense  # machine paths cut: reference data must not carry them
 
-    return f"FAILED: {type(e).__name__}: {_condense(str(e), 1)[:200]}"
+    return f"FAILED: {type(e).__name__}: {clip(_condense(str(e), 1), 200)}"
 
 
 def kernels_per_call(fn, calls: int = 3) -> float:
@@ -72,7 +73,7 @@ def _mode(fn) -> str:
 
     modes = set(stats["fusion_modes"].values())
     reasons = "; ".join(_condense(r, 1) for r in stats["fallback_reasons"].values())
-    return ",".join(sorted(modes)) + (f" ({reasons[:160]})" if reasons else "")
+    return ",".join(sorted(modes)) + (f" ({clip(reasons, 160)})" if reasons else "")
 
 
 def _free():

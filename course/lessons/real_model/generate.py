@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from course.core.results import Result
+from course.core.text import condense
 
 # Largest |logit difference| allowed, as a fraction of the largest |logit| of the eager reference.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
@@ -105,7 +106,7 @@ def check_variants(variants: dict, eager, first_ids, n_tokens: int = 64, dtype=t
             row["error"] = ""
         except Exception as e:  # noqa: BLE001 - a variant that crashes is a failed row, not a lost check
             row = {"tokens_equal": False, "first_divergence": 0, "max_logit_diff": float("nan"), "tolerance": tol,
-                   "ok": False, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+                   "ok": False, "error": f"{type(e).__name__}: {condense(str(e), 1, 200)}"}
         rows.append({"variant": name, **row})
     dt = str(dtype).replace("torch.", "")
     return Result("real_model_correctness",

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import time
 
+from course.core.text import clip
+
 LOG_FLAGS = ("skipping cudagraphs", "cudagraph", "overwritten", "recompil", "graph break")
 RECIPES = {"forward": "HF: forward compiled", "auto": "HF: auto-compile"}
 
@@ -99,8 +101,8 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
             qs = statistics.quantiles(per, n=4) if len(per) >= 4 else (min(per), 0, max(per))
             row.update(us=statistics.median(per), q1_us=qs[0], q3_us=qs[-1])
         except Exception as e:  # noqa: BLE001 - the library's failure is the finding
-            row["status"] = f"FAILED: {type(e).__name__}: {_condense(str(e), 2)[:300]}"
-            log(f"real_model: {row['variant']}: {row['status'][:160]}")
+            row["status"] = f"FAILED: {type(e).__name__}: {clip(_condense(str(e), 2), 300)}"
+            log(f"real_model: {row['variant']}: {clip(row['status'], 160)}")
             try:
                 from course.core.capture import recover
                 recover()
@@ -109,7 +111,7 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
         finally:
             _restore(model, own_forward, saved_forward, saved_impl)
             torch._dynamo.reset()
-    lines = [_condense(m, 1)[:200] for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
+    lines = [clip(_condense(m, 1), 200) for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
     lines.sort(key=lambda l: not any(k in l.lower() for k in ("skipping", "overwritten")))  # the reasons first
-    row["log"] = " | ".join(dict.fromkeys(lines))[:600]
+    row["log"] = clip(" | ".join(dict.fromkeys(lines)), 600)
     return row

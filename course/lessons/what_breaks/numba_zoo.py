@@ -17,6 +17,7 @@ import torch
 
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import clip
 from course.core.runtime import as_numba, cuda, numba_stream, runtime
 from course.lessons.what_breaks.static import find_static
 
@@ -156,7 +157,7 @@ def capture_and_replay(fn, args, x, mode: str = "global") -> dict:
         warnings.simplefilter("always")
         out = try_capture(lambda: fn(*args), warmup=1, mode=mode)
     empty = any("empty" in str(w.message).lower() for w in caught)
-    row = {"captured": out.ok, "error": "" if out.ok else f"{out.error_type}: {out.error}"[:240],
+    row = {"captured": out.ok, "error": "" if out.ok else clip(f"{out.error_type}: {out.error}", 240),
            "empty_graph_warning": empty, "replay_matches_eager": None}
     if out.ok:
         x.copy_(torch.randn_like(x))

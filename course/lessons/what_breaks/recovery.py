@@ -28,6 +28,7 @@ from course.core.capture import _root_cause, recover, require_gpu
 from course.core.isolate import run_isolated
 from course.core.reference import experiment
 from course.core.results import Result
+from course.core.text import condense
 
 KINDS = ("host_read", "d2h_copy", "numba_alloc", "rng", "unjoined_stream")
 
@@ -173,7 +174,7 @@ def freed_during_capture(guarded: bool, by_hand: bool = False, threshold: int = 
 
 
 def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+    return f"{type(e).__name__}: {condense(str(e), 1, 240)}"
 
 
 def after_failure(kind: str, guarded: bool, rows: int = 64) -> dict:
