@@ -112,8 +112,8 @@ def browser(lab_server):
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--window-size=1400,1000"):
         opts.add_argument(flag)
-    profile = tempfile.mkdtemp(prefix="course-chromium-")
-    opts.add_argument(f"--user-data-dir={profile}")
+    # no --user-data-dir: with one, Chromium 150 (Debian bookworm) never focuses the page, so JupyterLab has no
+    # current widget and "Run All" runs nothing; chromedriver gives each session a fresh profile of its own
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     opts.binary_location = binary
     driver = webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=opts)
@@ -122,7 +122,6 @@ def browser(lab_server):
         yield driver
     finally:
         driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 _STATE = """
