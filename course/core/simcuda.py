@@ -7,8 +7,8 @@ and replays on both: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``make_gra
 """
 from course.core.simcallables import make_graphed_callables
 from course.core.simgraph import CUDAGraph, graph, graph_pool_handle
-from course.core.simstream import (Event, Stream, StreamContext, current_stream, default_stream, is_current_stream_capturing,
-                                   set_stream, stream, synchronize)
+from course.core.simstream import (Event, Stream, StreamContext, current_stream, default_stream,
+                                   is_current_stream_capturing, set_stream, stream, synchronize)
 
 SIMULATED = True  # torch.cuda has no such attribute: ``getattr(cg, "SIMULATED", False)`` tells the two apart
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import course.core.simstream as ss
 
 # aten ops that read device memory on the host (their output size, or a value): a GPU waits for them
+_SIZED = "sizes its output from device values"
 HOST_READS = {"_local_scalar_dense": "reads a device value on the host (.item(), float(t), int(t), if t:)",
-              "nonzero": "sizes its output from device values (nonzero, torch.where(cond), argwhere)",
-              "masked_select": "sizes its output from device values", "unique_dim": "sizes its output from device values",
-              "_unique": "sizes its output from device values", "_unique2": "sizes its output from device values",
-              "unique_consecutive": "sizes its output from device values",
-              "equal": "returns a Python bool computed on the device", "bincount": "sizes its output from device values"}
+              "nonzero": f"{_SIZED} (nonzero, torch.where(cond), argwhere)", "masked_select": _SIZED,
+              "unique_dim": _SIZED, "_unique": _SIZED, "_unique2": _SIZED, "unique_consecutive": _SIZED,
+              "equal": "returns a Python bool computed on the device", "bincount": _SIZED}
 EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}  # memory only: nothing to run
 HOST_SIDE = {"resize_", "set_", "resize_as_"}  # metadata changes made on the host
 
@@ -47,6 +46,19 @@ def _meta(func, args, kwargs):
         return func(*margs, **mkwargs)
     except NotImplementedError:
         return None
+
+
+def _real_error(func, args, kwargs):
+    """The error ``func`` raises when run for real (on copies: nothing is written), or None."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    cargs, ckwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    try:
+        func(*cargs, **ckwargs)
+    except Exception as e:  # noqa: BLE001 - returned to be raised
+        return e.with_traceback(None)
+    return None
 
 
 def _host_read(func, name: str, args, kwargs):
@@ -86,10 +98,13 @@ def record_op(cap, func, args, kwargs):
         return func(*args, **kwargs)
     if torch.Tag.nondeterministic_seeded in func.tags:
         gen = kwargs.get("generator") or next((a for a in args if isinstance(a, torch.Generator)), None)
-        if gen is not None and not any(g is gen for g in cap.generators):
+        if gen is not None and not any(g._cdata == gen._cdata for g in cap.generators):
             raise RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-    meta = _meta(func, args, kwargs)
+    try:
+        meta = _meta(func, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - a bad shape or dtype: raise what the real op raises, as a GPU does
+        raise _real_error(func, args, kwargs) or e from None
     if meta is None:
         if writes:
             raise NotImplementedError(f"the simulated capture cannot record {schema.name} (no meta kernel)")

@@ -171,3 +171,17 @@ class graph:
     def __exit__(self, *exc) -> None:
         self.cuda_graph.capture_end()  # as torch: if this raises, the capture stream stays current
         self.stream_ctx.__exit__(*exc)
+
+
+def end_all_captures() -> None:
+    """End every capture under way, keeping nothing (after a test, or a cell stopped between capture_begin and
+    capture_end); the current stream becomes the default stream again."""
+    for cap in list(ss._ACTIVE):
+        ss._ACTIVE.remove(cap)
+        cap.pool.recording = False
+        for s in cap.work:
+            if s.capture is cap:
+                s.capture = None
+        sp.uninstall()
+        sd.end()
+    ss.set_stream(ss.default_stream())

@@ -12,10 +12,10 @@ data at capture, as on a GPU:
 - Python scalars are recorded by value, tensors by address: replay reads the memory the capture saw, never a
   tensor made later.
 
-A replay runs the recorded ops in order into the recorded outputs. Pool memory is shared the way the CUDA caching allocator shares it: a block
-whose tensors are all gone (the graphs' own records do not count) is free, and the next capture allocation
-into the same pool on the same stream may get it (best fit, blocks up to 1 MiB and larger ones kept apart), so
-graphs sharing a pool can overwrite each other's freed memory exactly when a GPU can.
+A replay runs the recorded ops in order into the recorded outputs. Pool memory is shared the way the CUDA caching
+allocator shares it: a block whose tensors are all gone (the graphs' own records do not count) is free, and the
+next capture allocation into the same pool on the same stream may get it (best fit, blocks up to 1 MiB and larger
+ones kept apart), so graphs sharing a pool can overwrite each other's freed memory where a GPU can.
 """
 from __future__ import annotations
 
