@@ -295,17 +295,20 @@ def test_embedding_lookup_is_captured_and_replayed():
 
 @sim_only
 def test_replay_inside_another_capture_is_recorded_by_it():
-    x = torch.ones(3)
+    x, kernel = torch.ones(32), simparity.streams._affine()
     inner = cg.CUDAGraph()
     with cg.graph(inner):
         y = x + 1
+        k = torch.empty_like(x)
+        kernel[1, 32, course.numba_stream()](course.as_numba(x), course.as_numba(k))
     outer = cg.CUDAGraph()
     with cg.graph(outer):
-        inner.replay()
-        z = y * 10
+        inner.replay()  # recorded into the outer capture, Numba launch included
+        z = y * 10 + k
+    assert torch.isnan(z).all()
     x.fill_(2.0)
     outer.replay()
-    assert z.tolist() == [30.0] * 3
+    assert z.tolist() == [35.0] * 32
 
 
 @sim_only

@@ -22,11 +22,13 @@ capture stream current when ``capture_end`` fails; streams fork into a capture a
 fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
 registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory.
 
-Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation that a GPU cannot do inside
-a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
-device tensor (``host_tensor.to(course.device())``); ``Event`` timing inside captures; the generator left in capture
-mode after a failed capture; freeing a graph's static input (the graph keeps it alive, where a GPU would read freed
-memory); ``torch.cuda`` functions other than the graph and stream API.
+Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation a GPU cannot do inside a
+capture (cuBLAS handles; the course's own embedding error flag is refused, as on a GPU); a host-to-device copy of a
+tensor the simulator cannot tell from a device tensor (``host_tensor.to(course.device())``, ``static.copy_(host)``);
+``Event`` timing inside captures; the random generator left in capture mode after a failed capture; freeing a
+graph's static input (the graph keeps it alive, where a GPU would read freed memory: ``check_input_liveness`` is
+accepted and ignored); the allocator's block splitting (a freed block is reused whole); more than one thread;
+``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions other than the graph and stream API.
 """
 from __future__ import annotations
 

@@ -131,12 +131,19 @@ def _numba_patches():
 
 
 def launch_kernel(kernel, config, args) -> None:
-    """Run a recorded Numba launch now (a replay), with the configuration it was captured with."""
+    """Run a recorded Numba launch now (a replay), with the configuration it was captured with.
+
+    A replay inside another capture records the launch into that capture instead (like any replayed op).
+    """
     km = sys.modules["numba.cuda.simulator.kernel"]
     call = next((o for owner, name, _, o in _saved if owner is km.FakeCUDAKernel and name == "__call__"),
                 km.FakeCUDAKernel.__call__)
     kernel.grid_dim, kernel.block_dim, kernel.dynshared_size = config
-    call(kernel, *args)
+    cap = ss.capturing()
+    if cap is not None:
+        cap.program.record_kernel(kernel, args, ss.current_stream())
+    else:
+        call(kernel, *args)
 
 
 def _apply(patches) -> None:

@@ -38,11 +38,11 @@ def new_handle(user: bool = True) -> tuple:
 class Block:
     """One capture allocation's memory, in a pool: a byte storage kept alive by the pool."""
 
-    def __init__(self, pool, nbytes: int, stream):
+    def __init__(self, pool, nbytes: int, stream, device):
         import torch
 
-        self.storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-        self.nbytes, self.stream, self.pool = nbytes, stream, pool
+        self.storage = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+        self.nbytes, self.stream, self.pool, self.device = nbytes, stream, pool, torch.device(device)
         self.internal = 0  # references held by graphs' own records
         _BLOCKS[self.storage.data_ptr()] = self
 
@@ -59,16 +59,18 @@ class Pool:
     def __init__(self, handle):
         self.handle, self.blocks, self.recording = handle, [], False
 
-    def alloc(self, nbytes: int, stream) -> Block:
-        """A block of at least ``nbytes`` for ``stream``: the smallest free one that fits, else a new one."""
-        size = max(ROUND, -(-nbytes // ROUND) * ROUND)
+    def alloc(self, nbytes: int, stream, device="cpu") -> Block:
+        """A block of ``nbytes`` or more for ``stream`` on ``device``: the smallest free one that fits, or a new one."""
+        import torch
+
+        size, device = max(ROUND, -(-nbytes // ROUND) * ROUND), torch.device(device)
         best = None
         for b in self.blocks:
-            if ((b.nbytes > SMALL) == (size > SMALL) and b.stream is stream and b.nbytes >= size
-                    and (best is None or b.nbytes < best.nbytes) and b.free()):
+            if ((b.nbytes > SMALL) == (size > SMALL) and b.stream is stream and b.device == device
+                    and b.nbytes >= size and (best is None or b.nbytes < best.nbytes) and b.free()):
                 best = b
         if best is None:
-            best = Block(self, size, stream)
+            best = Block(self, size, stream, device)
             self.blocks.append(best)
         return best
 
@@ -122,7 +124,7 @@ class Program:
         if isinstance(x, torch.Tensor):
             block = _BLOCKS.get(x.untyped_storage().data_ptr())
             if block is None:
-                return x.detach()
+                return x.data  # its memory, with its own version counter: a replay is invisible to autograd
             return _Desc(block, x.dtype, x.storage_offset(), tuple(x.shape), tuple(x.stride()))
         if isinstance(x, np.ndarray) and x.ndim:
             base = x
@@ -144,7 +146,7 @@ class Program:
         """A poisoned tensor shaped like ``meta``, in this pool's memory."""
         import torch
 
-        block = self.pool.alloc(_extent(meta) * meta.element_size(), ss.current_stream())
+        block = self.pool.alloc(_extent(meta) * meta.element_size(), ss.current_stream(), device)
         t = torch.empty(0, dtype=meta.dtype, device=device).set_(block.storage, meta.storage_offset(), meta.shape,
                                                                  meta.stride())
         _poison(t)
@@ -174,7 +176,8 @@ class Program:
                 return np.ndarray(d.shape, d.dtype, buffer=base, offset=d.offset, strides=d.stride)
             key = (id(d.block), d.dtype, d.offset, d.shape, d.stride)
             if key not in views:
-                views[key] = torch.empty(0, dtype=d.dtype).set_(d.block.storage, d.offset, d.shape, d.stride)
+                views[key] = torch.empty(0, dtype=d.dtype, device=d.block.device).set_(d.block.storage, d.offset,
+                                                                                         d.shape, d.stride)
                 d.block.internal += 1
                 held.append(d.block)
             return views[key]

@@ -234,14 +234,18 @@ def capture_for_replay(fn):
     graph (a failed capture raises RuntimeError with the error a GPU gives).
     """
     if not runtime().on_gpu:
+        from course.core import simcuda
         from course.core.capture import _root_cause
         try:
-            stand_in = ReplayStandIn(fn)
-        except Exception as e:  # noqa: BLE001 - reported like a GPU capture failure
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                stand_in = ReplayStandIn(fn)
+        except Exception as e:  # noqa: BLE001 - reported like a GPU capture failure (its warnings are noise)
             cause = _root_cause(e)
-            from course.core import simcuda
             simcuda.set_stream(simcuda.default_stream())
             raise RuntimeError(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return stand_in, stand_in.output, "simulator stand-in (records at capture, replays without running Python)"
     from course.core.capture import try_capture
     outcome = try_capture(fn)
