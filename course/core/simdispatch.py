@@ -21,7 +21,6 @@ EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided
 HOST_SIDE = {"resize_", "set_", "resize_as_"}  # metadata changes made on the host
 
 
-
 def _as_meta(x):
     import torch
 

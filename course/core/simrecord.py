@@ -25,7 +25,7 @@ import weakref
 import course.core.simstream as ss
 
 ROUND, SMALL = 512, 1 << 20
-_BLOCKS = weakref.WeakValueDictionary()  # storage data_ptr -> Block
+_BLOCKS = weakref.WeakValueDictionary()  # (device, storage data_ptr) -> Block
 _POOLS = weakref.WeakValueDictionary()  # pool handle -> Pool
 _ids = itertools.count(1)
 
@@ -41,10 +41,11 @@ class Block:
     def __init__(self, pool, nbytes: int, stream, device):
         import torch
 
-        self.storage = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
-        self.nbytes, self.stream, self.pool, self.device = nbytes, stream, pool, torch.device(device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.storage, self.device = buf.untyped_storage(), buf.device  # cuda -> cuda:0, as tensors say
+        self.nbytes, self.stream, self.pool = nbytes, stream, pool
         self.internal = 0  # references held by graphs' own records
-        _BLOCKS[self.storage.data_ptr()] = self
+        _BLOCKS[(self.device, self.storage.data_ptr())] = self
 
     def free(self) -> bool:
         """True when no tensor outside the graphs' records uses this memory."""
@@ -64,6 +65,8 @@ class Pool:
         import torch
 
         size, device = max(ROUND, -(-nbytes // ROUND) * ROUND), torch.device(device)
+        if device.index is None and device.type not in ("cpu", "meta"):
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
         best = None
         for b in self.blocks:
             if ((b.nbytes > SMALL) == (size > SMALL) and b.stream is stream and b.device == device
@@ -122,7 +125,7 @@ class Program:
         import torch
 
         if isinstance(x, torch.Tensor):
-            block = _BLOCKS.get(x.untyped_storage().data_ptr())
+            block = _BLOCKS.get((x.device, x.untyped_storage().data_ptr()))
             if block is None:
                 return x.data  # its memory, with its own version counter: a replay is invisible to autograd
             return _Desc(block, x.dtype, x.storage_offset(), tuple(x.shape), tuple(x.stride()))
@@ -130,7 +133,8 @@ class Program:
             base = x
             while isinstance(base, np.ndarray) and base.base is not None:
                 base = base.base
-            block = _BLOCKS.get(base.untyped_storage().data_ptr()) if isinstance(base, torch.Tensor) else None
+            block = (_BLOCKS.get((base.device, base.untyped_storage().data_ptr())) if isinstance(base, torch.Tensor)
+                     else None)
             if block is not None:
                 offset = x.__array_interface__["data"][0] - block.storage.data_ptr()
                 return _Desc(block, x.dtype, offset, x.shape, x.strides, numpy=True)
