@@ -5,7 +5,7 @@ patches, in force only while a capture is under way (:func:`install` / :func:`un
 capturing stream with the GPU's error (:mod:`course.core.simstream`). They also route a Numba simulator launch
 ``kernel[grid, block, stream](...)`` on a capturing stream into the capture instead of running it, and refuse
 Numba's allocations and ``torch.manual_seed`` as CUDA and torch do. :func:`host_reads_refused` is the same
-refusal outside any capture (the course's older "capture watch").
+refusal outside any capture (the graph cache's ``host_read_watch``).
 
 The simulator cannot tell a host tensor from a device tensor (both are CPU tensors), so: ``.to("cpu")`` written
 as a string is a copy to the host, ``.to(device)`` with a ``torch.device`` equal to the tensor's is a no-op (as
