@@ -121,6 +121,20 @@ def test_replay_stand_in_replay_writes_in_place():
 
 
 @pytest.mark.skipif(runtime().on_gpu, reason="simulator behaviour")
+def test_simulator_capture_refuses_cpu_copy_with_the_gpu_error_and_records_device():
+    model = S.make_model(40, 8, 4)
+    ids = torch.randint(0, 40, (2, 3), device=DEV)
+    S.swap(model, "cpu-copy")
+    with pytest.raises(RuntimeError, match="capture failed: RuntimeError: Cannot copy between CPU and CUDA tensors "
+                                           "during CUDA graph capture"):
+        S.capture_for_replay(lambda: model(ids))
+    S.swap(model, "device")
+    graph, out, how = S.capture_for_replay(lambda: model(ids))
+    assert torch.isnan(out).all(), "the capture recorded the lookup and the linear layer, and computed nothing"
+    close(S.replay_with(graph, ids, out, torch.randint(0, 40, (2, 3), device=DEV)), model(ids), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(runtime().on_gpu, reason="simulator behaviour")
 def test_count_device_to_host_copies_needs_a_gpu():
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
         S.count_device_to_host_copies(lambda: None)
