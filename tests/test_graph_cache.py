@@ -276,8 +276,10 @@ def test_decoder_step_matches_the_uncached_reference():
 def test_decoder_through_the_cache_matches_eager_and_padding_stays_out():
     cfg = DecoderConfig(layers=1, max_seq=8, slots=6)
     eager, cached, leaky = TinyDecoder(cfg), TinyDecoder(cfg), TinyDecoder(cfg)
-    c = _cache(cached.step, buckets=[2, 4, 8], pad_value=cached.pad_values())
-    bad = _cache(leaky.step, buckets=[2, 4, 8], pad_value=0)  # padding rows write into slot 0's cache
+    # the decoder launches Numba kernels: on a GPU only a real graph replays them (the recording backend is the
+    # simulator's: it records aten ops and the simulator's launches)
+    c = GraphCache(cached.step, backend=default_backend(), buckets=[2, 4, 8], pad_value=cached.pad_values())
+    bad = GraphCache(leaky.step, backend=default_backend(), buckets=[2, 4, 8], pad_value=0)  # pads write slot 0
     for step, batch in enumerate([3, 3, 1, 3]):
         args = eager.example_args(batch, step)
         want = eager.step(*args)

@@ -35,7 +35,7 @@ EXPECTED = {
     "cpu_copy": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
     "tolist": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
     "tensor_ctor": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
-    "manual_seed": "Cannot call CUDAGeneratorImpl::set_current_seed",
+    "manual_seed": "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed is the same as the original seed",
     "unregistered_generator": "Attempt to increase offset for a CUDA generator not in capture mode",
     "default_stream": "CUDA graphs must be captured on a non-default stream",
     "replay_before_capture": "Called CUDAGraph::replay without a preceding successful capture",
@@ -71,7 +71,11 @@ def test_the_programs_are_the_expected_ones():
 def test_parity_program_gives_the_gpu_verdict(name):
     """On the simulator: course.graphs() is the stand-in; on a GPU: torch.cuda. Same program, same verdict."""
     assert course.graphs() is (torch.cuda if ON_GPU else simcuda)
-    assert simparity.run(name) == EXPECTED[name]
+    if ON_GPU:  # each in a fresh process: on a GPU a failed capture can leave the random generator in capture mode
+        from course.core.isolate import run_isolated
+        assert run_isolated("course.core.simparity", "run", timeout=120, name=name) == EXPECTED[name]
+    else:
+        assert simparity.run(name) == EXPECTED[name]
 
 
 @sim_only

@@ -14,7 +14,7 @@ import torch
 PHRASES = ("operation not permitted when stream is capturing",
            "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
            "capturing stream has unjoined work", "CUDA graphs must be captured on a non-default stream",
-           "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "Cannot call CUDAGeneratorImpl::set_current_seed",
+           "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed is the same as the original seed",
            "beginAllocateToPool: already recording to mempool_id",
            "Called CUDAGraph::replay without a preceding successful capture",
            "This CUDAGraph instance already owns a captured graph",

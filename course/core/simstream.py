@@ -28,8 +28,9 @@ INVALIDATED = "CUDA error: operation failed due to a previous error during captu
 UNJOINED = "CUDA error: capturing stream has unjoined work"
 COPY = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned. "
         "Please use tensor.pin_memory() or allocate the tensor with pin_memory=True.")
-SEED = ("Cannot call CUDAGeneratorImpl::set_current_seed during CUDA graph capture. If you need this call to be "
-        "captured, please file an issue. Current cudaStreamCaptureStatus: cudaStreamCaptureStatusActive")
+# torch 2.11 on the H100, for torch.manual_seed inside a capture:
+SEED = ("CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed is the same as "
+        "the original seed.")
 NUMBA_ALLOC = ("[<CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: 900>] Call to {} results in "
                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
 MODES = ("global", "thread_local", "relaxed")

@@ -90,7 +90,11 @@ def tensor_bytes(obj) -> int:
 
 
 class RecordingBackend:
-    """Records and replays with the simulator's CUDA graphs (the simulator path; see the module docstring)."""
+    """Records and replays with the simulator's CUDA graphs (the simulator path; see the module docstring).
+
+    On CUDA tensors it records aten ops only: a real Numba kernel launched inside runs at capture and is not
+    replayed (only the simulator's launches are recorded), so use :class:`CudaGraphBackend` on the GPU path.
+    """
 
     name = "recording"
 
