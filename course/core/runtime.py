@@ -203,6 +203,9 @@ def _apply(rt: Runtime) -> None:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     else:
         os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    from course.core.triton_path import prepare
+
+    prepare(interpret=want_sim)  # Triton too: interpreted on the simulator path, before anything imports it
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,9 @@
+"""Lesson 07: the last mile to the floor: a few fused Triton kernels per layer, a CUDA graph, PDL.
+
+- :mod:`~course.lessons.last_mile.kernels`: the decode step of lesson 06's Llama as five Triton kernels per
+  layer (RMSNorm + q/k/v + RoPE + KV write; attention; o_proj + residual; RMSNorm + gate/up + SiLU;
+  down_proj + residual), PDL calls in every one. Needs Triton (imported through
+  :mod:`course.core.triton_path`: compiled on the GPU, interpreted on a laptop).
+- :mod:`~course.lessons.last_mile.decoder`: :class:`TritonDecoder`, the step that launches them on the
+  model's own weights, with static buffers and a static KV cache.
+"""
