@@ -27,16 +27,21 @@ KERNELS_PER_LAYER = 5
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One kernel's launch shape: output rows per program, columns per chunk, warps per program."""
+    """One kernel's launch shape: output rows per program, columns per chunk, warps, chunks in flight (1 or 2).
+
+    Every chunk in flight is loaded before the kernel's PDL wait (weights never change); a program whose
+    rows fit in ``depth`` chunks has all its weights in registers before the kernel before it has finished.
+    """
 
     rows: int
     block_k: int
     warps: int = 4
+    depth: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Launch shapes of the five matrix kernels, positions per attention iteration, chunks in flight."""
+    """Launch shapes of the five matrix kernels, and positions per attention iteration."""
 
     qkv: Launch  # rows: R, the rows of each RoPE half a program owns (2R rows in all)
     o: Launch
@@ -44,7 +49,6 @@ class Config:
     down: Launch
     lm_head: Launch
     block_t: int = 64
-    depth: int = 1  # chunks of weights each program keeps in flight (1 or 2), all loaded before the PDL wait
 
 
 def _p2(n: int) -> int:
@@ -55,8 +59,8 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
                    **over) -> Config:
     """Launch shapes for a model's sizes; ``over`` replaces fields (e.g. ``down=Launch(4, 512)``).
 
-    Compiled (a GPU): a few rows per program (hundreds of programs per product, every SM busy), chunks
-    of up to 512 columns. Interpreted: as many rows per program as fit (each program costs the
+    Compiled (a GPU): one to eight rows per program (hundreds of programs per product, every SM busy),
+    chunks of up to 2048 columns. Interpreted: as many rows per program as fit (each program costs the
     interpreter the same Python work, whatever its size), so a tiny model's step takes a fraction of a second.
     """
     bk_h, bk_i = min(512, _p2(hidden)), min(512, _p2(intermediate))
@@ -65,9 +69,12 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
                      gate_up=Launch(min(256, _p2(intermediate)), bk_h), down=Launch(min(256, _p2(hidden)), bk_i),
                      lm_head=Launch(min(1024, _p2(vocab)), bk_h), block_t=64)
     else:
-        bk_h2, bk_i2 = min(1024, _p2(hidden)), min(1024, _p2(intermediate))  # the H100's best in a sweep of each
-        cfg = Config(qkv=Launch(min(2, head_dim // 2), bk_h2), o=Launch(4, bk_h2), gate_up=Launch(4, bk_h),
-                     down=Launch(2, bk_i2), lm_head=Launch(4, bk_h2))
+        # the H100's fastest whole step with PDL among the best of a sweep of each kernel alone: the
+        # products over the hidden size take whole rows in one chunk (every weight loaded before the wait),
+        # down_proj's rows (5632 wide) two chunks of 1024 in flight
+        bk_h, bk_i = min(2048, _p2(hidden)), min(1024, _p2(intermediate))
+        cfg = Config(qkv=Launch(1, bk_h), o=Launch(8, bk_h, 8), gate_up=Launch(2, bk_h), down=Launch(2, bk_i, 4, 2),
+                     lm_head=Launch(2, min(1024, bk_h)))
     return dataclasses.replace(cfg, **over)
 
 
@@ -146,7 +153,7 @@ class TritonDecoder:
         self._go(self._kernels.norm_qkv_rope, (self.NH + 2 * self.NKV) * (self.D // 2 // r), self.x, n1, wq, wk, wv,
                  self.cos, self.sin, position, self.q, self.k_cache[layer], self.v_cache[layer], self.H, self.eps,
                  self.max_len, NH=self.NH, NKV=self.NKV, D=self.D, R=r, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=self.config.depth)
+                 DEPTH=c.depth)
 
     def attend(self, layer: int, position) -> None:
         """Kernel 2 of ``layer``: attention over positions 0..position."""
@@ -157,30 +164,26 @@ class TritonDecoder:
         """Kernel 3 of ``layer``: o_proj, added to the residual stream."""
         c = self.config.o
         self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.attn, self.layers[layer][4], self.x, self.H,
-                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=self.config.depth)
+                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
 
     def gate_up(self, layer: int) -> None:
         """Kernel 4 of ``layer``: RMSNorm, gate and up, SiLU(gate) * up."""
         n2, wg, wu = self.layers[layer][5:8]
         c = self.config.gate_up
         self._go(self._kernels.norm_gate_up, -(-self.I // c.rows), self.x, n2, wg, wu, self.act, self.I, self.H,
-                 self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=self.config.depth)
+                 self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
 
     def down(self, layer: int) -> None:
         """Kernel 5 of ``layer``: down_proj, added to the residual stream."""
         c = self.config.down
         self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.act, self.layers[layer][8], self.x, self.H,
-                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=self.config.depth)
+                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
 
     def head(self) -> None:
         """The last kernel: final RMSNorm and lm_head into the logits buffer."""
         c = self.config.lm_head
         self._go(self._kernels.norm_lm_head, -(-self.V // c.rows), self.x, self.final_norm, self.lm, self.logits,
-                 self.V, self.H, self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=self.config.depth)
+                 self.V, self.H, self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
 
     def step(self, ids, position):
         """Logits ``[1, vocab]`` (float32, the decoder's buffer) after ``ids`` ``[1, 1]`` at ``position`` ``[1]``.
@@ -219,3 +222,31 @@ def captured(decoder: TritonDecoder):
     if not isinstance(decoder, TritonDecoder):
         raise TypeError(f"captured wraps a TritonDecoder, got {type(decoder).__name__}")
     return GraphCache(decoder.step, buckets=[1], batched=(0,), pad_value=(0, 0), backend=model_backend())
+
+
+def graphed(decoder: TritonDecoder, ids, position):
+    """``decoder.step`` captured in one CUDA graph by hand (GPU): a step that copies its inputs into the graph's
+    static ``ids`` and ``position`` and replays, returning the decoder's logits buffer (no copy of it).
+
+    What :func:`captured` does less the cache's bookkeeping (looking the key up, copying the outputs out):
+    the waterfall times both, so the cost of that bookkeeping is a row of its own.
+    """
+    import torch
+
+    from course.core.capture import graph as capture_graph, warm_up
+
+    ids_s, pos_s = ids.clone(), position.clone()
+    warm_up(lambda: decoder.step(ids_s, pos_s), 2)
+    g = torch.cuda.CUDAGraph()
+    with capture_graph(g):
+        decoder.step(ids_s, pos_s)
+
+    def step(ids, position):
+        """Copy the inputs in, replay the graph, return the logits buffer (overwritten by the next replay)."""
+        ids_s.copy_(ids)
+        pos_s.copy_(position)
+        g.replay()
+        return decoder.logits
+
+    step.graph = g  # keeps the graph alive as long as the step
+    return step

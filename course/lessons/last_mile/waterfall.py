@@ -4,10 +4,11 @@
 times, **interleaved in one run** (CUDA events, median and IQR; :func:`~course.core.timing.time_interleaved`),
 every step of the way at batch 1 (:data:`STEPS`): transformers' eager step, the same kernels captured
 (graph-cached), torch.compile's fused kernels captured (fused), stacked projections with the Numba GEMV
-(fused + GEMV), the course's Triton kernels, five per layer, captured (Triton), and the same with
-programmatic dependent launch (Triton + PDL). Each row also has its kernels per token (profiler), its
-first call (compile and capture included; Triton compiles into an empty cache, so that is its real
-build time), its correctness against eager (greedy tokens, logits within lesson 06's bfloat16
+(fused + GEMV), the course's Triton kernels, five per layer, captured (Triton), the same with
+programmatic dependent launch (Triton + PDL), and that graph replayed by hand instead of through the
+GraphCache (Triton + PDL, plain graph: what the cache's bookkeeping costs per token). Each row also
+has its kernels per token (profiler), its first call (compile and capture included; Triton compiles
+into an empty cache, so that is its real build time), its correctness against eager (greedy tokens, logits within lesson 06's bfloat16
 tolerance) and its ratio to the floor. transformers' own compiled ``generate`` ("HF: auto-compile")
 is timed in the same run by its own method (a long minus a short ``generate``; it cannot be interleaved).
 The summary also counts the 16-byte loads in the PTX of one compiled Triton kernel: the reason the
@@ -31,12 +32,13 @@ STEPS = (
     ("fused + GEMV", "stacked q/k/v and gate/up, the Numba GEMV (lesson 06)"),
     ("Triton", "one Triton kernel per fused group, 5 per layer, captured"),
     ("Triton + PDL", "the same kernels with programmatic dependent launch"),
+    ("Triton + PDL, plain graph", "the same graph replayed by hand: inputs copied in, no cache lookup, no output copy"),
 )
 HF = "HF: auto-compile"
 
 
-def _builders(model, max_len: int, compiled: bool) -> dict:
-    from course.lessons.last_mile.decoder import TritonDecoder, captured
+def _builders(model, max_len: int, compiled: bool, args) -> dict:
+    from course.lessons.last_mile.decoder import TritonDecoder, captured, graphed
     from course.lessons.real_model.decode import StaticDecoder, graph_cached
     from course.lessons.real_model.projections import gemv_model
 
@@ -47,6 +49,7 @@ def _builders(model, max_len: int, compiled: bool) -> dict:
         out["fused + GEMV"] = lambda: graph_cached(StaticDecoder(gemv_model(model, fuse=True), max_len), fusion=True)
     out["Triton"] = lambda: captured(TritonDecoder(model, max_len))
     out["Triton + PDL"] = lambda: captured(TritonDecoder(model, max_len, pdl=True))
+    out["Triton + PDL, plain graph"] = lambda: graphed(TritonDecoder(model, max_len, pdl=True), *args)
     return out
 
 
@@ -62,7 +65,7 @@ def vector_loads(model) -> tuple:
     d = TritonDecoder(model, 8)
     c = d.config.o
     w = d.layers[0][4]
-    k = K.proj_residual.warmup(d.attn, w, d.x, d.H, d.NH * d.D, PDL=False, DEPTH=d.config.depth, BLOCK_N=c.rows,
+    k = K.proj_residual.warmup(d.attn, w, d.x, d.H, d.NH * d.D, PDL=False, DEPTH=c.depth, BLOCK_N=c.rows,
                                BLOCK_K=c.block_k, num_warps=c.warps, grid=(1,))
     ptx = k.asm["ptx"]
     torch.cuda.synchronize()
@@ -113,7 +116,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     args = StaticDecoder(model, max_len).example_args(1, position)
     steps, rows = {}, {}
     what = dict(STEPS)
-    for name, build in _builders(model, max_len, compiled).items():
+    for name, build in _builders(model, max_len, compiled, args).items():
         log(f"last_mile_waterfall: {name}: building, first call (compile and capture) ...")
         try:
             if name.startswith("Triton"):
