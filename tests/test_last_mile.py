@@ -13,7 +13,7 @@ import course
 from course.core import checks, reference
 from course.core import triton_path as TP
 from course.core.results import Result
-from course.core.runtime import runtime
+from course.core.runtime import prepare_triton, runtime
 from course.lessons.real_model import StaticDecoder, build_model, check_variants, greedy
 
 ON_GPU = runtime().on_gpu
@@ -106,12 +106,12 @@ def test_triton_decision_follows_the_runtime(monkeypatch):
 def test_prepare_sets_the_variable_only_before_triton_is_imported(monkeypatch):
     monkeypatch.delitem(sys.modules, "triton", raising=False)
     monkeypatch.delenv(TP.ENV, raising=False)
-    TP.prepare(interpret=True)
+    prepare_triton(interpret=True)
     assert os.environ[TP.ENV] == "1"
-    TP.prepare(interpret=False)
+    prepare_triton(interpret=False)
     assert TP.ENV not in os.environ
     monkeypatch.setitem(sys.modules, "triton", object())
-    TP.prepare(interpret=True)
+    prepare_triton(interpret=True)
     assert TP.ENV not in os.environ, "once Triton is imported, the variable no longer matters: prepare leaves it"
 
 
@@ -137,6 +137,10 @@ def test_triton_step_matches_eager_and_is_idempotent(tiny):
         assert got.shape == want.shape and got.dtype == torch.float32
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"position {p}"
         assert torch.equal(dec.step(ids, pos), got), "a second run on the same inputs must give the same logits"
+        for layer in range(tiny.config.num_hidden_layers):  # norm_qkv_rope's KV write: transformers' own cache entries
+            cache = eager.cache_for(1).layers[layer]
+            assert torch.allclose(dec.k_cache[layer, :, p], cache.keys[0, :, p], atol=1e-5)
+            assert torch.allclose(dec.v_cache[layer, :, p], cache.values[0, :, p], atol=1e-5)
 
 
 @needs_triton
@@ -226,6 +230,23 @@ def test_each_kernel_against_torch():
     xd = x.clone().to(DEV)  # the kernel adds in place
     K.proj_residual[(3,)](a.to(DEV), w.to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32)
     assert torch.allclose(xd.cpu(), x + w @ a, atol=1e-4)
+
+
+@needs_triton
+def test_norm_gate_up_and_norm_lm_head_against_torch():
+    from course.lessons.last_mile import kernels as K
+
+    g = torch.Generator().manual_seed(5)
+    k, n, eps = 48, 40, 1e-5
+    x, nw = torch.randn(k, generator=g), torch.randn(k, generator=g)
+    wg, wu = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    normed = nw * (x * torch.rsqrt((x * x).mean() + eps))
+    act, logits = torch.zeros(n), torch.zeros(n)
+    d = [t.clone().to(DEV) for t in (x, nw, wg, wu, act, logits)]
+    K.norm_gate_up[(3,)](d[0], d[1], d[2], d[3], d[4], n, k, eps, PDL=False, DEPTH=1, BLOCK_N=16, BLOCK_K=32)
+    assert torch.allclose(d[4].cpu(), torch.nn.functional.silu(wg @ normed) * (wu @ normed), atol=1e-4)
+    K.norm_lm_head[(5,)](d[0], d[1], d[2], d[5], n, k, eps, PDL=False, DEPTH=2, BLOCK_N=8, BLOCK_K=16)
+    assert torch.allclose(d[5].cpu(), wg @ normed, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- the exercise checks
@@ -368,3 +389,8 @@ def test_gpu_quick_experiments_and_ptx_vector_loads(tiny):
         assert res.rows and res.provenance["path"] == "cuda"
     v4, loads = vector_loads(build_model("tinyllama"))
     assert 0 < v4 <= loads
+    from course.lessons.last_mile.timeline import kernel_events
+
+    a = torch.ones(1 << 20, device=DEV)
+    events = kernel_events(lambda: (a * 2, a + 1))
+    assert len(events) == 2 and all(s < e for _, s, e in events) and events[0][1] <= events[1][1]

@@ -7,8 +7,8 @@ kernel source, checked against eager PyTorch on small shapes, in seconds.
 
 Triton reads ``TRITON_INTERPRET`` as it is imported (its own library of kernel helpers, ``tl.sum`` and
 the like, is decorated then) and importing transformers' Llama imports Triton. So the variable is set
-by :func:`prepare`, which the runtime decision calls the moment it decides (``import course;
-course.header()``, or anything that asks ``runtime()``), before a model is built. :func:`triton`
+by the runtime decision itself (:func:`course.core.runtime.prepare_triton`, the moment it decides:
+``import course; course.header()``, or anything that asks ``runtime()``), before a model is built. :func:`triton`
 returns the module and refuses, with the fix, a Triton imported earlier in the other mode. Triton
 is a Linux package (torch's CUDA builds bring it; pyproject declares it for Linux): where it is
 missing, :func:`missing_reason` says why and the lessons show recorded data instead.
@@ -16,23 +16,8 @@ missing, :func:`missing_reason` says why and the lessons show recorded data inst
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
-ENV = "TRITON_INTERPRET"
-
-
-def prepare(interpret: bool) -> None:
-    """Set ``TRITON_INTERPRET`` for the path the runtime chose (called by :func:`course.core.runtime.runtime`).
-
-    Does nothing once Triton is imported: :func:`triton` then checks the mode it was imported in.
-    """
-    if "triton" in sys.modules:
-        return
-    if interpret:
-        os.environ[ENV] = "1"
-    else:
-        os.environ.pop(ENV, None)
+from course.core.runtime import TRITON_ENV as ENV  # noqa: F401  (re-exported: one name for the variable)
 
 
 def missing_reason() -> str:

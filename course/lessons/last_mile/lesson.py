@@ -30,16 +30,16 @@ def plot_timeline(ax, result, last_index: int = 10) -> None:
     for lane, v in enumerate(variants):
         rows = [r for r in result.rows if r["variant"] == v and r["index"] <= last_index]
         for r in rows:
-            y = lane + (0.2 if r["index"] % 2 else -0.2) * 0.5  # alternate heights: overlapping bars stay visible
+            y = lane + (0.17 if r["index"] % 2 else -0.17)  # alternate heights: overlapping bars stay visible
             kind = r["kernel"]
-            ax.barh(y, r["end_us"] - r["start_us"], left=r["start_us"], height=0.35,
+            ax.barh(y, r["end_us"] - r["start_us"], left=r["start_us"], height=0.3,
                     color=KERNEL_COLORS.get(kind, "0.5"), edgecolor="k", linewidth=0.3,
                     label=None if kind in labelled else kind)
             labelled.add(kind)
         end = max(r["end_us"] for r in rows)
-        ax.text(end, lane + 0.3, f"{len(rows)} kernels: {end:.1f} us", fontsize=8, ha="right")
+        ax.text(end, lane - 0.36, f"{len(rows)} kernels end at {end:.1f} us", fontsize=8, ha="right", va="bottom")
     ax.set_yticks(range(len(variants)), variants)
     ax.invert_yaxis()
     ax.set_xlabel("time from the step's first kernel [us] (GPU clock)")
-    ax.legend(fontsize=7, ncol=6, loc="lower right")
+    ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     ax.grid(alpha=0.3, axis="x")
