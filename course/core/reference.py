@@ -39,6 +39,8 @@ EXPERIMENT_MODULES = (
     "course.embedding.access",
     "course.lessons.real_model.experiments",
     "course.lessons.real_model.gemv_bench",
+    "course.lessons.last_mile.waterfall",
+    "course.lessons.last_mile.timeline",
 )
 
 

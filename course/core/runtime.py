@@ -203,6 +203,24 @@ def _apply(rt: Runtime) -> None:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     else:
         os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+    prepare_triton(interpret=want_sim)  # Triton too: interpreted on the simulator path, before anything imports it
+
+
+TRITON_ENV = "TRITON_INTERPRET"
+
+
+def prepare_triton(interpret: bool) -> None:
+    """Set ``TRITON_INTERPRET`` for the path chosen (Triton's interpreter on the simulator path), before Triton loads.
+
+    Triton reads it as it is imported; once it is, this does nothing and :mod:`course.core.triton_path` checks
+    the mode it was imported in.
+    """
+    if "triton" in sys.modules:
+        return
+    if interpret:
+        os.environ[TRITON_ENV] = "1"
+    else:
+        os.environ.pop(TRITON_ENV, None)
 
 
 @lru_cache(maxsize=1)

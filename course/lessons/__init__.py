@@ -6,4 +6,6 @@
 - 03 :mod:`~course.lessons.what_breaks`: the capture-hazard finder, its zoo and its experiments.
 - 04 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
 - 05 :mod:`~course.lessons.sharding`: a sharded embedding table, captured over several GPUs.
+- 06 :mod:`~course.lessons.real_model`: a real model's decode step (transformers' Llama), captured and fused.
+- 07 :mod:`~course.lessons.last_mile`: that step as five fused Triton kernels per layer, with PDL.
 """

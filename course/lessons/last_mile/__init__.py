@@ -1,0 +1,15 @@
+"""Lesson 07: the last mile to the floor: a few fused Triton kernels per layer, a CUDA graph, PDL.
+
+- :mod:`~course.lessons.last_mile.kernels`: the decode step of lesson 06's Llama as five Triton kernels per
+  layer (RMSNorm + q/k/v + RoPE + KV write; attention; o_proj + residual; RMSNorm + gate/up + SiLU;
+  down_proj + residual), PDL calls in every one. Needs Triton (imported through
+  :mod:`course.core.triton_path`: compiled on the GPU, interpreted on a laptop).
+- :mod:`~course.lessons.last_mile.decoder`: :class:`TritonDecoder`, the step that launches them on the
+  model's own weights, with static buffers and a static KV cache; its launch shapes; the step captured.
+- :mod:`~course.lessons.last_mile.waterfall`: the registered GPU experiment "last_mile_waterfall", eager to
+  the floor in one interleaved run.
+- :mod:`~course.lessons.last_mile.timeline`: "last_mile_timeline", every kernel's start and end, without and
+  with PDL.
+- :mod:`~course.lessons.last_mile.lab`: the notebook's checks (a fused RMSNorm + GEMV, a prediction).
+- :mod:`~course.lessons.last_mile.lesson`: the notebook's plots.
+"""

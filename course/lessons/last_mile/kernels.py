@@ -1,0 +1,261 @@
+"""The decode step of lesson 06's Llama as five Triton kernels per layer (plus one before the layers, one after).
+
+Each kernel does everything one pass over one weight matrix can do, so the step reads each weight once
+and each activation only where it must cross from one kernel to the next:
+
+1. :func:`norm_qkv_rope`: RMSNorm of the residual stream, the q, k and v products (one program: a slice
+   of rows of one head, and the rows RoPE pairs with them), RoPE on q and k, k and v written into the
+   KV cache at the step's position;
+2. :func:`attention`: one program per query head, over positions ``0..position`` of its KV head
+   (online softmax), nothing past the position read;
+3. :func:`proj_residual`: the output product, added to the residual stream in place;
+4. :func:`norm_gate_up`: RMSNorm, the gate and up products (a program: the same rows of both),
+   ``silu(gate) * up``;
+5. :func:`proj_residual` again: the down product, added to the residual stream in place.
+
+Before the layers :func:`embed` copies the token's row of the embedding table into the residual stream;
+after them :func:`norm_lm_head` normalizes and computes the logits (float32).
+
+**Every matrix-vector product** is the same loop: a program owns ``BLOCK_N`` rows, walks the row in
+chunks of ``BLOCK_K`` columns, multiplies in float32 and sums at the end. The next chunk of weights is
+loaded before the current one is used (two chunks in flight per program), and the first chunk is
+loaded before the program waits for the kernel before it (below).
+
+**Rounding as transformers rounds**: every value transformers keeps in the model's dtype (a
+projection's output, a normalized vector, the residual stream, RoPE's two products and their sum) is
+rounded to that dtype here too (``.to(DT)``), and everything else is float32. In float32 the
+roundings do nothing.
+
+**Programmatic dependent launch (PDL)**: with ``PDL=True`` every kernel calls
+``gdc_launch_dependents()`` as it starts (the next kernel may be scheduled onto free SMs at once) and
+``gdc_wait()`` (returns when the kernel before has finished and its writes are visible) before it
+reads anything a previous kernel wrote or writes anything a previous kernel reads. What it does
+before the wait (its addresses, its first chunk of weights) overlaps the previous kernel's tail.
+Launched without PDL both calls are no-ops; under Triton's interpreter they do not exist, so
+``PDL=False`` there.
+
+Row widths (``K``) are compile-time constants (one compiled kernel per width: the loops have fixed
+trip counts). Triton's interpreter keeps a scalar as a one-element array, which newer NumPy refuses to
+turn into a Python ``int``: so no ``range`` here takes a bound that is not a constant, and the attention
+loop, whose bound is the position read from memory, is a ``while``.
+"""
+from __future__ import annotations
+
+from course.core.triton_path import triton
+
+tr = triton()
+import triton.language as tl  # noqa: E402  (after the interpret decision, on purpose)
+
+
+@tr.jit
+def _rstd(x_ptr, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over the ``K`` values at ``x_ptr``, in float32."""
+    acc = tl.full([BLOCK_K], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        acc += v * v
+    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@tr.jit
+def _normed(x_ptr, nw_ptr, c, K, rstd, NORM: tl.constexpr):
+    """The chunk ``c`` of x, normalized as transformers' LlamaRMSNorm does (``w * (x * rstd).to(dtype)``) if NORM."""
+    DT = x_ptr.dtype.element_ty
+    v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+    if NORM:
+        w = tl.load(nw_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        v = (w * (v * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    return v
+
+
+@tr.jit
+def _chunk(w_ptr, rows, rmask, K: tl.constexpr, i, BLOCK_K: tl.constexpr):
+    """Chunk ``i`` (columns ``i*BLOCK_K ..``) of ``rows``; past the row's end, nothing is read."""
+    c = i * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=rmask[:, None] & (c[None, :] < K), other=0.0)
+
+
+@tr.jit
+def _gemv(w_ptr, rows, rmask, x_ptr, nw_ptr, rstd, K: tl.constexpr, wa, wb, NORM: tl.constexpr, DEPTH: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_k w[rows, k] * x[k]`` in float32 (x normalized if NORM), ``DEPTH`` chunks of weights in flight.
+
+    ``wa`` (and with DEPTH 2 ``wb``) are the first chunks, already loaded (before the PDL wait).
+    """
+    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    for i in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        w_new = _chunk(w_ptr, rows, rmask, K, i + DEPTH, BLOCK_K)
+        x = _normed(x_ptr, nw_ptr, i * BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, NORM)
+        acc += wa.to(tl.float32) * x[None, :]
+        if DEPTH == 2:
+            wa = wb
+            wb = w_new
+        else:
+            wa = w_new
+    return tl.sum(acc, axis=1)
+
+
+@tr.jit
+def _prefetch(w_ptr, rows, rmask, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first ``DEPTH`` chunks of ``rows`` (the second is the first again when DEPTH is 1)."""
+    wa = _chunk(w_ptr, rows, rmask, K, 0, BLOCK_K)
+    if DEPTH == 2:
+        wb = _chunk(w_ptr, rows, rmask, K, 1, BLOCK_K)
+    else:
+        wb = wa
+    return wa, wb
+
+
+@tr.jit
+def embed(ids_ptr, emb_ptr, x_ptr, K, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """``x = emb[ids[0]]``: the token's row of the embedding table into the residual stream."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    tok = tl.load(ids_ptr)
+    v = tl.load(emb_ptr + tok * K + c, mask=c < K, other=0.0)
+    tl.store(x_ptr + c, v, mask=c < K)
+
+
+@tr.jit
+def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                  K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+    """RMSNorm, q/k/v products, RoPE, the KV-cache write. Program: rows ``j..j+R`` and ``j+D/2..`` of one head.
+
+    Heads ``0..NH-1`` are q's (result to ``q_ptr``), then NKV of k, NKV of v (to the caches at ``position``).
+    """
+    DT = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    per_head: tl.constexpr = HALF // R
+    pid = tl.program_id(0)
+    head = pid // per_head
+    j = (pid % per_head) * R + tl.arange(0, R)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if head < NH:
+        w_ptr = wq_ptr + head * D * K
+    elif head < NH + NKV:
+        w_ptr = wk_ptr + (head - NH) * D * K
+    else:
+        w_ptr = wv_ptr + (head - NH - NKV) * D * K
+    ok = j < HALF
+    lo_a, lo_b = _prefetch(w_ptr, j, ok, K, DEPTH, BLOCK_K)
+    hi_a, hi_b = _prefetch(w_ptr, j + HALF, ok, K, DEPTH, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    lo = _gemv(w_ptr, j, ok, x_ptr, nw_ptr, rstd, K, lo_a, lo_b, True, DEPTH, R, BLOCK_K).to(DT).to(tl.float32)
+    hi = _gemv(w_ptr, j + HALF, ok, x_ptr, nw_ptr, rstd, K, hi_a, hi_b, True, DEPTH, R, BLOCK_K).to(DT).to(tl.float32)
+    p = tl.load(pos_ptr)
+    if head < NH + NKV:  # RoPE: (q * cos) + (rotate_half(q) * sin), rounded as transformers rounds
+        cos_lo = tl.load(cos_ptr + p * D + j).to(tl.float32)
+        sin_lo = tl.load(sin_ptr + p * D + j).to(tl.float32)
+        cos_hi = tl.load(cos_ptr + p * D + HALF + j).to(tl.float32)
+        sin_hi = tl.load(sin_ptr + p * D + HALF + j).to(tl.float32)
+        new_lo = (lo * cos_lo).to(DT).to(tl.float32) + (-hi * sin_lo).to(DT).to(tl.float32)
+        new_hi = (hi * cos_hi).to(DT).to(tl.float32) + (lo * sin_hi).to(DT).to(tl.float32)
+        lo, hi = new_lo, new_hi
+    if head < NH:
+        tl.store(q_ptr + head * D + j, lo.to(DT))
+        tl.store(q_ptr + head * D + HALF + j, hi.to(DT))
+    elif head < NH + NKV:
+        slot = kc_ptr + ((head - NH) * max_len + p) * D
+        tl.store(slot + j, lo.to(DT))
+        tl.store(slot + HALF + j, hi.to(DT))
+    else:
+        slot = vc_ptr + ((head - NH - NKV) * max_len + p) * D
+        tl.store(slot + j, lo.to(DT))
+        tl.store(slot + HALF + j, hi.to(DT))
+
+
+@tr.jit
+def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr, NKV: tl.constexpr,
+              D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One query head over positions 0..position of its KV head: online softmax in float32, the result rounded."""
+    DT = q_ptr.dtype.element_ty
+    h = tl.program_id(0)
+    g = h // (NH // NKV)
+    d = tl.arange(0, D)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    p = tl.load(pos_ptr)
+    q = tl.load(q_ptr + h * D + d).to(tl.float32)
+    base = g * max_len * D
+    m = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
+    total = tl.sum(tl.full([BLOCK_T], 0.0, tl.float32), axis=0)
+    acc = tl.full([D], 0.0, tl.float32)
+    t0 = 0
+    while t0 <= p:
+        t = t0 + tl.arange(0, BLOCK_T)
+        seen = t <= p
+        k = tl.load(kc_ptr + base + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        v = tl.load(vc_ptr + base + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        s = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(s - m_new)
+        total = total * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
+        m = m_new
+        t0 += BLOCK_T
+    tl.store(out_ptr + h * D + d, (acc / total).to(DT))
+
+
+@tr.jit
+def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``x[rows] = x[rows] + (W @ a)[rows]``: a product added to the residual stream in place (o_proj, down_proj)."""
+    DT = x_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    y = _gemv(w_ptr, rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N, BLOCK_K).to(DT).to(tl.float32)
+    r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
+
+
+@tr.jit
+def norm_gate_up(x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr,
+                 DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``act[rows] = silu(gate(n)) * up(n)`` with ``n = RMSNorm(x)``: the same rows of both matrices per program."""
+    DT = x_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    ga, gb = _prefetch(wg_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    ua, ub = _prefetch(wu_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    g = _gemv(wg_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N, BLOCK_K).to(DT).to(tl.float32)
+    u = _gemv(wu_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N, BLOCK_K).to(DT).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
+    tl.store(act_ptr + rows, act.to(DT), mask=ok)
+
+
+@tr.jit
+def norm_lm_head(x_ptr, nw_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr, DEPTH: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Logits (float32, rounded through the model's dtype, as transformers' lm_head output is): RMSNorm, lm_head."""
+    DT = x_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    y = _gemv(w_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows, y.to(DT).to(tl.float32), mask=ok)

@@ -1,0 +1,396 @@
+"""Lesson 07 (course.lessons.last_mile): the Triton decode step against transformers' eager step, each kernel
+against torch, the exercise checks against wrong kernels, the experiments' helpers. Under Triton's interpreter on
+the simulator path (skipped, with the reason, where Triton is not installed); GPU tests at the end."""
+import dataclasses
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import course
+from course.core import checks, reference
+from course.core import triton_path as TP
+from course.core.results import Result
+from course.core.runtime import prepare_triton, runtime
+from course.lessons.real_model import StaticDecoder, build_model, check_variants, greedy
+
+ON_GPU = runtime().on_gpu
+DEV = course.device()
+AVAILABLE = TP.available()
+needs_triton = pytest.mark.skipif(not AVAILABLE, reason=TP.missing_reason() or "triton available")
+gpu = pytest.mark.skipif(not (ON_GPU and AVAILABLE), reason="needs a GPU with Triton (compiled kernels, graphs, PDL)")
+
+if AVAILABLE:
+    tr = TP.triton()
+    import triton.language as tl
+
+    @tr.jit
+    def good_rms_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, eps, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        sq = tl.full([BLOCK_K], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + c, mask=c < K, other=0.0)
+            sq += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            n = tl.load(x_ptr + c, mask=c < K, other=0.0) * rstd * tl.load(nw_ptr + c, mask=c < K, other=0.0)
+            w = tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=(rows[:, None] < N) & (c[None, :] < K), other=0.0)
+            acc += w * n[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+    @tr.jit
+    def no_eps_rms_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, eps, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        sq = tl.full([BLOCK_K], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + c, mask=c < K, other=0.0)
+            sq += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K)
+        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            n = tl.load(x_ptr + c, mask=c < K, other=0.0) * rstd * tl.load(nw_ptr + c, mask=c < K, other=0.0)
+            w = tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=(rows[:, None] < N) & (c[None, :] < K), other=0.0)
+            acc += w * n[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+    @tr.jit
+    def plain_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, eps, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            c = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + c, mask=c < K, other=0.0)
+            w = tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=(rows[:, None] < N) & (c[None, :] < K), other=0.0)
+            acc += w * x[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+    @tr.jit
+    def last_rows_unwritten(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, eps, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + rows, tl.zeros([BLOCK_N], tl.float32), mask=rows < N - 1)
+
+    @tr.jit
+    def unfinished_rms_gemv(x_ptr, nw_ptr, w_ptr, y_ptr, N, K: tl.constexpr, eps, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        # YOUR CODE HERE
+        raise NotImplementedError("rms_gemv(): your code goes here")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny")
+
+
+# ----------------------------------------------------------------------------- the Triton decision
+def test_triton_decision_follows_the_runtime(monkeypatch):
+    assert TP.interpreting() == (not ON_GPU)
+    assert ("interpreter" in TP.describe()) == (AVAILABLE and not ON_GPU)
+    monkeypatch.setattr(TP.importlib.util, "find_spec", lambda name: None)
+    assert "not installed" in TP.missing_reason() and not TP.available()
+    with pytest.raises(ImportError, match="Linux only"):
+        TP.triton()
+    assert "not installed" in TP.describe()
+
+
+def test_prepare_sets_the_variable_only_before_triton_is_imported(monkeypatch):
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    monkeypatch.delenv(TP.ENV, raising=False)
+    prepare_triton(interpret=True)
+    assert os.environ[TP.ENV] == "1"
+    prepare_triton(interpret=False)
+    assert TP.ENV not in os.environ
+    monkeypatch.setitem(sys.modules, "triton", object())
+    prepare_triton(interpret=True)
+    assert TP.ENV not in os.environ, "once Triton is imported, the variable no longer matters: prepare leaves it"
+
+
+@needs_triton
+def test_imported_triton_is_in_the_runtime_mode(monkeypatch):
+    assert TP.imported_interpreting() == TP.interpreting()
+    monkeypatch.setattr(TP, "interpreting", lambda: not TP.imported_interpreting())
+    with pytest.raises(course.CourseEnvironmentError, match="course.header"):
+        TP.triton()
+
+
+# ----------------------------------------------------------------------------- the decoder on the tiny model
+@needs_triton
+def test_triton_step_matches_eager_and_is_idempotent(tiny):
+    from course.lessons.last_mile.decoder import KERNELS_PER_LAYER, TritonDecoder
+
+    eager, dec = StaticDecoder(tiny, 64), TritonDecoder(tiny, 64)
+    assert dec.kernels_per_token == 2 + KERNELS_PER_LAYER * tiny.config.num_hidden_layers
+    for p in range(3):
+        ids, pos = eager.example_args(1, p, seed=p)
+        want = eager.step(ids, pos)
+        got = dec.step(ids, pos).clone()
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), f"position {p}"
+        assert torch.equal(dec.step(ids, pos), got), "a second run on the same inputs must give the same logits"
+        for layer in range(tiny.config.num_hidden_layers):  # norm_qkv_rope's KV write: transformers' own cache entries
+            cache = eager.cache_for(1).layers[layer]
+            assert torch.allclose(dec.k_cache[layer, :, p], cache.keys[0, :, p], atol=1e-5)
+            assert torch.allclose(dec.v_cache[layer, :, p], cache.values[0, :, p], atol=1e-5)
+
+
+@needs_triton
+def test_two_chunks_in_flight_and_small_chunks_give_the_same_logits(tiny):
+    """Depth 2 and chunks narrower than the rows (several loop turns, a masked tail) against eager."""
+    from course.lessons.last_mile.decoder import Launch, TritonDecoder, default_config
+
+    cfg = default_config(64, 176, 16, 512, interpret=True, qkv=Launch(4, 32, depth=2), o=Launch(64, 16, depth=2),
+                         gate_up=Launch(256, 32, depth=2), down=Launch(64, 64, depth=2),
+                         lm_head=Launch(512, 32, depth=2))
+    eager, dec = StaticDecoder(tiny, 32), TritonDecoder(tiny, 32, config=cfg)
+    for p in range(2):
+        ids, pos = eager.example_args(1, p, seed=p)
+        want = eager.step(ids, pos)
+        assert (dec.step(ids, pos) - want).abs().max() <= 1e-5 * want.abs().max(), f"position {p}"
+
+
+@needs_triton
+def test_sixty_four_greedy_float32_tokens_equal_eager(tiny):
+    from course.lessons.last_mile.decoder import TritonDecoder
+
+    first = torch.tensor([11], device=DEV)
+    want = greedy(StaticDecoder(tiny, 128).step, first, 64)
+    assert torch.equal(greedy(TritonDecoder(tiny, 128).step, first, 64), want)
+
+
+@needs_triton
+def test_a_broken_kernel_is_caught_by_the_check(tiny):
+    """Drop RoPE's rotation (cos only) from the q/k kernel's result: the logits check must fail."""
+    from course.lessons.last_mile.decoder import TritonDecoder
+
+    dec = TritonDecoder(tiny, 64)
+    dec.sin = torch.zeros_like(dec.sin)  # RoPE without its sine: positions > 0 rotate wrongly
+    res = check_variants({"no sine": dec.step}, StaticDecoder(tiny, 64).step, torch.tensor([11], device=DEV), 6)
+    assert not res.rows[0]["ok"]
+
+
+@needs_triton
+def test_decoder_rejects_what_it_cannot_run(tiny):
+    from course.lessons.last_mile.decoder import Launch, TritonDecoder, default_config
+
+    dec = TritonDecoder(tiny, 32)
+    ids, pos = StaticDecoder(tiny, 32).example_args(2, 0)
+    with pytest.raises(ValueError, match="one sequence"):
+        dec.step(ids, pos)
+    with pytest.raises(ValueError, match="max_len"):
+        TritonDecoder(tiny, 100_000)
+    with pytest.raises(ValueError, match="divide"):
+        TritonDecoder(tiny, 32, config=default_config(64, 176, 16, 512, qkv=Launch(3, 64)))
+    if not ON_GPU:
+        with pytest.raises(ValueError, match="Hopper"):
+            TritonDecoder(tiny, 32, pdl=True)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        TritonDecoder(build_model("tiny").to(torch.float16), 32)
+    dec.reset()
+    assert not dec.k_cache.any() and not dec.v_cache.any()
+
+
+def test_default_config_shapes():
+    from course.lessons.last_mile.decoder import Config, Launch, default_config
+
+    gpu_cfg = default_config(2048, 5632, 64, 32000)
+    assert isinstance(gpu_cfg, Config) and gpu_cfg.qkv.rows <= 32 and gpu_cfg.down.block_k <= 1024
+    small = default_config(64, 176, 16, 512, interpret=True)
+    assert small.qkv.rows == 8 and small.lm_head.rows == 512 and small.down.block_k == 256
+    assert default_config(64, 176, 16, 512, o=Launch(8, 64)).o == Launch(8, 64)
+
+
+@needs_triton
+def test_each_kernel_against_torch():
+    """The attention kernel against softmax(q k^T) v over 0..position; proj_residual against x + W a."""
+    from course.lessons.last_mile import kernels as K
+
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, d, max_len, p = 4, 2, 16, 32, 20
+    q = torch.randn(nh * d, generator=g)
+    kc, vc = torch.randn(nkv, max_len, d, generator=g), torch.randn(nkv, max_len, d, generator=g)
+    out = torch.zeros(nh * d)
+    pos = torch.tensor([p])
+    args = [t.clone().to(DEV) for t in (q, kc, vc, pos, out)]
+    K.attention[(nh,)](*args[:4], args[4], max_len, d ** -0.5, NH=nh, NKV=nkv, D=d, PDL=False, BLOCK_T=8)
+    for h in range(nh):
+        kv = h // (nh // nkv)
+        s = torch.softmax(kc[kv, :p + 1] @ q[h * d:(h + 1) * d] * d ** -0.5, 0)
+        assert torch.allclose(args[4].cpu()[h * d:(h + 1) * d], s @ vc[kv, :p + 1], atol=1e-5), f"head {h}"
+    w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
+    xd = x.clone().to(DEV)  # the kernel adds in place
+    K.proj_residual[(3,)](a.to(DEV), w.to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32)
+    assert torch.allclose(xd.cpu(), x + w @ a, atol=1e-4)
+
+
+@needs_triton
+def test_norm_gate_up_and_norm_lm_head_against_torch():
+    from course.lessons.last_mile import kernels as K
+
+    g = torch.Generator().manual_seed(5)
+    k, n, eps = 48, 40, 1e-5
+    x, nw = torch.randn(k, generator=g), torch.randn(k, generator=g)
+    wg, wu = torch.randn(n, k, generator=g), torch.randn(n, k, generator=g)
+    normed = nw * (x * torch.rsqrt((x * x).mean() + eps))
+    act, logits = torch.zeros(n), torch.zeros(n)
+    d = [t.clone().to(DEV) for t in (x, nw, wg, wu, act, logits)]
+    K.norm_gate_up[(3,)](d[0], d[1], d[2], d[3], d[4], n, k, eps, PDL=False, DEPTH=1, BLOCK_N=16, BLOCK_K=32)
+    assert torch.allclose(d[4].cpu(), torch.nn.functional.silu(wg @ normed) * (wu @ normed), atol=1e-4)
+    K.norm_lm_head[(5,)](d[0], d[1], d[2], d[5], n, k, eps, PDL=False, DEPTH=2, BLOCK_N=8, BLOCK_K=16)
+    assert torch.allclose(d[5].cpu(), wg @ normed, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the exercise checks
+@needs_triton
+def test_rms_gemv_check_passes_the_answer_and_names_wrong_ones():
+    from course.lessons.last_mile import lab
+
+    checks.reset()
+    lab.check_rms_gemv(good_rms_gemv, name="t ok")
+    assert checks.status("t ok") == checks.PASS
+    lab.check_rms_gemv(no_eps_rms_gemv, name="t eps")
+    assert checks.status("t eps") == checks.FAIL and "eps" in checks._SESSION["t eps"]["message"]
+    lab.check_rms_gemv(plain_gemv, name="t plain")
+    assert checks.status("t plain") == checks.FAIL and "not normalized" in checks._SESSION["t plain"]["message"]
+    lab.check_rms_gemv(last_rows_unwritten, name="t rows")
+    assert checks.status("t rows") == checks.FAIL and "never written" in checks._SESSION["t rows"]["message"]
+    lab.check_rms_gemv(unfinished_rms_gemv, name="t todo")
+    assert checks.status("t todo") == checks.TODO
+
+
+def test_rms_gemv_reference_and_its_wrong_versions():
+    from course.lessons.last_mile.lab import EPS, WRONG, _diagnose, rms_gemv_reference
+
+    g = torch.Generator().manual_seed(0)
+    x, nw, w = torch.randn(12, generator=g), torch.randn(12, generator=g), torch.randn(5, 12, generator=g)
+    n = x.double() / math.sqrt(float((x.double() ** 2).mean()) + EPS)
+    assert torch.allclose(rms_gemv_reference(x, nw, w, EPS), w.double() @ (n * nw.double()))
+    for why, kw in WRONG.items():
+        assert _diagnose(rms_gemv_reference(x, nw, w, EPS, **kw).float(), x, nw, w, 8) == why
+    assert "largest difference" in _diagnose(torch.zeros(5), x, nw, w, 8)
+
+
+def _timeline(gap_values):
+    rows, t = [], 0.0
+    for i, gap in enumerate([0.0] + list(gap_values)):
+        t += gap
+        rows.append({"variant": "Triton", "index": i, "layer": i, "kernel": "proj", "start_us": t, "end_us": t + 2.0})
+        t += 2.0
+    return Result("last_mile_timeline", "t", {"variant": "", "index": "", "layer": "", "kernel": "", "start_us": "us",
+                                               "end_us": "us"}, rows)
+
+
+def test_gap_prediction_check_and_the_timeline_helpers():
+    from course.lessons.last_mile import lab
+    from course.lessons.last_mile.timeline import gaps, layer_of
+
+    tl_res = _timeline([0.5, -1.0, 0.25])
+    assert gaps(sorted(tl_res.rows, key=lambda r: r["index"])) == [0.5, -1.0, 0.25]
+    assert lab.idle_between_kernels(tl_res) == 0.75
+    with pytest.raises(ValueError, match="no rows"):
+        lab.idle_between_kernels(tl_res, "Triton + PDL")
+    assert [layer_of(i) for i in (0, 1, 5, 6, 11)] == [-1, 0, 0, 1, 2]
+    checks.reset()
+    lab.check_gap_prediction(lambda t: 0.75, tl_res, name="g ok")
+    lab.check_gap_prediction(lambda t: -0.25, tl_res, name="g signed")  # the overlap counted as negative idle time
+    assert checks.status("g ok") == checks.PASS and checks.status("g signed") == checks.FAIL
+
+
+def test_waterfall_summary_from_timings():
+    from course.core.timing import Timing
+    from course.lessons.last_mile.waterfall import STEPS, _summarize
+
+    t = {n: Timing(us * 1e-6, us * 0.99e-6, us * 1.01e-6, us * 1e-6, us * 1e-6, 5, 1, "cuda-events")
+         for n, us in zip([n for n, _ in STEPS], (20000, 3000, 1900, 1600, 1040, 1000, 990))}
+    res = Result("last_mile_waterfall", "t", {"variant": ""}, [])
+    res.add_summary("hf_auto_us", 10000.0, "us")
+    _summarize(res, t, 690.0, 3000.0, 2_000_000_000)
+    assert res.value("best") == "Triton + PDL, plain graph" and abs(res.value("best_vs_floor") - 990 / 690) < 1e-9
+    assert abs(res.value("saving: Triton -> Triton + PDL") - 40) < 1e-6
+    assert res.value("eager_vs_best") == pytest.approx(20000 / 990)
+    assert res.value("hf_auto_vs_best") == pytest.approx(10000 / 990)
+
+
+def test_experiments_are_registered_gpu_only():
+    reg = reference.load_all()
+    for name in ("last_mile_waterfall", "last_mile_timeline"):
+        assert reg[name].gpu_only and reg[name].quick
+
+
+def test_recorded_waterfall_and_timeline_if_present():
+    from course.lessons.last_mile.waterfall import STEPS
+
+    for name in ("last_mile_waterfall", "last_mile_timeline"):
+        if not reference.reference_path(name).exists():
+            pytest.skip(f"{name} not recorded yet (python -m course bench {name} on a GPU)")
+    wf = reference.load_reference("last_mile_waterfall")
+    names = [r["variant"] for r in wf.rows]
+    assert names[-1] == "floor" and set(names[:-1]) <= {n for n, _ in STEPS} and "Triton + PDL" in names
+    assert wf.provenance["path"] == "cuda" and wf.params.get("quick") is False
+    tl_res = reference.load_reference("last_mile_timeline")
+    assert {r["variant"] for r in tl_res.rows} == {"Triton", "Triton + PDL"}
+
+
+def test_plots_draw_recorded_or_synthetic_results():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from course.core import plots
+    from course.lessons.last_mile.lesson import plot_timeline, plot_waterfall
+
+    fig, (a, b) = plots.figure(2)
+    plot_timeline(a, _timeline([0.5, 0.5, 0.5]))
+    wf = Result("last_mile_waterfall", "t", {"variant": "", "us": "us", "x_floor": "x", "correct": ""},
+                [{"variant": "eager", "us": 100.0, "x_floor": 10.0, "correct": True},
+                 {"variant": "floor", "us": 10.0, "x_floor": 1.0, "correct": True}])
+    plot_waterfall(b, wf)
+    assert len(b.patches) == 2 and len(a.patches) == 4
+
+
+# ----------------------------------------------------------------------------- GPU
+@gpu
+def test_gpu_tinyllama_logits_within_tolerance_with_and_without_pdl():
+    from course.lessons.last_mile.decoder import TritonDecoder, captured, graphed
+
+    model = build_model("tinyllama")
+    example = StaticDecoder(model, 128).example_args(1, 3)
+    steps = {"Triton": captured(TritonDecoder(model, 128)),
+             "Triton + PDL": captured(TritonDecoder(model, 128, pdl=True)),
+             "plain graph": graphed(TritonDecoder(model, 128, pdl=True), *example)}
+    res = check_variants(steps, StaticDecoder(model, 128).step, torch.tensor([11], device=DEV), 16, model.dtype)
+    assert all(r["ok"] for r in res.rows), res.rows
+
+
+@gpu
+def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
+    from course.lessons.last_mile.decoder import TritonDecoder, captured
+
+    first = torch.tensor([11], device=DEV)
+    want = greedy(StaticDecoder(tiny, 128).step, first, 64)
+    assert torch.equal(greedy(captured(TritonDecoder(tiny, 128, pdl=True)), first, 64), want)
+
+
+@gpu
+def test_gpu_quick_experiments_and_ptx_vector_loads(tiny):
+    from course.lessons.last_mile.waterfall import vector_loads
+
+    for name in ("last_mile_waterfall", "last_mile_timeline"):
+        exp = reference.get(name)
+        res = exp.fn(**exp.quick, log=lambda *a: None)
+        assert res.rows and res.provenance["path"] == "cuda"
+    v4, loads = vector_loads(build_model("tinyllama"))
+    assert 0 < v4 <= loads
+    from course.lessons.last_mile.timeline import kernel_events
+
+    a = torch.ones(1 << 20, device=DEV)
+    events = kernel_events(lambda: (a * 2, a + 1))
+    assert len(events) == 2 and all(s < e for _, s, e in events) and events[0][1] <= events[1][1]
