@@ -137,16 +137,13 @@ def capture_seed_step(model, optimizer, x, y, warmup: int = 3):
 
 
 def gpu_ops_per_call(fn) -> int | None:
-    """Number of GPU activities (kernels, memcpys, memsets) one call of ``fn`` issues (torch.profiler), or None."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """GPU activities (kernels, memcpys, memsets) one call of ``fn`` issues (:func:`course.core.profiling.launch_counts`),
+    or None where the profiler cannot run (no CUPTI, another profiler active): the count is optional here."""
+    from course.core.profiling import launch_counts
 
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception:  # noqa: BLE001 - the profiler is optional here (no CUPTI, another profiler active)
+        return int(launch_counts(fn)["gpu_ops"])
+    except Exception:  # noqa: BLE001 - the profiler is optional here
         return None
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 
 from course.core.capture import require_gpu
+from course.core.compiled import reset_compile
+from course.core.hardware import release_memory
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import time_device
@@ -21,7 +23,6 @@ from course.lessons.graph_cache.backends import CudaGraphBackend
 from course.lessons.graph_cache.buckets import bucket_sizes, decode_trace
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
-from course.lessons.graph_cache.experiments import _free, fresh_compile
 
 
 def replay_trace(cache, model, trace) -> dict:
@@ -45,7 +46,7 @@ def memory_experiment(max_batch: int = 64, preset: str = "vllm") -> Result:
     rows, freed = [], {}
     for pools in ("shared", "separate"):
         for order in ("largest_first", "smallest_first"):
-            _free()
+            release_memory()
             cache = GraphCache(model.step, buckets=sizes, pad_value=model.pad_values(), backend=CudaGraphBackend(pools))
             total = 0
             for i, d in enumerate(cache.warmup(sizes, model.example_args, order=order)):
@@ -77,7 +78,7 @@ def fallback_experiment(steps: int = 40, repeats: int = 10) -> Result:
     rows = []
     for bounds in ("device", "host"):
         for fusion in (False, True):
-            fresh_compile()
+            reset_compile()
             model = TinyDecoder(DecoderConfig(slots=16), bounds=bounds)
             cache = GraphCache(model.step, buckets=bucket_sizes("vllm", 16), pad_value=model.pad_values(),
                                fusion=fusion)
@@ -92,8 +93,8 @@ def fallback_experiment(steps: int = 40, repeats: int = 10) -> Result:
                          "fusion_successes": s["fusion_successes"], "fusion_fallbacks": s["fusion_fallbacks"],
                          "eager_calls": s["eager_calls"], "step_us": t.us, "reason": reasons[0] if reasons else ""})
             del cache, model
-            _free()
-    fresh_compile()
+            release_memory()
+    reset_compile()
     res = Result("graph_cache_fallback", "A host read in the forward (embedding bounds='host'): what the cache's "
                  f"stats say over {steps} decode steps, and a batch-4 step's time (CUDA events)",
                  {"embedding_bounds": "", "fusion": "", "cache_size": "count", "cache_hits": "count",
