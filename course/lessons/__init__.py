@@ -2,8 +2,14 @@
 
 - 01 :mod:`~course.lessons.launch_overhead`: launch cost vs kernel time, the size sweep, the timeline.
 - 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``.
+- 02 :mod:`~course.lessons.capture_more`: part of a model graphed, two streams in one graph, capture error modes.
 - 02/03 :mod:`~course.lessons.reduce_overhead`: the graphs ``torch.compile(mode="reduce-overhead")`` makes.
 - 03 :mod:`~course.lessons.what_breaks`: the capture-hazard finder, its zoo and its experiments.
-- 04 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
+- 04 and lab 3 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
 - 05 :mod:`~course.lessons.sharding`: a sharded embedding table, captured over several GPUs.
+- 06 and lab 4 :mod:`~course.lessons.real_model`: transformers' Llama in TinyLlama's shape, its decode step captured,
+  the roofline under it.
+
+Which of these modules register the experiments each notebook shows is listed in the course map,
+:mod:`course.tools.catalog`.
 """
