@@ -709,3 +709,21 @@ def test_step_quick_run_on_gpu_table_and_ratios_agree():
     eager, replay = res.rows
     assert res.params["timing"] == METHOD and eager["graph_launches"] == 0 and replay["graph_launches"] == 1
     assert res.value("eager / cache graph_replay") == pytest.approx(eager["us"] / replay["us"])
+
+
+def test_recipe_rows_and_speedup_read_old_and_new_recordings():
+    from course.core.results import Result
+    from course.lessons.graph_cache import faq
+
+    old = reference.load_reference("graph_cache_seed_timing")  # recorded with the columns' first names
+    rows = faq.recipe_rows(old)
+    assert rows and all("recipe_ms" in r and "recipe_warm_ms" in r for r in rows)
+    recipe, correct = faq.recipe_speedup(old)
+    assert recipe == pytest.approx(rows[0]["recipe_ms"] / rows[1]["recipe_ms"])
+    assert correct == pytest.approx(rows[0]["correct_ms"] / rows[1]["correct_ms"])
+    new = Result("graph_cache_seed_timing", "t", {"mode": "", "recipe_ms": "ms"}, [{"mode": "a", "recipe_ms": 2.0}])
+    new.add_summary(faq.RECIPE_SPEEDUP, 3.0, "x")
+    new.add_summary("speedup, measured correctly", 1.5, "x")
+    assert faq.recipe_rows(new) == [{"mode": "a", "recipe_ms": 2.0}] and faq.recipe_speedup(new) == (3.0, 1.5)
+    with pytest.raises(KeyError):
+        faq.recipe_speedup(Result("x", "t", {}, []))

@@ -114,7 +114,7 @@ def test_kernel_sweep_replay_wins_with_many_kernels():
 
 
 @gpu
-def test_seed_step_replays_match_eager_training():
+def test_training_step_replays_match_eager_training():
     res = _quick("graphs_seed_step")
     assert res.value("replayed weights match eager training") is True
     assert res.value("speedup per step (CUDA events)") > 1
@@ -136,11 +136,11 @@ def test_frozen_checks_all_as_expected():
 
 
 @gpu
-def test_seed_step_capture_helpers():
+def test_training_step_capture_helpers():
     import torch
 
-    x, y, model, opt = capture_replay.seed_setup(8, 32, 16)
-    g, loss = capture_replay.capture_seed_step(model, opt, x, y)
+    x, y, model, opt = capture_replay.training_setup(8, 32, 16)
+    g, loss = capture_replay.capture_training_step(model, opt, x, y)
     w0 = model.weight.detach().clone()
     g.replay()
     torch.cuda.synchronize()

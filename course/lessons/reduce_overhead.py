@@ -131,7 +131,8 @@ def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth:
 
 @experiment("compile_new_shapes", gpu_only=True, quick={"batches": (8, 16), "calls_per_shape": 3})
 def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, width: int = 256) -> Result:
-    """The seeds' question, answered: a reduce-overhead compiled model called at new input shapes."""
+    """The CUDA Graph lesson's question ("what if the input shape changes?"), answered: a reduce-overhead compiled
+    model called at new input shapes."""
     require_gpu("torch.compile with CUDA graphs")
     import torch
 
