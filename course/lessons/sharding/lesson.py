@@ -2,8 +2,8 @@
 
 - :func:`run_lesson`: one launch that runs :func:`~course.lessons.sharding.workers.lesson_worker` on every
   rank (the DTensor test's cases included) and returns each rank's findings.
-- :func:`bucket_demo`: the rule every engine lives by, shown safely on CPU processes: ranks that agree on
-  the bucket finish; ranks that do not are stopped by the time limit.
+- :func:`bucket_demo`: the rule every data-parallel engine lives by, shown safely on CPU processes: ranks with
+  different batches that agree on the bucket finish; ranks that do not are stopped by the time limit.
 - :func:`load_or_explain`: a registered experiment's result, or ``None`` with a printed reason when it
   needs more GPUs than this machine has and nobody recorded it yet.
 - :func:`capture_summary`, :func:`same_step`, :func:`timing_method`, :func:`plot_world_sizes`, :func:`plot_cost`,

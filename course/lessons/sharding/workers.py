@@ -9,7 +9,8 @@ processes import them by name.
   vocab-parallel lookup (Numba and ``F.embedding``), and the bad inputs refused on every rank.
 - :func:`sweep_worker`: eager time of the row-wise lookup + all-reduce at several world sizes (subgroups
   of one launch) and several ids-per-step / table widths, with the bytes each moves.
-- :func:`bucket_worker`: ranks pick a shape bucket and (optionally) agree on it before the collective.
+- :func:`bucket_worker`: data-parallel ranks (different batches) pick a shape bucket and (optionally) agree on it
+  before the collectives.
 """
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ def bucket_step(x: torch.Tensor, group=None, say=None) -> None:
 
 
 def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4, serve_s: float = 3600.0) -> dict:
-    """Ranks hold different numbers of tokens; each bucket's step (:func:`bucket_step`) ends in collectives.
+    """Data-parallel ranks: each holds its own number of tokens; each bucket's step (:func:`bucket_step`) ends in
+    collectives over all the ranks (as an expert-parallel layer's all-to-all would).
 
     ``agree=False``: each rank runs its own bucket's step, then (like a serving engine) stays up waiting
     for the next request for ``serve_s`` seconds. The rank with the bigger bucket waits in a collective
