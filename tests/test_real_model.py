@@ -400,3 +400,23 @@ def test_matmul_rate_measures_a_plausible_rate():
         assert r["q1_us"] <= r["us"] <= r["q3_us"] and 1 < r["TFLOPs"] < 5000
     assert res.value("ridge_FLOP_per_byte") == pytest.approx(res.value("bf16_matmul_TFLOPs") * 1e3
                                                            / res.value("copy_bandwidth_GBps"))
+
+
+def test_plot_roofline_draws_both_roofs_or_says_one_awaits(capsys, tmp_path, monkeypatch):
+    from course.core import plots
+
+    rows = R.roofline_rows(_sweep(), "tinyllama", tflops=600.0)
+    fig, (ax,) = plots.figure(1)
+    lesson.plot_roofline(ax, rows, 2000.0, 600.0)
+    assert any("ridge 300 FLOP/byte" in t.get_text() for t in ax.texts)
+    labels = [l.get_label() for l in ax.get_lines()]
+    assert "roofs" in labels and "eager" in labels
+    fig, (ax,) = plots.figure(1)
+    lesson.plot_roofline(ax, R.roofline_rows(_sweep()), 2000.0)
+    assert any("awaits" in l.get_label() for l in ax.get_lines()) and not ax.texts
+    with pytest.raises(ValueError, match="no rows"):
+        lesson.plot_roofline(ax, [], 2000.0)
+    if not ON_GPU:
+        monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+        assert lesson.gpu_result("matmul_rate", heavy=False) is None
+        assert "awaits its first recording" in capsys.readouterr().out
