@@ -83,6 +83,7 @@ def test_a_learner_version_names_its_answer_version_in_its_first_cell():
     nb = _nb(("markdown", "# Title\n\nIntro."), ("code", SOLVED))
     lab = L.make_lab(nb, source="solutions/lab9.ipynb")
     assert lab.cells[0].source.startswith("# Title\n\nIntro.\n\n")
+    assert lab.cells[0].source.endswith(L.source_note("solutions/lab9.ipynb"))
     assert "learner version of `solutions/lab9.ipynb`" in lab.cells[0].source and "goes into" in lab.cells[0].source
     assert "learner version" not in nb.cells[0].source  # the answer version is untouched
     code_first = L.make_lab(_nb(("code", SOLVED)), source="solutions/lab9.ipynb")
