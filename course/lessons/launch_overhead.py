@@ -122,7 +122,7 @@ def sweep_timings(ops: dict, replays: dict, repeats: int = 15, inner: int = OPS_
     is one :func:`~course.core.timing.time_interleaved` run over all the sizes (every repeat visits every size,
     in a rotated order), so something that disturbs the machine for a while (a clock change, another process)
     lands on a few repeats of many sizes, and the medians stay put. Measured one size after the other, the same
-    disturbance would land on every repeat of one size and make it an outlier. ``replay`` is per call too
+    disturbance would land on most repeats of one size and make it an outlier. ``replay`` is per call too
     (one replay's time divided by ``inner``).
     """
     enq = time_interleaved(ops, clock="enqueue", warmup=10, repeats=repeats, inner=inner)
