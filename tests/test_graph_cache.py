@@ -375,20 +375,15 @@ def test_replay_trace_every_call_misses_without_buckets():
     assert bucketed["cache_misses"] == 2 and bucketed["cache_hits"] == 6 and bucketed["padded_rows"] > 0
 
 
-def test_fresh_compile_runs_anywhere():
-    from course.lessons.graph_cache.experiments import fresh_compile
-    fresh_compile()
-
-
 @gpu
-def test_graph_launches_counts_replays():
-    from course.lessons.graph_cache.experiments import graph_launches
+def test_launch_counts_see_the_cache_replay():
+    from course.core.profiling import launch_counts
     m = TinyDecoder()
     args = m.example_args(2, 0)
     c = GraphCache(m.step)
     c(*args)
-    assert graph_launches(lambda: c(*args))["graph_launches"] == 1
-    eager = graph_launches(lambda: m.step(*args))
+    assert launch_counts(lambda: c(*args), calls=5)["graph_launches"] == 1
+    eager = launch_counts(lambda: m.step(*args), calls=5)
     assert eager["graph_launches"] == 0 and eager["kernel_launches"] > 10
 
 
@@ -627,8 +622,8 @@ def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch
 
     monkeypatch.setattr(step, "time_interleaved", spy)
     monkeypatch.setattr(step, "require_gpu", lambda *a: None)
-    monkeypatch.setattr(step, "_free", lambda: None)
-    monkeypatch.setattr(step, "graph_launches", lambda fn: events.append(("profile",)) or
+    monkeypatch.setattr(step, "release_memory", lambda: None)
+    monkeypatch.setattr(step, "launch_counts", lambda fn, calls=1: events.append(("profile",)) or
                         {"graph_launches": 1.0, "kernel_launches": 0.0})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     res = step.step_experiment(repeats=3, compile_variants=False, layers=1)
@@ -716,3 +711,21 @@ def test_step_quick_run_on_gpu_table_and_ratios_agree():
     eager, replay = res.rows
     assert res.params["timing"] == METHOD and eager["graph_launches"] == 0 and replay["graph_launches"] == 1
     assert res.value("eager / cache graph_replay") == pytest.approx(eager["us"] / replay["us"])
+
+
+def test_recipe_rows_and_speedup_read_old_and_new_recordings():
+    from course.core.results import Result
+    from course.lessons.graph_cache import faq
+
+    old = reference.load_reference("graph_cache_seed_timing")  # recorded with the columns' first names
+    rows = faq.recipe_rows(old)
+    assert rows and all("recipe_ms" in r and "recipe_warm_ms" in r for r in rows)
+    recipe, correct = faq.recipe_speedup(old)
+    assert recipe == pytest.approx(rows[0]["recipe_ms"] / rows[1]["recipe_ms"])
+    assert correct == pytest.approx(rows[0]["correct_ms"] / rows[1]["correct_ms"])
+    new = Result("graph_cache_seed_timing", "t", {"mode": "", "recipe_ms": "ms"}, [{"mode": "a", "recipe_ms": 2.0}])
+    new.add_summary(faq.RECIPE_SPEEDUP, 3.0, "x")
+    new.add_summary("speedup, measured correctly", 1.5, "x")
+    assert faq.recipe_rows(new) == [{"mode": "a", "recipe_ms": 2.0}] and faq.recipe_speedup(new) == (3.0, 1.5)
+    with pytest.raises(KeyError):
+        faq.recipe_speedup(Result("x", "t", {}, []))

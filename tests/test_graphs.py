@@ -7,6 +7,9 @@ import json
 import pytest
 
 from course.core import reference
+from course.core.compiled import torch_log_messages
+from course.core.profiling import launch_counts
+from course.core.text import condense
 from course.lessons import capture_replay, reduce_overhead
 from course.core.results import Result
 from course.core.runtime import runtime
@@ -59,7 +62,7 @@ def test_kernel_chain_launches_n_adds():
 def test_log_condensing_keeps_the_reason():
     msg = "Recompiling function forward in a.py:3\n  triggered by:\n  - 0/0: tensor 'x' size mismatch at index 0"
     assert reduce_overhead._recompile_reason(msg) == "recompiled: tensor 'x' size mismatch at index 0"
-    assert reduce_overhead._condense("a\n\n b\n c\n d\n e") == "a / b / c / d"
+    assert condense("a\n\n b\n c\n d\n e") == "a / b / c / d"
 
 
 def test_compile_net_rejects_unknown_hazards():
@@ -70,7 +73,7 @@ def test_compile_net_rejects_unknown_hazards():
 def test_torch_log_messages_collects_and_restores():
     import logging
 
-    with reduce_overhead.torch_log_messages(perf_hints=True, not_an_artifact=True) as msgs:
+    with torch_log_messages(perf_hints=True, not_an_artifact=True) as msgs:
         logging.getLogger("torch._inductor").warning("skipping cudagraphs due to a test")
     assert msgs == ["skipping cudagraphs due to a test"]
     before = len(msgs)
@@ -111,7 +114,7 @@ def test_kernel_sweep_replay_wins_with_many_kernels():
 
 
 @gpu
-def test_seed_step_replays_match_eager_training():
+def test_training_step_replays_match_eager_training():
     res = _quick("graphs_seed_step")
     assert res.value("replayed weights match eager training") is True
     assert res.value("speedup per step (CUDA events)") > 1
@@ -133,11 +136,11 @@ def test_frozen_checks_all_as_expected():
 
 
 @gpu
-def test_seed_step_capture_helpers():
+def test_training_step_capture_helpers():
     import torch
 
-    x, y, model, opt = capture_replay.seed_setup(8, 32, 16)
-    g, loss = capture_replay.capture_seed_step(model, opt, x, y)
+    x, y, model, opt = capture_replay.training_setup(8, 32, 16)
+    g, loss = capture_replay.capture_training_step(model, opt, x, y)
     w0 = model.weight.detach().clone()
     g.replay()
     torch.cuda.synchronize()
@@ -168,7 +171,7 @@ def test_mlp_and_op_count():
 
 def test_condense_cuts_machine_paths():
     msg = 'skipping cudagraphs due to mutated inputs\n File "/work/main/course/x/graphs.py", line 3, in forward'
-    out = reduce_overhead._condense(msg)
+    out = condense(msg)
     assert "/work" not in out and '"graphs.py", line 3' in out
 
 
@@ -191,6 +194,6 @@ def test_launch_counts_sees_a_graph_launch():
     torch.cuda.synchronize()
     with torch.cuda.graph(g):
         x.add_(1)
-    assert reduce_overhead.launch_counts(g.replay)["graph_launches"] == 1
-    eager = reduce_overhead.launch_counts(lambda: x.add_(1))
+    assert launch_counts(g.replay)["graph_launches"] == 1
+    eager = launch_counts(lambda: x.add_(1))
     assert eager["graph_launches"] == 0 and eager["kernel_launches"] >= 1

@@ -1,10 +1,12 @@
-"""Instructor tools (course.tools.labs): labs generated from solutions, and the notebook checker."""
+"""course.tools.learner_versions (labs and exercise versions generated from solutions) and the notebook checker."""
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
 
-from course.tools import labs as L
+from course.tools import grade as G
+from course.tools import learner_versions as L
 from course.tools.catalog import ROOT, entries
 
 
@@ -77,6 +79,26 @@ def test_make_lab_drops_solution_only_cells_and_outputs():
         L.make_lab(broken)
 
 
+def test_a_learner_version_names_its_answer_version_in_its_first_cell():
+    nb = _nb(("markdown", "# Title\n\nIntro."), ("code", SOLVED))
+    lab = L.make_lab(nb, source="solutions/lab9.ipynb")
+    assert lab.cells[0].source.startswith("# Title\n\nIntro.\n\n")
+    assert lab.cells[0].source.endswith(L.source_note("solutions/lab9.ipynb"))
+    assert "learner version of `solutions/lab9.ipynb`" in lab.cells[0].source and "goes into" in lab.cells[0].source
+    assert "learner version" not in nb.cells[0].source  # the answer version is untouched
+    code_first = L.make_lab(_nb(("code", SOLVED)), source="solutions/lab9.ipynb")
+    assert code_first.cells[0].cell_type == "markdown" and code_first.cells[0].id == "learner-version"
+    assert "learner version" not in L.make_lab(nb).cells[0].source  # no source given: no note
+
+
+def test_shipped_learner_versions_name_their_answer_versions():
+    root = Path(__file__).resolve().parent.parent
+    for sol in sorted((root / "solutions").glob("*.ipynb")):
+        learner = L.target(root, sol)
+        first = nbformat.read(learner, as_version=4).cells[0].source
+        assert f"learner version of `solutions/{sol.name}`" in first, learner
+
+
 def test_build_labs_writes_then_checks(tmp_path, capsys):
     (tmp_path / "solutions").mkdir()
     nbformat.write(_nb(("code", SOLVED)), tmp_path / "solutions" / "lab9.ipynb")
@@ -110,7 +132,7 @@ def test_exercise_names_in_order():
     nb = _nb(("code", 'with exercise("1. first", hint="h"):\n    pass'),
              ("code", 'from course.core.checks import exercise\nwith checks.exercise("2. second"):\n    pass'),
              ("code", "this is not python ("))
-    assert L.exercise_names(nb) == ["1. first", "2. second"]
+    assert G.exercise_names(nb) == ["1. first", "2. second"]
 
 
 CHECKS = "from course.core.checks import exercise\n"
@@ -124,7 +146,7 @@ def test_check_notebook_reports_pass_todo_fail_and_stray_errors(tmp_path, capsys
              ("code", CHECKS + 'with exercise("after the errors"):\n    pass'))
     path = tmp_path / "learner.ipynb"
     nbformat.write(nb, path)
-    assert L.check_notebook(path, timeout=60) == 1
+    assert G.check_notebook(path, timeout=60) == 1
     out = capsys.readouterr().out
     assert "✓ ok" in out and "… todo: not done yet" in out
     assert "✗ wrong: failed: one is not two" in out and "hint: add one" in out
@@ -136,8 +158,8 @@ def test_check_notebook_reports_pass_todo_fail_and_stray_errors(tmp_path, capsys
 def test_check_notebook_all_pass_and_unreadable(tmp_path, capsys):
     path = tmp_path / "done.ipynb"
     nbformat.write(_nb(("code", CHECKS + 'with exercise("only"):\n    pass')), path)
-    assert L.check_notebook(path, timeout=60) == 0
+    assert G.check_notebook(path, timeout=60) == 0
     assert "1/1 passed" in capsys.readouterr().out
-    assert L.check_notebook(tmp_path / "missing.ipynb") == 2
+    assert G.check_notebook(tmp_path / "missing.ipynb") == 2
     (tmp_path / "junk.ipynb").write_text(json.dumps({"not": "a notebook"}))
-    assert L.check_notebook(tmp_path / "junk.ipynb") == 2
+    assert G.check_notebook(tmp_path / "junk.ipynb") == 2

@@ -49,3 +49,70 @@ def test_gpu_launch_experiments_quick():
     assert sweep.rows[-1]["kernel_exec_us"] > 0
     tl = launch.launch_timeline(ops=10)
     assert 0 < tl.value("gpu_busy_fraction") <= 1.0
+
+
+def test_outliers_names_a_point_far_off_both_neighbours():
+    rows = [{"bytes": b, "kernel_exec_us": v} for b, v in [(1, 1.5), (2, 1.6), (4, 11.7), (8, 1.8), (16, 3.0)]]
+    (odd, left, right), = launch.outliers(rows)
+    assert odd["bytes"] == 4 and left["bytes"] == 2 and right["bytes"] == 8
+    assert launch.outliers(list(reversed(rows)))[0][0]["bytes"] == 4  # read in order of bytes, not of the list
+    low = [{"bytes": b, "kernel_exec_us": v} for b, v in [(1, 9.0), (2, 1.0), (4, 9.5)]]
+    assert [r["bytes"] for r, *_ in launch.outliers(low)] == [2]
+    rising = [{"bytes": 2 ** i, "kernel_exec_us": 2.0 ** i} for i in range(8)]  # a slope is not an outlier
+    assert launch.outliers(rising) == []
+    with pytest.raises(ValueError, match="factor"):
+        launch.outliers(rows, factor=1.0)
+
+
+def test_sweep_timings_measures_sizes_in_turns_so_a_passing_disturbance_makes_no_outlier():
+    """A disturbance as long as five samples: measured one size after the other it lands on five of the seven
+    repeats of one size, whose median moves; measured in turns it lands on at most two repeats of any size."""
+    import time
+
+    from course.core.timing import time_enqueue
+
+    def disturbed(first_call: int):
+        calls = {"n": 0}
+        window = range(first_call + 2 * 14, first_call + 2 * 19)  # samples 14..18 of 2 calls each
+
+        def op():
+            calls["n"] += 1
+            if calls["n"] in window:
+                time.sleep(0.004)
+        return op
+
+    op = disturbed(first_call=1)  # one size after the other, no warm-up: samples 14..18 all belong to size 3
+    one_by_one = {n: time_enqueue(op, warmup=0, repeats=7, inner=2) for n in (1, 2, 3, 4, 5)}
+    assert one_by_one[3].median >= 0.004 and all(one_by_one[n].median < 0.002 for n in (1, 2, 4, 5))
+
+    op = disturbed(first_call=5 * 10 + 1)  # after time_interleaved's warm-up: 10 calls of each of the 5 sizes
+    t = launch.sweep_timings({n: op for n in (1, 2, 3, 4, 5)}, {n: (lambda: None) for n in (1, 2, 3, 4, 5)},
+                             repeats=7, inner=2)
+    enq = {n: t[n][0] for n in t}
+    assert all(tm.median < 0.002 for tm in enq.values()), {n: tm.median for n, tm in enq.items()}
+    assert max(tm.max for tm in enq.values()) >= 0.004  # the disturbance happened, inside the spread
+    assert all(t[n][2].inner == 2 for n in t)  # replay time is per call
+
+
+@pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
+def test_capture_calls_needs_a_gpu_and_a_count():
+    from course.core.timing import capture_calls
+
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        capture_calls(lambda: None, 0)
+    with pytest.raises(Exception, match="needs a real GPU"):
+        capture_calls(lambda: None, 3)
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
+def test_capture_calls_replays_every_call():
+    import torch
+
+    from course.core.timing import capture_calls
+
+    x = torch.zeros(4, device="cuda")
+    g = capture_calls(lambda: x.add_(1.0), 5)
+    x.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [5.0] * 4

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import course
 from course import embedding as E
 from course.core import checks, plots
-from course.tools import catalog, grade as G, labs as L
+from course.tools import catalog, grade as G, learner_versions as L
 from course.tools.catalog import ROOT
 
 # The notebook-level tests run whole labs: on the simulator (CI). On a GPU, nbval runs the same notebooks, and an

@@ -21,7 +21,7 @@ import pytest
 
 import course
 from course.core import checks
-from course.tools import labs as L
+from course.tools import learner_versions as L
 from course.tools.catalog import ROOT
 
 ON_GPU = course.runtime().on_gpu

@@ -10,6 +10,7 @@ import torch
 
 import course
 from course.core import checks, reference
+from course.core.results import Result
 from course.core.runtime import runtime
 from course.lessons.real_model import (SIZES, NaiveDecoder, StaticDecoder, assert_correct, build_model,
                                        bytes_per_token, check_variants, default_size, floor_us, forced_logits,
@@ -264,11 +265,12 @@ def test_experiment_quick_run_on_gpu(name):
 
 @gpu
 def test_gpu_copy_bandwidth_kernels_and_first_call():
-    from course.lessons.real_model.experiments import first_call, kernels_per_call
+    from course.core.profiling import launch_counts
+    from course.lessons.real_model.experiments import first_call
 
     assert copy_bandwidth_GBps(1 << 26, repeats=3) > 10
     x = torch.ones(1024, device="cuda")
-    assert kernels_per_call(lambda: x.add_(1)) >= 1
+    assert launch_counts(lambda: x.add_(1), calls=3)["gpu_kernels"] >= 1
     s, out = first_call(lambda a: a * 2, (x,))
     assert s >= 0 and out.shape == x.shape
 
@@ -332,3 +334,91 @@ def test_doctor_reports_transformers_version(monkeypatch):
     paths = {e.path for e in catalog.CATALOG}
     assert {"notebooks/06_real_model.ipynb", "labs/lab4_real_model.ipynb", "solutions/06_real_model.ipynb",
             "solutions/lab4_real_model.ipynb"} <= paths
+
+
+# ----------------------------------------------------------------------------- the compute roof and the ridge point
+from course.lessons.real_model import roofline as R  # noqa: E402
+
+
+def test_decode_flop_counts_two_per_weight_of_every_matrix_product():
+    model = build_model("tiny", device="meta")
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert R.decode_flop("tiny") == 2 * linear  # the embedding table is looked up, not multiplied
+    assert R.decode_flop("tiny", batch=3) == 3 * R.decode_flop("tiny")
+    s = SIZES["tiny"]
+    assert R.decode_flop("tiny", 2, context=5) - R.decode_flop("tiny", 2) == 4 * 2 * 5 * s.hidden * s.layers
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        R.decode_flop("tiny", 0)
+
+
+def test_ridge_point_and_compute_floor():
+    assert R.ridge_point(600.0, 3000.0) == pytest.approx(200.0)  # 600e12 FLOP/s over 3e12 B/s
+    assert R.compute_floor_us(1.2e12, 600.0) == pytest.approx(2000.0)
+    for bad in ((0, 3000.0), (600.0, -1)):
+        with pytest.raises(ValueError, match="positive"):
+            R.ridge_point(*bad)
+    with pytest.raises(ValueError, match="positive rate"):
+        R.compute_floor_us(1.0, 0)
+
+
+def _sweep(bw=2000.0, floor_bytes=2.0e9, position=0):
+    rows = []
+    for b in (1, 64):
+        fl = floor_bytes / (bw * 1e3)
+        rows += [{"batch": b, "variant": "eager", "status": "ok", "us": 5000.0, "q1_us": 1.0, "q3_us": 1.0,
+                  "tokens_per_s": 1.0, "first_call_s": 0.0},
+                 {"batch": b, "variant": "floor", "status": "computed", "us": fl, "q1_us": fl, "q3_us": fl,
+                  "tokens_per_s": 1.0, "first_call_s": 0.0}]
+    res = Result("real_model_batch_sweep", "t", {c: "" for c in rows[0]}, rows, params={"position": position})
+    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    return res
+
+
+def test_roofline_rows_read_bytes_from_the_floor_and_name_the_bound():
+    rows = R.roofline_rows(_sweep(), "tinyllama", tflops=600.0)
+    one, big = rows
+    assert one["bytes"] == pytest.approx(2.0e9) and one["measured_us"] == {"eager": 5000.0}
+    assert one["flop_per_byte"] == pytest.approx(R.decode_flop("tinyllama") / 2.0e9)
+    assert big["flop_per_byte"] == pytest.approx(64 * one["flop_per_byte"])
+    assert one["bound"] == "memory" and big["bound"] == "memory"  # 64 FLOP/byte is far below 300
+    slow = R.roofline_rows(_sweep(), "tinyllama", tflops=20.0)  # ridge at 10 FLOP/byte: batch 64 is past it
+    assert slow[0]["bound"] == "memory" and slow[1]["bound"] == "compute"
+    assert all(r["bound"] == "unknown" and r["compute_floor_us"] is None for r in R.roofline_rows(_sweep()))
+
+
+def test_matmul_rate_is_a_registered_gpu_experiment():
+    exp = reference.get("matmul_rate")
+    assert exp.gpu_only and exp.fn is R.matmul_rate_experiment
+    if not ON_GPU:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            R.matmul_rate_experiment(sizes=(256,), repeats=2)
+
+
+@gpu
+def test_matmul_rate_measures_a_plausible_rate():
+    res = R.matmul_rate_experiment(sizes=(1024, 2048), repeats=3)
+    assert [r["n"] for r in res.rows] == [1024, 2048]
+    for r in res.rows:
+        assert r["q1_us"] <= r["us"] <= r["q3_us"] and 1 < r["TFLOPs"] < 5000
+    assert res.value("ridge_FLOP_per_byte") == pytest.approx(res.value("bf16_matmul_TFLOPs") * 1e3
+                                                           / res.value("copy_bandwidth_GBps"))
+
+
+def test_plot_roofline_draws_both_roofs_or_says_one_awaits(capsys, tmp_path, monkeypatch):
+    from course.core import plots
+
+    rows = R.roofline_rows(_sweep(), "tinyllama", tflops=600.0)
+    fig, (ax,) = plots.figure(1)
+    lesson.plot_roofline(ax, rows, 2000.0, 600.0)
+    assert any("ridge 300 FLOP/byte" in t.get_text() for t in ax.texts)
+    labels = [l.get_label() for l in ax.get_lines()]
+    assert "roofs" in labels and "eager" in labels
+    fig, (ax,) = plots.figure(1)
+    lesson.plot_roofline(ax, R.roofline_rows(_sweep()), 2000.0)
+    assert any("awaits" in l.get_label() for l in ax.get_lines()) and not ax.texts
+    with pytest.raises(ValueError, match="no rows"):
+        lesson.plot_roofline(ax, [], 2000.0)
+    if not ON_GPU:
+        monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+        assert lesson.gpu_result("matmul_rate", heavy=False) is None
+        assert "awaits its first recording" in capsys.readouterr().out

@@ -1,6 +1,6 @@
-"""Lesson 05: the seed's DTensor sharded-embedding test (shared/seeds/003) ported, and the course's sharding code.
+"""Lesson 05: PyTorch's DTensor sharded-embedding test ported, and the course's sharding code.
 
-The seed's cases run in 2 worker processes: gloo on the CPU always, NCCL too when 2 GPUs are present
+The DTensor test's cases run in 2 worker processes: gloo on the CPU always, NCCL too when 2 GPUs are present
 (``COURSE_PATH=cuda python -m pytest tests/test_sharding.py`` on a 2-GPU machine). Every multi-process
 run has a time limit (``launch(timeout=...)``), so nothing here can hang.
 """
@@ -85,40 +85,40 @@ def test_launch_refuses_functions_spawn_cannot_import():
         S.launch(lambda ctx: 0, 2, backend="gloo")
 
 
-# ---------------------------------------------------------------------------- the seed's test, in processes
+# ---------------------------------------------------------------------------- PyTorch's DTensor test, in processes
 @pytest.fixture(scope="module", params=BACKENDS)
 def lesson(request):
-    """One launch per backend: lesson_worker runs the seed's cases (seed_worker; the seed's _apply_sharding is
+    """One launch per backend: lesson_worker runs the DTensor test's cases (dtensor_worker; the test's _apply_sharding is
     layouts.shard_embedding) and the vocab-parallel checks."""
-    out = S.run_lesson(2, backend=request.param)  # launch(W.lesson_worker, ...) + seed_result
+    out = S.run_lesson(2, backend=request.param)  # launch(W.lesson_worker, ...) + dtensor_result
     assert isinstance(out["plan"], S.Plan) and out["plan"].backend == request.param
     return out
 
 
-def test_seed_cases_match_the_local_table(lesson):
-    res = lesson["seed"]
-    assert len(res.rows) == len(L.SEED_CASES) == 10
+def test_dtensor_cases_match_the_local_table(lesson):
+    res = lesson["dtensor"]
+    assert len(res.rows) == len(L.DTENSOR_CASES) == 10
     for r in res.rows:
         assert r["forward_ok"] and r["grad_ok"] and r["F.embedding_ok"], r
         assert r["fwd_comms"] == 0 and r["bwd_comms"] == 0, r  # no communication in forward or backward
-    cases = lesson["ranks"][0]["seed"]["cases"]
+    cases = lesson["ranks"][0]["dtensor"]["cases"]
     assert {c["kwargs"].get("padding_idx") for c in cases} == {None, 10, 12}
     assert all(c["padding_row_grad_zero"] for c in cases if c["kwargs"].get("padding_idx") is not None)
     assert res.value("cases_all_equal") is True
 
 
-def test_seed_comm_counts_and_placements(lesson):
-    for r in lesson["seed"].rows:
+def test_dtensor_comm_counts_and_placements(lesson):
+    for r in lesson["dtensor"].rows:
         if r["layout"].startswith("row-wise"):
             assert r["output"] == "_MaskPartial" and r["full_tensor"] == "all_reducex1"
         else:
             assert r["output"].startswith("Shard(") and r["full_tensor"] == "all_gather_into_tensorx1"
-    assert lesson["seed"].rows[8]["shard_per_rank"] == "7x22 | 6x22"  # 13 rows over 2 ranks: torch.chunk split
+    assert lesson["dtensor"].rows[8]["shard_per_rank"] == "7x22 | 6x22"  # 13 rows over 2 ranks: torch.chunk split
 
 
-def test_seed_max_norm_has_no_sharding_strategy(lesson):
-    """The seed's max_norm case: NotImplementedError from DTensor (max_norm_error returns its message)."""
-    msg = lesson["seed"].value("max_norm_error")
+def test_dtensor_max_norm_has_no_sharding_strategy(lesson):
+    """The DTensor test's max_norm case: NotImplementedError from DTensor (max_norm_error returns its message)."""
+    msg = lesson["dtensor"].value("max_norm_error")
     assert "aten.embedding_renorm_.default does not have a sharding strategy registered" in msg
 
 
@@ -174,7 +174,7 @@ def test_cost_experiment_runs_live():
 def test_registry_declares_gpus():
     reg = reference.load_all()
     assert reg["sharding_capture"].gpus == 2 and reg["sharding_capture_world_sizes"].gpus == 2
-    assert not reg["sharding_seed"].gpu_only and not reg["sharding_world_sizes"].gpu_only
+    assert not reg["sharding_dtensor_test"].gpu_only and not reg["sharding_world_sizes"].gpu_only
     assert reg["sharding_world_sizes"].quick == {"sizes": (2, 4)}
 
 

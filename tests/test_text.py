@@ -48,10 +48,9 @@ def test_condense_joins_found_from_to_its_location_or_drops_it():
     assert text.location("/x/y/f.py", 3) == "Found from f.py, line 3"
 
 
-def test_reduce_overhead_condense_never_leaves_a_dangling_found_from():
-    from course.lessons.reduce_overhead import _condense
+def test_condense_of_a_torch_log_never_leaves_a_dangling_found_from():
     for lines in (1, 2, 4):
-        out = _condense(TORCH_SKIP, lines)
+        out = text.condense(TORCH_SKIP, lines)
         assert not re.search(r"Found from\s*:\s*($|/|\|)", out), out
         assert "reduce_overhead.py, line 44" in out
 

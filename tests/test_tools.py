@@ -97,6 +97,46 @@ def test_course_map_lists_lessons_and_labs():
     assert len(catalog.entries("lab")) >= 2 and {e.kind for e in catalog.entries("lab")} == {"lab"}
 
 
+def test_course_map_lists_the_modules_of_every_experiment():
+    from course.core import reference
+
+    mods = reference.experiment_modules()
+    assert mods == catalog.experiment_modules() and len(mods) == len(set(mods)) >= 10
+    registered = {e.fn.__module__ for e in reference.load_all().values()}
+    assert registered == set(mods), f"listed but registering nothing: {set(mods) - registered}; " \
+                                    f"registering but not listed: {registered - set(mods)}"
+    for e in catalog.CATALOG:
+        assert not e.experiments or e.kind in ("lesson", "lab"), f"{e.path}: experiments belong to a lesson or lab"
+
+
+def test_a_listed_experiment_module_that_is_gone_fails_loudly(monkeypatch):
+    from course.core import reference
+
+    gone = catalog.Entry("notebooks/99_gone.ipynb", "gone", "lesson", "", ("course.lessons.no_such_module",))
+    monkeypatch.setattr(catalog, "CATALOG", catalog.CATALOG + (gone,))
+    with pytest.raises(ModuleNotFoundError, match=r"course/tools/catalog\.py.*'course\.lessons\.no_such_module'"):
+        reference.load_all()
+    deeper = catalog.Entry("notebooks/99_gone.ipynb", "gone", "lesson", "", ("course.no_such_package.experiments",))
+    monkeypatch.setattr(catalog, "CATALOG", catalog.CATALOG[:-1] + (deeper,))
+    with pytest.raises(ModuleNotFoundError, match="no such module"):
+        reference.load_all()
+
+
+def test_a_module_whose_own_import_fails_is_not_called_gone(monkeypatch, tmp_path):
+    import sys
+
+    from course.core import reference
+
+    (tmp_path / "course_test_broken_mod.py").write_text("import course_test_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = catalog.Entry("notebooks/99_broken.ipynb", "b", "lesson", "", ("course_test_broken_mod",))
+    monkeypatch.setattr(catalog, "CATALOG", catalog.CATALOG + (broken,))
+    with pytest.raises(ModuleNotFoundError) as err:
+        reference.load_all()
+    assert err.value.name == "course_test_missing_dependency" and "course map" not in str(err.value)
+    sys.modules.pop("course_test_broken_mod", None)
+
+
 @pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
 def test_blocking_is_not_measurable_on_simulator():
     rep = blocking.host_blocking(lambda: None)

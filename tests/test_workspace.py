@@ -10,7 +10,7 @@ import pytest
 
 from course.tools import catalog, workspace
 from course.tools.cli import build_parser, main
-from course.tools.labs import build_labs
+from course.tools.learner_versions import build_labs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,7 +199,7 @@ def test_learner_work_leaves_the_shipped_course_clean(shipped_copy):
 
 def test_course_check_works_on_a_workspace_copy(tmp_path, capsys):
     """`python -m course check` runs the learner's copy (in its own folder) and reports it."""
-    from course.tools.labs import check_notebook
+    from course.tools.grade import check_notebook
     dest = workspace.create(dest=tmp_path / "work", quiet=True)
     assert check_notebook(dest / "notebooks" / "00_start_here.ipynb", timeout=300) == 0
     out = capsys.readouterr().out

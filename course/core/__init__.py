@@ -7,4 +7,8 @@
 - :mod:`~course.core.plots`: captions and plot helpers; :mod:`~course.core.checks`: exercise checks.
 - :mod:`~course.core.text`: reasons for tables, shortened at a sentence's end; torch's log messages condensed.
 - :mod:`~course.core.capture` and :mod:`~course.core.blocking`: trial captures, GPU sleeps, host-blocking tests.
+- :mod:`~course.core.profiling`: the one launch counter (graph launches, kernel launches, GPU kernels per call).
+- :mod:`~course.core.compiled`: torch.compile's state: its log messages, its counters, a cold start.
+- :mod:`~course.core.hardware`: the GPU's memory facts, and releasing memory nothing holds;
+  :mod:`~course.core.isolate`: one-off processes.
 """

@@ -1,4 +1,5 @@
-"""What the GPU's datasheet would say, read from the device itself: L2 size and peak DRAM bandwidth.
+"""What the GPU's datasheet would say, read from the device itself: L2 size and peak DRAM bandwidth; and
+:func:`release_memory`, which hands the memory nothing holds any more back to the device.
 
 Bandwidth figures mean DRAM bandwidth only when the data is well above the L2 cache; below that the
 data sits in L2 and a kernel can move it faster than the memory could. Lessons use
@@ -44,3 +45,19 @@ def memory_facts() -> dict:
     facts["memory_clock_khz"], facts["bus_width_bits"] = clock, width
     facts["peak_dram_GBps"] = peak_dram_gbps(clock, width) if clock and width else None
     return facts
+
+
+def release_memory() -> None:
+    """Collect garbage, wait for the GPU and empty torch's caching allocator: what stays reserved is held by live objects.
+
+    Experiments call it between variants (and before reading ``torch.cuda.memory_reserved()``), so one variant's
+    freed blocks neither count against the next one nor crowd it out. Without CUDA it only collects garbage.
+    """
+    import gc
+
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

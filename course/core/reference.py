@@ -21,27 +21,9 @@ from course.core.runtime import gpu_count, runtime
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 ENV_FULL = "COURSE_FULL"  # COURSE_FULL=1: notebooks run their heavy variants live too (torch.compile, fresh processes)
 
-# Modules that define experiments; imported by bench() and the tests.
-EXPERIMENT_MODULES = (
-    "course.lessons.launch_overhead",
-    "course.lessons.capture_replay",
-    "course.lessons.capture_more",
-    "course.lessons.reduce_overhead",
-    "course.lessons.what_breaks.experiments",
-    "course.lessons.what_breaks.numba_zoo",
-    "course.lessons.what_breaks.recovery",
-    "course.embedding.bench",
-    "course.lessons.graph_cache.experiments",
-    "course.lessons.graph_cache.step",
-    "course.lessons.graph_cache.faq",
-    "course.embedding.launch_cost",
-    "course.lessons.sharding.experiments",
-    "course.embedding.access",
-    "course.lessons.real_model.experiments",
-    "course.lessons.real_model.gemv_bench",
-    "course.lessons.last_mile.waterfall",
-    "course.lessons.last_mile.timeline",
-)
+# The course map (course/tools/catalog.py) lists, beside each notebook, the modules that define its experiments.
+# The toolkit names only the map, and only as a string: core imports no lesson.
+COURSE_MAP = "course.tools.catalog"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +57,27 @@ def experiment(name: str, *, gpu_only: bool = True, quick: dict | None = None, g
     return deco
 
 
+def experiment_modules() -> tuple:
+    """The modules that define experiments, as the course map lists them (:data:`COURSE_MAP`)."""
+    return tuple(importlib.import_module(COURSE_MAP).experiment_modules())
+
+
 def load_all() -> dict:
-    """Import every experiment module (those that exist) and return the registry."""
-    for mod in EXPERIMENT_MODULES:
+    """Import every experiment module the course map lists and return the registry.
+
+    A listed module that does not exist is an error that names it and the map, never a silent skip: its
+    experiments would otherwise vanish from ``course bench`` and the notebooks would find no reference for them.
+    """
+    for mod in experiment_modules():
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+            if e.name != mod and not mod.startswith(f"{e.name}."):
+                raise  # the module exists but imports something missing: that error says what
+            raise ModuleNotFoundError(
+                f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {mod!r} as a module with experiments, "
+                f"and there is no such module: correct the `experiments` of its entry there (or restore the module)",
+                name=mod) from e
     return dict(_REGISTRY)
 
 

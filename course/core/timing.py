@@ -109,11 +109,24 @@ def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> 
     The returned Timing is per *replay* (clock "cuda-events"); divide by ``calls`` for the GPU's own
     time per call, with no CPU launch cost in it. GPU only.
     """
+    graph = capture_calls(fn, calls)
+    t = time_device(graph.replay, warmup=warmup, repeats=repeats, inner=1)
+    del graph
+    return t
+
+
+def capture_calls(fn, calls: int):
+    """A ``torch.cuda.CUDAGraph`` of ``calls`` back-to-back calls of ``fn``, warmed up first (GPU only).
+
+    Replay it and time the replays to get the GPU's own time per call (:func:`time_graph_replay` does both).
+    """
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
     import torch
 
     from course.core.capture import graph as capture_graph, require_gpu, warm_up
 
-    require_gpu("timing with CUDA-graph replay")
+    require_gpu("capturing calls into a CUDA graph")
 
     def body():
         for _ in range(calls):
@@ -123,9 +136,7 @@ def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> 
     graph = torch.cuda.CUDAGraph()
     with capture_graph(graph):  # torch.cuda.graph that leaves CUDA clean if the capture fails
         body()
-    t = time_device(graph.replay, warmup=warmup, repeats=repeats, inner=1)
-    del graph
-    return t
+    return graph
 
 
 def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:

@@ -1,4 +1,6 @@
-"""Embedding lookup in Numba CUDA: the kernels, one validated launch function, and the checks.
+"""Embedding lookup in Numba CUDA: the naive and the fast gather kernels, the word views they copy through, and
+their launch shapes (the validated launch function is :mod:`~course.embedding.lookup`, the checks
+:mod:`~course.embedding.cases`).
 
 An embedding lookup is a gather: ``out[..., :] = weight[ids[...], :]``. It does no
 arithmetic, so it is exact for any dtype when it copies bytes, and its speed is set by

@@ -10,7 +10,7 @@ can fail for the right reason:
 4. device-resident ids: ids created on the GPU work, and the profiler sees no
    device-to-host copy during the call;
 5. asynchrony: the robust test of :mod:`course.core.blocking` (queue a long GPU sleep, call,
-   see whether the call returned before the GPU finished). The seeds' test ("an event
+   see whether the call returned before the GPU finished). InfiniCore's embedding test ("an event
    recorded right after the call is already complete, so the call synchronized") is
    printed too, and explained: it mistakes a slow launch for a sync;
 6. summary with ✓/✗. Exit code 0 only when every check passes; 1 when one fails; 2 on
@@ -142,7 +142,7 @@ def run_checks(impl: str, *, log=print) -> list:
              + ("the call did not wait for the GPU" if ok else "the call WAITED for the GPU (a sync)")]
     checks.append(Check("async", ok, lines))
     log(f"   {_mark(ok)} {lines[0]}")
-    log(f"   (info) the seeds' test: an event recorded right after the call is already complete: {complete}.")
+    log(f"   (info) InfiniCore's test: an event recorded right after the call is already complete: {complete}.")
     work = (f"the GPU work itself takes {kernel_us:.1f} us per call (CUDA-graph replay of 20 calls)"
             if kernel_us is not None else "the GPU work itself is a few small copies and one small kernel")
     log(f"          Not evidence either way: back-to-back eager calls take {launch.us:.1f} us each (CUDA events), "

@@ -2,10 +2,15 @@
 
 - 01 :mod:`~course.lessons.launch_overhead`: launch cost vs kernel time, the size sweep, the timeline.
 - 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``.
+- 02 :mod:`~course.lessons.capture_more`: part of a model graphed, two streams in one graph, capture error modes.
 - 02/03 :mod:`~course.lessons.reduce_overhead`: the graphs ``torch.compile(mode="reduce-overhead")`` makes.
 - 03 :mod:`~course.lessons.what_breaks`: the capture-hazard finder, its zoo and its experiments.
-- 04 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
+- 04 and lab 3 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
 - 05 :mod:`~course.lessons.sharding`: a sharded embedding table, captured over several GPUs.
-- 06 :mod:`~course.lessons.real_model`: a real model's decode step (transformers' Llama), captured and fused.
+- 06 and lab 4 :mod:`~course.lessons.real_model`: transformers' Llama in TinyLlama's shape, its decode step captured,
+  the roofline under it.
 - 07 :mod:`~course.lessons.last_mile`: that step as five fused Triton kernels per layer, with PDL.
+
+Which of these modules register the experiments each notebook shows is listed in the course map,
+:mod:`course.tools.catalog`.
 """

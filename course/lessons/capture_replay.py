@@ -1,8 +1,9 @@
 """Lesson 02, capture and replay: the experiments behind notebook 02.
 
 - :func:`kernel_sweep`: eager vs replay time against the number of kernels in the graph.
-- :func:`seed_step_experiment`: the CUDA Graph lesson's exercise from the seeds (a Linear layer,
-  loss, backward and an SGD step captured whole and replayed 1000 times) against eager.
+- :func:`training_step_experiment`: the exercise of a CUDA Graph lesson (launch overhead, capture and replay,
+  static inputs): a Linear layer, loss, backward and an SGD step captured whole and replayed 1000 times,
+  against eager.
 - :func:`new_shape_experiment`: what a new input shape costs (a new capture), and the private
   memory pool each graph keeps (separate pools vs one shared pool).
 - :func:`frozen_experiment`: what a graph freezes at capture time, checked one by one.
@@ -89,10 +90,10 @@ def kernel_sweep(counts=SWEEP_COUNTS, size: int = 1024, repeats: int = 15) -> Re
 
 
 # =====================================================================================
-# 2. the seeds' exercise: Linear + loss + backward + SGD, captured whole
+# 2. the CUDA Graph lesson's exercise: Linear + loss + backward + SGD, captured whole
 # =====================================================================================
-def seed_setup(N: int = 64, D_in: int = 1024, D_out: int = 1024, seed: int = 0):
-    """The seeds' static inputs, model and optimizer: (x, y, model, optimizer) on the GPU."""
+def training_setup(N: int = 64, D_in: int = 1024, D_out: int = 1024, seed: int = 0):
+    """The CUDA Graph lesson's static inputs, model and optimizer: (x, y, model, optimizer) on the GPU."""
     import torch
 
     torch.manual_seed(seed)
@@ -103,8 +104,8 @@ def seed_setup(N: int = 64, D_in: int = 1024, D_out: int = 1024, seed: int = 0):
     return x, y, model, optimizer
 
 
-def seed_step(model, optimizer, x, y):
-    """One eager training step, as in the seeds: zero grads, forward, loss, backward, SGD step."""
+def training_step(model, optimizer, x, y):
+    """One eager training step, as in the CUDA Graph lesson: zero grads, forward, loss, backward, SGD step."""
     optimizer.zero_grad(set_to_none=True)
     loss = (model(x) - y).pow(2).sum()
     loss.backward()
@@ -112,8 +113,8 @@ def seed_step(model, optimizer, x, y):
     return loss
 
 
-def capture_seed_step(model, optimizer, x, y, warmup: int = 3):
-    """The seeds' recipe: warm up on a side stream, then capture forward+backward+step whole.
+def capture_training_step(model, optimizer, x, y, warmup: int = 3):
+    """The CUDA Graph lesson's recipe: warm up on a side stream, then capture forward+backward+step whole.
 
     Returns (graph, static_loss). Gradients are set to None before capture, so backward
     allocates them from the graph's private pool and every replay overwrites them.
@@ -124,7 +125,7 @@ def capture_seed_step(model, optimizer, x, y, warmup: int = 3):
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(warmup):
-            seed_step(model, optimizer, x, y)
+            training_step(model, optimizer, x, y)
     torch.cuda.current_stream().wait_stream(s)
 
     g = torch.cuda.CUDAGraph()
@@ -137,41 +138,40 @@ def capture_seed_step(model, optimizer, x, y, warmup: int = 3):
 
 
 def gpu_ops_per_call(fn) -> int | None:
-    """Number of GPU activities (kernels, memcpys, memsets) one call of ``fn`` issues (torch.profiler), or None."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """GPU activities (kernels, memcpys, memsets) one call of ``fn`` issues, counted by
+    :func:`course.core.profiling.launch_counts`; None where the profiler cannot run (no CUPTI, another profiler
+    active): the count is optional here."""
+    from course.core.profiling import launch_counts
 
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception:  # noqa: BLE001 - the profiler is optional here (no CUPTI, another profiler active)
+        return int(launch_counts(fn)["gpu_ops"])
+    except Exception:  # noqa: BLE001 - the profiler is optional here
         return None
 
 
 @experiment("graphs_seed_step", gpu_only=True, quick={"iters": 100, "repeats": 3})
-def seed_step_experiment(N: int = 64, D_in: int = 1024, D_out: int = 1024, iters: int = 1000,
+def training_step_experiment(N: int = 64, D_in: int = 1024, D_out: int = 1024, iters: int = 1000,
                          repeats: int = 7) -> Result:
-    """The seeds' Linear+loss+backward+SGD step: eager vs graph replay, per step and for ``iters`` steps."""
-    require_gpu("the seeds' training-step exercise")
+    """The CUDA Graph lesson's Linear+loss+backward+SGD step: eager vs graph replay, per step and for ``iters``
+    steps."""
+    require_gpu("the training-step exercise")
     import copy
 
     import torch
 
-    x, y, model, opt = seed_setup(N, D_in, D_out)
+    x, y, model, opt = training_setup(N, D_in, D_out)
     twin = copy.deepcopy(model)  # the same weights, trained eagerly, to check the replays
     twin_opt = torch.optim.SGD(twin.parameters(), lr=1e-3)
     for _ in range(3):
-        seed_step(twin, twin_opt, x, y)  # the warm-up steps the captured model also takes
-    g, static_loss = capture_seed_step(model, opt, x, y)
+        training_step(twin, twin_opt, x, y)  # the warm-up steps the captured model also takes
+    g, static_loss = capture_training_step(model, opt, x, y)
     for _ in range(10):
         g.replay()
-        seed_step(twin, twin_opt, x, y)
+        training_step(twin, twin_opt, x, y)
     torch.cuda.synchronize()
     match = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(model.parameters(), twin.parameters()))
 
-    eager_fn = lambda: seed_step(twin, twin_opt, x, y)  # noqa: E731
+    eager_fn = lambda: training_step(twin, twin_opt, x, y)  # noqa: E731
     eager = time_device(eager_fn, warmup=5, repeats=repeats * 3, inner=20)
     replay = time_device(g.replay, warmup=5, repeats=repeats * 3, inner=20)
     eager_loop = time_wall(eager_fn, warmup=5, repeats=repeats, inner=iters)
@@ -179,7 +179,8 @@ def seed_step_experiment(N: int = 64, D_in: int = 1024, D_out: int = 1024, iters
     ops = gpu_ops_per_call(eager_fn)
     rows = [{"mode": "eager", "per_step_us": eager.us, "loop_ms": eager_loop.median * iters * 1e3},
             {"mode": "graph replay", "per_step_us": replay.us, "loop_ms": replay_loop.median * iters * 1e3}]
-    res = Result("graphs_seed_step", f"The seeds' training step (Linear {D_in}->{D_out}, batch {N}): eager vs replay",
+    res = Result("graphs_seed_step",
+                 f"The CUDA Graph lesson's training step (Linear {D_in}->{D_out}, batch {N}): eager vs replay",
                  {"mode": "", "per_step_us": "us", "loop_ms": "ms"}, rows,
                  params={"N": N, "D_in": D_in, "D_out": D_out, "iters": iters, "repeats": repeats})
     res.add_summary("speedup per step (CUDA events)", eager.us / replay.us, "x")

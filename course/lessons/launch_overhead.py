@@ -6,7 +6,9 @@ Experiments (see :mod:`course.core.reference`):
   beside the GPU's own execution time of the same kernel (measured inside a CUDA graph,
   where no launch gaps remain).
 - ``launch_sweep`` (GPU): the same three times for ``x.add_(1)`` as the tensor grows from
-  64 bytes to 256 MiB: a flat launch-bound region, a bandwidth-bound slope, and the crossover.
+  64 bytes to 1 GiB: a flat launch-bound region, a bandwidth-bound slope, and the crossover. The sizes are
+  measured in turns (:func:`sweep_timings`), so a passing disturbance cannot make one size an outlier;
+  :func:`outliers` names any point that still stands far off its neighbours.
 - ``launch_timeline`` (GPU): a torch.profiler trace of 30 tiny ops: CPU launches vs GPU kernels,
   with the idle gaps between kernels.
 - ``cpu_dispatch`` (live everywhere): the CPU-side dispatch cost of tiny torch ops on CPU tensors,
@@ -22,7 +24,8 @@ from functools import lru_cache
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.runtime import as_numba, cuda, numba_stream, torch_device
-from course.core.timing import time_device, time_enqueue, time_graph_replay, time_wall
+from course.core.timing import (Timing, capture_calls, time_device, time_enqueue, time_graph_replay, time_interleaved,
+                                 time_wall)
 
 OPS_PER_GRAPH = 50
 
@@ -112,39 +115,78 @@ def launch_costs(repeats: int = 25) -> Result:
     return res
 
 
+def sweep_timings(ops: dict, replays: dict, repeats: int = 15, inner: int = OPS_PER_GRAPH) -> dict:
+    """``{size: (enqueue, eager, replay)}`` Timings per call for every size, each clock measured in turns.
+
+    ``ops[size]`` is one call of the op; ``replays[size]`` replays a graph of ``inner`` calls of it. Each clock
+    is one :func:`~course.core.timing.time_interleaved` run over all the sizes (every repeat visits every size,
+    in a rotated order), so something that disturbs the machine for a while (a clock change, another process)
+    lands on a few repeats of many sizes, and the medians stay put. Measured one size after the other, the same
+    disturbance would land on most repeats of one size and make it an outlier. ``replay`` is per call too
+    (one replay's time divided by ``inner``).
+    """
+    enq = time_interleaved(ops, clock="enqueue", warmup=10, repeats=repeats, inner=inner)
+    eager = time_interleaved(ops, clock="device", warmup=10, repeats=repeats, inner=inner)
+    rep = time_interleaved(replays, clock="device", warmup=3, repeats=repeats, inner=1)
+    per_call = {n: Timing(t.median / inner, t.q1 / inner, t.q3 / inner, t.min / inner, t.max / inner, t.repeats,
+                          inner, t.clock) for n, t in rep.items()}
+    return {n: (enq[n], eager[n], per_call[n]) for n in ops}
+
+
+def outliers(rows, key: str = "kernel_exec_us", factor: float = 3.0) -> list:
+    """Rows whose ``key`` is more than ``factor`` times both neighbours' (or less than a ``factor``-th of both),
+    in order of ``bytes``: ``[(row, left neighbour, right neighbour)]``. The first and last rows have one
+    neighbour each and are never called outliers."""
+    if factor <= 1:
+        raise ValueError(f"factor must be > 1, got {factor}")
+    rows = sorted(rows, key=lambda r: r["bytes"])
+    out = []
+    for left, r, right in zip(rows, rows[1:], rows[2:]):
+        v, a, b = r[key], left[key], right[key]
+        if (v > factor * a and v > factor * b) or (factor * v < a and factor * v < b):
+            out.append((r, left, right))
+    return out
+
+
 @experiment("launch_sweep", gpu_only=True, quick={"max_exp": 16, "repeats": 5})
 def launch_sweep(min_exp: int = 4, max_exp: int = 28, repeats: int = 15) -> Result:
     """Sweep ``x.add_(1)`` over float32 tensors of 2**min_exp..2**max_exp elements.
 
     Columns: host enqueue time per op, GPU time per op when issued back to back (eager),
-    and kernel execution time per op inside a CUDA graph. Summary: the crossover size, and bandwidth
-    two ways: the highest seen at any size (data that fits in L2 included) and DRAM bandwidth, from sizes
-    at least 4x the L2 cache only, beside the hardware peak read from the device.
+    and kernel execution time per op inside a CUDA graph, each a median with its quartiles; the sizes are
+    measured in turns (:func:`sweep_timings`). Summary: the crossover size, and bandwidth two ways: the highest
+    seen at any size (data that fits in L2 included) and DRAM bandwidth, from sizes at least 4x the L2 cache
+    only, beside the hardware peak read from the device.
     """
     import torch
-    from tqdm.auto import tqdm
 
     from course.core.hardware import memory_facts
 
     facts = memory_facts()
     l2 = facts["l2_bytes"] or 0
     dev = torch_device()
+    sizes = _sizes(min_exp, max_exp, step=1)
+    xs = {n: torch.zeros(n, device=dev) for n in sizes}  # all at once: 2 GiB at 2**28, nothing on an H100
+    ops = {n: (lambda x=x: x.add_(1.0)) for n, x in xs.items()}
+    graphs = {n: capture_calls(op, OPS_PER_GRAPH) for n, op in ops.items()}
+    timings = sweep_timings(ops, {n: g.replay for n, g in graphs.items()}, repeats=repeats)
     rows = []
-    for n in tqdm(_sizes(min_exp, max_exp, step=1), desc="launch sweep", leave=False):
-        x = torch.zeros(n, device=dev)
-        op = lambda: x.add_(1.0)
-        enq = time_enqueue(op, warmup=10, repeats=repeats, inner=OPS_PER_GRAPH)
-        eager = time_device(op, warmup=10, repeats=repeats, inner=OPS_PER_GRAPH)
-        exec_s, _ = graph_time_per_op(op, repeats=repeats)
+    for n in sizes:
+        enq, eager, rep = timings[n]
         nbytes = n * 4
-        rows.append({"elements": n, "bytes": nbytes, "host_enqueue_us": enq.us, "eager_gpu_us": eager.us,
-                     "kernel_exec_us": exec_s * 1e6, "bandwidth_GBps": 2 * nbytes / exec_s / 1e9,
+        rows.append({"elements": n, "bytes": nbytes, "host_enqueue_us": enq.us, "host_q1_us": enq.q1 * 1e6,
+                     "host_q3_us": enq.q3 * 1e6, "eager_gpu_us": eager.us, "eager_q1_us": eager.q1 * 1e6,
+                     "eager_q3_us": eager.q3 * 1e6, "kernel_exec_us": rep.us, "kernel_exec_q1_us": rep.q1 * 1e6,
+                     "kernel_exec_q3_us": rep.q3 * 1e6, "bandwidth_GBps": 2 * nbytes / rep.median / 1e9,
                      "fits_in_l2": bool(l2) and nbytes <= l2})
-        del x
-    res = Result("launch_sweep", "x.add_(1) on float32 tensors: launch cost vs kernel time",
-                 {"elements": "", "bytes": "B", "host_enqueue_us": "us", "eager_gpu_us": "us",
-                  "kernel_exec_us": "us", "bandwidth_GBps": "GB/s", "fits_in_l2": ""}, rows,
-                 params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats})
+    del graphs, xs
+    res = Result("launch_sweep", "x.add_(1) on float32 tensors: launch cost vs kernel time (sizes measured in turns)",
+                 {"elements": "", "bytes": "B", "host_enqueue_us": "us", "host_q1_us": "us", "host_q3_us": "us",
+                  "eager_gpu_us": "us", "eager_q1_us": "us", "eager_q3_us": "us", "kernel_exec_us": "us",
+                  "kernel_exec_q1_us": "us", "kernel_exec_q3_us": "us", "bandwidth_GBps": "GB/s",
+                  "fits_in_l2": ""}, rows,
+                 params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats,
+                         "method": "every repeat visits every size in a rotated order (time_interleaved)"})
     import statistics
     res.add_summary("launch_us", statistics.median(r["host_enqueue_us"] for r in rows), "us")
     res.add_summary("smallest_kernel_exec_us", rows[0]["kernel_exec_us"], "us")

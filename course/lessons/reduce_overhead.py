@@ -9,12 +9,11 @@ GPU only; on the simulator path notebooks load the reference results.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
-import logging
 import time
 
 from course.core.capture import require_gpu
+from course.core.compiled import compile_counters, reset_compile, torch_log_messages
+from course.core.profiling import launch_counts
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.text import clip, condense
@@ -54,69 +53,6 @@ class CompileNet:
         return Net().cuda()
 
 
-class _Grab(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-
-    def emit(self, record):
-        try:
-            self.messages.append(record.getMessage())
-        except Exception:  # noqa: BLE001 - never let logging break an experiment
-            pass
-
-
-@contextlib.contextmanager
-def torch_log_messages(**artifacts):
-    """Turn on torch logging artifacts (those this torch knows) and collect every message logged meanwhile."""
-    import torch._logging
-
-    known = set(inspect.signature(torch._logging.set_logs).parameters)
-    torch._logging.set_logs(**{k: v for k, v in artifacts.items() if k in known})
-    names = {"torch", "torch._inductor", "torch._dynamo", "torch._inductor.cudagraph_trees"}
-    try:
-        from torch._logging._internal import log_registry
-        names |= set(log_registry.get_log_qnames())
-    except Exception:  # noqa: BLE001 - private API; the fixed names above cover the common cases
-        pass
-    grab = _Grab()
-    loggers = [logging.getLogger(n) for n in sorted(names)]
-    saved = {lg.name: list(lg.handlers) for lg in loggers}
-    for lg in loggers:
-        lg.handlers = [grab]  # collect instead of printing (torch's own handlers write to stderr)
-    try:
-        yield grab.messages
-    finally:
-        for lg in loggers:
-            lg.handlers = saved[lg.name]
-        torch._logging.set_logs()
-
-
-def _condense(message: str, lines: int = 4) -> str:
-    """The first few non-empty lines of a (multi-line) log message, joined with ' / ', machine paths cut to
-    their file names, torch's "Found from :" joined to its location (:func:`course.core.text.condense`)."""
-    return condense(message, lines)
-
-
-def launch_counts(fn) -> dict:
-    """Profile one call of ``fn`` (GPU) and count what the host launched: CUDA graph launches and single kernels.
-
-    This is how to *see* whether torch.compile replayed a CUDA graph: a steady-state call that launches a graph
-    shows ``cudaGraphLaunch``; one that does not shows only kernel launches.
-    """
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events()]
-    return {"graph_launches": sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names),
-            "kernel_launches": sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-                                   for n in names)}
-
-
 def why_slower(row: dict) -> str:
     """A one-line reason, read off the row's own measurements, for compiled being slower than eager (or '')."""
     if row["compiled_us"] <= row["eager_us"]:
@@ -138,22 +74,6 @@ def _recompile_reason(message: str) -> str:
     return "recompiled: " + "; ".join(reasons) if reasons else "recompiled"
 
 
-def _counters() -> dict:
-    from torch._dynamo.utils import counters
-
-    return {"cudagraph_skips": counters["inductor"]["cudagraph_skips"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "unique_graphs": counters["stats"]["unique_graphs"]}
-
-
-def _reset_compile() -> None:
-    import torch
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-
-
 @experiment("compile_skip_reasons", gpu_only=True, quick={"hazards": ("none", "mutates_input"), "repeats": 5})
 def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth: int = 6, batch: int = 32,
                             repeats: int = 15) -> Result:
@@ -163,7 +83,7 @@ def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth:
 
     rows = []
     for hazard in hazards:
-        _reset_compile()
+        reset_compile()
         torch.manual_seed(0)
         net = CompileNet.build(hazard, width, depth)
         x = torch.randn(batch, width, device="cuda")
@@ -176,25 +96,25 @@ def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth:
             first_s = time.perf_counter() - t0
             for _ in range(3):
                 compiled(x)
-            counts = launch_counts(lambda: compiled(x))
+            counts = launch_counts(lambda: compiled(x))  # one steady-state call
             t = time_interleaved({"compiled": lambda: compiled(x), "eager": lambda: net(x)}, warmup=3,
                                  repeats=repeats, inner=10)
         c, e = t["compiled"], t["eager"]
-        k = _counters()
-        skips = [_condense(m) for m in msgs if "skipping cudagraphs" in m]
-        breaks = [_condense(m) for m in msgs if "graph break" in m.lower()]
-        parts = sorted({_condense(m, 1) for m in msgs if "graph partitions" in m})
+        k = compile_counters()
+        skips = [condense(m) for m in msgs if "skipping cudagraphs" in m]
+        breaks = [condense(m) for m in msgs if "graph break" in m.lower()]
+        parts = sorted({condense(m, 1) for m in msgs if "graph partitions" in m})
         row = {"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us,
                "compiled_q1_us": c.q1 * 1e6, "compiled_q3_us": c.q3 * 1e6, "eager_us": e.us,
                "eager_q1_us": e.q1 * 1e6, "eager_q3_us": e.q3 * 1e6,
-               "graph_launches": counts["graph_launches"], "kernel_launches": counts["kernel_launches"],
+               "graph_launches": int(counts["graph_launches"]), "kernel_launches": int(counts["kernel_launches"]),
                "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
                "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
                "partitions": " | ".join(parts)}
         row["difference_is_noise"] = speedup("eager", e, "compiled", c).noise
         row["why_slower"] = "" if row["difference_is_noise"] else why_slower(row)
         rows.append(row)
-    _reset_compile()
+    reset_compile()
     res = Result("compile_skip_reasons", 'torch.compile(mode="reduce-overhead"): what a hazard does to cudagraphs',
                  {"hazard": "", "first_call_s": "s", "compiled_us": "us", "compiled_q1_us": "us",
                   "compiled_q3_us": "us", "eager_us": "us", "eager_q1_us": "us", "eager_q3_us": "us",
@@ -211,11 +131,12 @@ def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth:
 
 @experiment("compile_new_shapes", gpu_only=True, quick={"batches": (8, 16), "calls_per_shape": 3})
 def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, width: int = 256) -> Result:
-    """The seeds' question, answered: a reduce-overhead compiled model called at new input shapes."""
+    """The CUDA Graph lesson's question ("what if the input shape changes?"), answered: a reduce-overhead compiled
+    model called at new input shapes."""
     require_gpu("torch.compile with CUDA graphs")
     import torch
 
-    _reset_compile()
+    reset_compile()
     torch.manual_seed(0)
     net = CompileNet.build("none", width)
     compiled = torch.compile(net, mode="reduce-overhead")
@@ -227,13 +148,13 @@ def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, 
             new_shape = b not in seen
             seen.add(b)
             for i in range(calls_per_shape):
-                before, n_msgs = _counters(), len(msgs)
+                before, n_msgs = compile_counters(), len(msgs)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 compiled(x)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-                after = _counters()
+                after = compile_counters()
                 new = msgs[n_msgs:]
                 log = [_recompile_reason(m) for m in new if m.startswith("Recompiling")]
                 recorded = sum("Recording function" in m for m in new)
@@ -244,9 +165,9 @@ def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, 
                     log.append(f"recorded {recorded} CUDA graph(s)")
                 rows.append({"call": call, "batch": b, "new_shape": new_shape and i == 0, "call_ms": dt * 1e3,
                              "graphs_compiled": compiled_now, "graphs_recorded": recorded,
-                             "log": clip(" | ".join(_condense(l, 1) for l in log), 300)})
+                             "log": clip(" | ".join(condense(l, 1) for l in log), 300)})
                 call += 1
-    _reset_compile()
+    reset_compile()
     res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new input shapes',
                  {"call": "count", "batch": "count", "new_shape": "", "call_ms": "ms", "graphs_compiled": "count",
                   "graphs_recorded": "count", "log": ""}, rows,

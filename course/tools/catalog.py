@@ -1,4 +1,9 @@
-"""The course map: every notebook, lab and solution, in teaching order."""
+"""The course map: every notebook, lab and solution, in teaching order, and the modules that hold its experiments.
+
+Each lesson or lab entry names the modules whose ``@experiment`` functions it shows first (``experiments``);
+:func:`experiment_modules` lists them all, and :func:`course.core.reference.load_all` imports exactly those,
+failing loudly on one that no longer exists.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -15,34 +20,47 @@ class Entry:
     title: str
     kind: str  # "lesson", "lab" or "solution"
     summary: str
+    experiments: tuple = ()  # modules that register the experiments this notebook shows first
 
 
 CATALOG = (
     Entry("notebooks/00_start_here.ipynb", "Start here", "lesson",
           "what the course is, the doctor's verdict, GPU path vs simulator path, the map"),
     Entry("notebooks/01_launch_overhead.ipynb", "Launch overhead", "lesson",
-          "why small kernels make the GPU wait for the CPU: measured, swept, profiled"),
+          "why small kernels make the GPU wait for the CPU: measured, swept, profiled",
+          ("course.lessons.launch_overhead",)),
     Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
-          "torch.cuda.CUDAGraph: warm-up, static inputs, replay, what freezes at capture"),
+          "torch.cuda.CUDAGraph: warm-up, static inputs, replay, what freezes at capture",
+          ("course.lessons.capture_replay", "course.lessons.capture_more", "course.lessons.reduce_overhead")),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
-          "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder"),
+          "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder",
+          ("course.lessons.what_breaks.experiments", "course.lessons.what_breaks.numba_zoo",
+           "course.lessons.what_breaks.recovery")),
     Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
-          "the fused-engine seed's graph cache on a tiny decoder: keys, buckets, fallbacks, FAQ, vs reduce-overhead"),
+          "InfiniLM's fused inference engine, as a graph cache for a tiny decoder: keys, buckets, fallbacks, its FAQ, "
+          "vs reduce-overhead",
+          ("course.lessons.graph_cache.experiments", "course.lessons.graph_cache.step", "course.lessons.graph_cache.faq")),
     Entry("labs/lab1_embedding_kernel.ipynb", "Lab 1: an embedding kernel in Numba CUDA", "lab",
-          "write the lookup kernel, then a faster one; checked against F.embedding"),
+          "write the lookup kernel, then a faster one; checked against F.embedding",
+          ("course.embedding.bench", "course.embedding.launch_cost", "course.embedding.access")),
     Entry("labs/lab2_embedding_swap.ipynb", "Lab 2: swap, capture, replay", "lab",
           "the CPU-copy embedding cannot be captured; the device kernel can"),
     Entry("labs/lab3_graph_cache.ipynb", "Lab 3: build a graph cache", "lab",
           "key, capture on miss, replay on hit, stats, buckets and padding, fallback, enable/clear"),
     Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
-          "the seeds' DTensor test, vocab-parallel with the Numba kernel, capture on 2 GPUs, ranks must agree"),
+          "PyTorch's DTensor sharded-embedding test, vocab-parallel with the Numba kernel, capture on 2 GPUs, "
+          "data-parallel ranks must agree on the graph",
+          ("course.lessons.sharding.experiments",)),
     Entry("notebooks/06_real_model.ipynb", "A real model's decode step", "lesson",
           "transformers' Llama in TinyLlama's shape: the finder, the fixes, graph cache and fusion, correctness, "
-          "the roofline, a batch sweep"),
+          "the roofline, a batch sweep",
+          ("course.lessons.real_model.experiments", "course.lessons.real_model.gemv_bench",
+           "course.lessons.real_model.roofline")),
     Entry("labs/lab4_real_model.ipynb", "Lab 4: capture a real model's decode step", "lab",
           "make the step capturable, wrap it in the graph cache, predict tokens/s, explain the gap per kernel"),
     Entry("notebooks/07_last_mile.ipynb", "The last mile to the floor", "lesson",
-          "five fused Triton kernels per layer, PDL in the CUDA graph, the waterfall from eager to the floor"),
+          "five fused Triton kernels per layer, PDL in the CUDA graph, the waterfall from eager to the floor",
+          ("course.lessons.last_mile.waterfall", "course.lessons.last_mile.timeline")),
     Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
           "lesson 01 with its exercise answered; generates notebooks/01_launch_overhead.ipynb"),
     Entry("solutions/02_capture_and_replay.ipynb", "Lesson 02 with answers", "solution",
@@ -79,6 +97,11 @@ def all_notebooks_on_disk(root: Path = ROOT) -> list:
     for d in ("notebooks", "labs", "solutions"):
         out += sorted(p for p in (root / d).glob("*.ipynb"))
     return out
+
+
+def experiment_modules() -> tuple:
+    """Every module the course map names as holding experiments, in teaching order, each once."""
+    return tuple(dict.fromkeys(m for e in CATALOG for m in e.experiments))
 
 
 def course_map() -> str:

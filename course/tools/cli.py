@@ -3,7 +3,7 @@
   doctor            check the environment, say which path the course takes and how to fix problems
   run               execute every notebook headless into build/ (notebooks + HTML + summary)
   bench             run the GPU experiments on a real GPU and write reference data
-  build-labs        regenerate labs/ from solutions/ (strip the solution regions)
+  build-labs        regenerate the learner versions (labs/, the lessons in notebooks/) from solutions/
   check NOTEBOOK    run a notebook in a fresh kernel and report each check; exit 1 on a ✗ or an
                     exercise not reached (--answers: also on "not done yet")
   grade DIR         run every notebook under DIR; write grades.csv and feedback/STUDENT.html
@@ -38,7 +38,7 @@ def _bench(args) -> int:
 
 
 def _build_labs(args) -> int:
-    from course.tools.labs import build_labs
+    from course.tools.learner_versions import build_labs
     return build_labs(check=args.check)
 
 
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="folder to write to (default: course/reference)")
     b.add_argument("--quick", action="store_true", help="small sizes (smoke test; not for committing)")
     b.set_defaults(func=_bench)
-    bl = sub.add_parser("build-labs", help="regenerate labs/ from solutions/")
+    bl = sub.add_parser("build-labs", help="regenerate the learner versions (labs/, notebooks/NN_*) from solutions/")
     bl.add_argument("--check", action="store_true", help="only check that labs/ is in sync; exit 1 if not")
     bl.set_defaults(func=_build_labs)
     c = sub.add_parser("check", help="run a notebook and report its checks")

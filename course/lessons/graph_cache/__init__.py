@@ -1,14 +1,18 @@
-"""Lesson 04, a shape-keyed CUDA-graph cache for an inference engine (the fused-engine seed), and lab 3.
+"""Lesson 04, a shape-keyed CUDA-graph cache for an inference engine (after InfiniLM's fused engine), and lab 3.
 
 - :mod:`~course.lessons.graph_cache.buckets`: bucket presets (vLLM, SGLang, TensorRT-LLM) as data, padding math,
   a decode trace of varying batch sizes.
 - :mod:`~course.lessons.graph_cache.backends`: record/replay one key with a CUDA graph (GPU) or the recording
   backend (simulator).
 - :mod:`~course.lessons.graph_cache.cache`: :class:`GraphCache`, the engine: keys, capture on miss, replay on hit,
-  buckets and padding, fallback, the seed's stats.
+  buckets and padding, fallback, the statistics InfiniLM's engine reports (``get_stats()``).
 - :mod:`~course.lessons.graph_cache.decoder`: a tiny TinyLlama-shaped decoder whose decode step the cache wraps.
 - :mod:`~course.lessons.graph_cache.experiments`: the lesson's registered GPU experiments (the request trace);
-  :mod:`~course.lessons.graph_cache.step`: the decode step, every way of running it, in one measurement.
+  :mod:`~course.lessons.graph_cache.step`: the decode step, every way of running it, in one measurement;
+  :mod:`~course.lessons.graph_cache.diagnose_step`: why one step once read two different times (run by hand).
+- :mod:`~course.lessons.graph_cache.faq`: the engine's FAQ answered by experiment (memory per pool, fallbacks, a
+  timing recipe against a correct one) and the trace replay the notebook runs live.
+- :mod:`~course.lessons.graph_cache.lab`: lab 3's checks, run on the learner's own key function, buffers and cache.
 """
 from course.lessons.graph_cache.backends import CaptureFailed, CudaGraphBackend, RecordingBackend, default_backend
 from course.lessons.graph_cache.buckets import PRESETS, bucket_sizes, decode_trace, next_bucket, padding_report

@@ -1,10 +1,13 @@
-"""GraphCache: record a CUDA graph per input shape, replay it on later calls (the fused-engine seed's cache).
+"""GraphCache: record a CUDA graph per input shape, replay it on later calls.
+
+After the graph cache of InfiniLM's fused inference engine (``FusedInferEngine``): a graph recorded per input
+shape, the same statistics (``get_stats()``) and switches (``set_fusion_enabled``, ``clear_cache()``).
 
 ``cache = GraphCache(forward, buckets=[1, 2, 4, 8])`` wraps a forward callable:
 
 - the **key** of a call is the shape, dtype and device of each tensor argument (with the batch
   dimension replaced by its bucket) and the value of each other argument;
-- a **miss** warms the forward up (``warmup_iters``, default 1 like the seed), captures it on
+- a **miss** warms the forward up (``warmup_iters``, default 1 like InfiniLM's ``warmup_iterations``), captures it on
   static input buffers of the bucket's size, and replays; a **hit** copies the caller's tensors
   into the static inputs (padding rows filled with ``pad_value``), replays, and returns the
   outputs sliced back to the real batch, cloned (``copy_outputs=True``) or as views of the static
@@ -15,7 +18,7 @@
   rows); a key whose capture fails runs eager from then on, with the reason kept in
   :meth:`GraphCache.get_stats`;
 - ``fusion=True`` captures the forward compiled by ``torch.compile`` (default mode: no CUDA graphs
-  of its own) instead of the eager kernels, like the seed's "fused" mode; a key whose fused capture
+  of its own) instead of the eager kernels, like InfiniLM's "fusion" mode; a key whose fused capture
   fails falls back to capturing the eager kernels, then to eager.
 
 The forward may run more than once on a miss (warm-up, capture, first replay): it must give the
@@ -253,9 +256,9 @@ class GraphCache:
         self.padded_rows += bucket - n
         return self._outputs(entry.recorded.output, n, bucket)
 
-    # ------------------------------------------------------------------ the seed's API
+    # ------------------------------------------------------------------ the API of InfiniLM's engine
     def get_stats(self) -> dict:
-        """The seed's statistics (same keys) plus padding waste, capture time, graph memory and fallback reasons.
+        """InfiniLM's statistics (same keys) plus padding waste, capture time, graph memory and fallback reasons.
 
         ``fallback_reasons`` maps a key to why it runs eager (mode "eager") or why its fused capture fell
         back to the eager kernels (mode "graph_replay"). ``fusion_scheduler_available`` is True where
@@ -282,7 +285,7 @@ class GraphCache:
         }
 
     def hit_rate(self) -> float:
-        """The seed's formula: cache_hits / (cache_hits + cache_misses); 0 before any call. Eager calls are neither."""
+        """InfiniLM's formula: cache_hits / (cache_hits + cache_misses); 0 before any call. Eager calls are neither."""
         total = self.cache_hits + self.cache_misses
         return self.cache_hits / total if total else 0.0
 
@@ -291,7 +294,7 @@ class GraphCache:
         self.enabled = bool(enabled)
 
     def set_fusion_enabled(self, enabled: bool) -> None:
-        """The seed's switch: capture the compiled forward ("fusion") for keys recorded from now on."""
+        """InfiniLM's switch: capture the compiled forward ("fusion") for keys recorded from now on."""
         self.fusion = bool(enabled)
 
     def reset_stats(self) -> None:

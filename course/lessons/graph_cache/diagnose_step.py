@@ -7,7 +7,7 @@ measurements, and prints one row per stage:
 1. ``fresh``: the step alone, before anything else ran in the process;
 2. ``after compiles``: after building the cache (graph_replay, fusion) and reduce-overhead (torch.compile state);
 3. ``interleaved``: the same step taking turns with those variants (``time_interleaved``);
-4. ``after profiler``: after one ``torch.profiler`` session with CUDA activities (``graph_launches``): CUPTI may
+4. ``after profiler``: after one ``torch.profiler`` session with CUDA activities (``launch_counts``): CUPTI may
    stay attached and slow every later launch; run it once more with ``TEARDOWN_CUPTI=1`` in the environment;
 5. ``interleaved after profiler``.
 
@@ -16,10 +16,12 @@ The stage whose median leaves the previous one's IQR is the cause. Nothing is re
 from __future__ import annotations
 
 from course.core.capture import require_gpu
+from course.core.compiled import reset_compile
+from course.core.profiling import launch_counts
 from course.core.timing import time_device, time_interleaved
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
-from course.lessons.graph_cache.experiments import fresh_compile, graph_launches, say
+from course.lessons.graph_cache.experiments import say
 
 
 def step_timing_factors(repeats: int = 25, layers: int = 2) -> list:
@@ -38,11 +40,11 @@ def step_timing_factors(repeats: int = 25, layers: int = 2) -> list:
     with torch.no_grad():
         eager = lambda: model.step(*args)  # noqa: E731
         note("fresh", time_device(eager, warmup=3, repeats=repeats, inner=10))
-        fresh_compile()
+        reset_compile()
         replay, fused = GraphCache(model.step), GraphCache(model.step, fusion=True)
         replay(*args)
         fused(*args)
-        fresh_compile()
+        reset_compile()
         ro = torch.compile(model, mode="reduce-overhead")
         for _ in range(3):
             ro(*args)
@@ -50,10 +52,10 @@ def step_timing_factors(repeats: int = 25, layers: int = 2) -> list:
         others = {"eager": eager, "replay": lambda: replay(*args), "fusion": lambda: fused(*args),
                   "reduce-overhead": lambda: ro(*args)}
         note("interleaved", time_interleaved(others, warmup=3, repeats=repeats, inner=10)["eager"])
-        graph_launches(eager)
+        launch_counts(eager, calls=5)
         note("after profiler", time_device(eager, warmup=3, repeats=repeats, inner=10))
         note("interleaved after profiler", time_interleaved(others, warmup=3, repeats=repeats, inner=10)["eager"])
-    fresh_compile()
+    reset_compile()
     return rows
 
 

@@ -6,16 +6,19 @@
   ``dynamic=False``): step latency p50/p99, recordings, time to make the first 8 sizes fast, memory
   held, padding waste, graph launches per steady step; all in one run.
 
-Helpers :func:`graph_launches` and :func:`fresh_compile` are shared with :mod:`~course.lessons.graph_cache.faq`.
+Launches are counted by :func:`course.core.profiling.launch_counts`, compiles reset by
+:func:`course.core.compiled.reset_compile`, memory released by :func:`course.core.hardware.release_memory`.
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
 from course.core.capture import require_gpu
+from course.core.compiled import torch_log_messages
+from course.core.hardware import release_memory
 import course.core.isolate as isolate
+from course.core.profiling import launch_counts
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.text import condense
@@ -24,35 +27,9 @@ from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
 
 
-def graph_launches(fn, calls: int = 5) -> dict:
-    """Per call of ``fn``: cudaGraphLaunch and kernel-launch API calls in a profiler trace of ``calls`` calls.
-
-    :func:`course.lessons.reduce_overhead.launch_counts` over a loop of steady-state calls (GPU).
-    """
-    from course.lessons.reduce_overhead import launch_counts
-
-    counts = launch_counts(lambda: [fn() for _ in range(calls)])
-    return {"graph_launches": counts["graph_launches"] / calls, "kernel_launches": counts["kernel_launches"] / calls}
-
-
 def say(msg: str) -> None:
     """Print a progress line now (flushed), so a long live run shows which variant runs and what it does."""
     print(msg, flush=True)
-
-
-def fresh_compile() -> None:
-    """Forget every torch.compile result and counter (each compiled variant starts cold)."""
-    from course.lessons.reduce_overhead import _reset_compile
-
-    _reset_compile()
-
-
-def _free() -> None:
-    import torch
-
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def _close(a, b, atol: float = 2e-3) -> bool:
@@ -116,9 +93,7 @@ def _trace_row(label, kind, build, trace, all_args) -> dict:
     import torch
     import torch._inductor.config as inductor_config
 
-    from course.lessons.reduce_overhead import torch_log_messages
-
-    _free()
+    release_memory()
     before = torch.cuda.memory_reserved()
     with torch.no_grad(), inductor_config.patch(fx_graph_cache=False), \
             torch_log_messages(recompiles=True, cudagraphs=True, perf_hints=True) as msgs:
@@ -134,8 +109,8 @@ def _trace_row(label, kind, build, trace, all_args) -> dict:
                 times.append(time.perf_counter() - t0)
             passes.append(times)
         tail = all_args[-5:]
-        launches = graph_launches(lambda: [fn(*a) for a in tail], calls=1)
-    _free()  # cached free blocks released: what stays reserved is held by the graphs (and compiled code) alive
+        launches = launch_counts(lambda: [fn(*a) for a in tail])  # the last 5 steps, once
+    release_memory()  # cached free blocks released: what stays reserved is held by the graphs (and compiled code) alive
     held = torch.cuda.memory_reserved() - before
     cold, steady = passes
     stats = fn.get_stats() if kind == "cache" else {}

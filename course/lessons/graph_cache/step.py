@@ -23,13 +23,16 @@ from __future__ import annotations
 import time
 
 from course.core.capture import require_gpu
+from course.core.compiled import reset_compile, torch_log_messages
+from course.core.hardware import release_memory
+from course.core.profiling import launch_counts
 from course.core.reference import experiment
 from course.core.results import Result
 from course.core.text import clip, condense, tidy
 from course.core.timing import Timing, speedup, time_interleaved
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
-from course.lessons.graph_cache.experiments import _close, _free, fresh_compile, graph_launches, say
+from course.lessons.graph_cache.experiments import _close, say
 
 # (row label, short name used in the ratios, kind): kind "compile" variants live in torch.compile's caches,
 # which torch._dynamo.reset() empties; "eager" and "cache" variants survive a reset (a captured graph's replays
@@ -68,8 +71,6 @@ def _builders(model, compile_variants: bool) -> dict:
 def _first_calls(build, call_args, want):
     """Build one way of running the step and call it 3 times (compile / record / first replays): (fn, facts)."""
     import torch
-
-    from course.lessons.reduce_overhead import torch_log_messages
 
     import torch._inductor.config as inductor_config
 
@@ -135,7 +136,7 @@ def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = 
     require_gpu("timing the decode step")
     import torch
 
-    fresh_compile()
+    reset_compile()
     model = TinyDecoder(DecoderConfig(layers=layers))
     args = model.example_args(batch, 5)
     want = model.step(*args)
@@ -148,7 +149,7 @@ def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = 
         doing = ("compiling (cold) + first 3 calls" if kinds[label] == "compile" or "fusion" in label
                  else "capture + first 3 calls" if kinds[label] == "cache" else "first 3 calls")
         say(f"graph_cache_step [{i}/{len(builders)}] {label}: {doing}")
-        fresh_compile()
+        reset_compile()
         try:
             fn, facts[label] = _first_calls(build, call[label], want)
         except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
@@ -159,8 +160,8 @@ def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = 
         if kinds[label] != "compile":
             live[label] = fn  # survives the resets below
         del fn
-        _free()
-    fresh_compile()  # 2. the compiled variants once more, side by side (a reset would drop the earlier ones)
+        release_memory()
+    reset_compile()  # 2. the compiled variants once more, side by side (a reset would drop the earlier ones)
     with torch.no_grad():
         for label in [lab for lab in builders if kinds[lab] == "compile" and lab in facts
                       and not facts[lab]["skip_reason"].startswith("FAILED")]:
@@ -176,11 +177,11 @@ def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = 
         fns = {label: (lambda fn=fn, a=call[label]: fn(*a)) for label, fn in live.items()}
         timings = time_interleaved(fns, clock="device", warmup=3, repeats=repeats, inner=10)
         say("graph_cache_step: counting graph and kernel launches per step (profiler, after all timing)")
-        launches = {label: graph_launches(f) for label, f in fns.items()}  # 3. profiler last
+        launches = {label: launch_counts(f, calls=5) for label, f in fns.items()}  # 3. profiler last
     rows = step_rows(list(builders), facts, timings, launches)
     del live, fns
-    _free()
-    fresh_compile()
+    release_memory()
+    reset_compile()
     res = Result("graph_cache_step", f"Tiny decoder, one decode step at batch {batch}: time per step ({METHOD}) and "
                  "API calls per step in a profiler trace",
                  {"variant": "", "us": "us", "q1_us": "us", "q3_us": "us", "first_3_calls_s": "s",

@@ -15,13 +15,15 @@ and the run goes on. Progress is printed as it runs (which variant, compiling or
 """
 from __future__ import annotations
 
-import gc
 import time
 
 from course.core.capture import require_gpu
+from course.core.compiled import reset_compile
+from course.core.hardware import release_memory
+from course.core.profiling import launch_counts
 from course.core.reference import experiment
 from course.core.results import Result
-from course.core.text import clip
+from course.core.text import clip, condense
 from course.core.timing import speedup, time_interleaved
 from course.lessons.real_model.decode import StaticDecoder, graph_cached
 from course.lessons.real_model.generate import check_variants
@@ -33,24 +35,7 @@ NAN = float("nan")
 
 
 def _reason(e: BaseException) -> str:
-    from course.lessons.reduce_overhead import _condense  # machine paths cut: reference data must not carry them
-
-    return f"FAILED: {type(e).__name__}: {clip(_condense(str(e), 1), 200)}"
-
-
-def kernels_per_call(fn, calls: int = 3) -> float:
-    """GPU kernels executed per call of ``fn`` (profiler, CUDA activity; kernels inside replayed graphs count)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
-    return len(kernels) / calls
+    return f"FAILED: {type(e).__name__}: {clip(condense(str(e), 1), 200)}"  # machine paths cut by condense
 
 
 def first_call(fn, args) -> tuple:
@@ -69,19 +54,9 @@ def _mode(fn) -> str:
     stats = fn.get_stats() if hasattr(fn, "get_stats") else None
     if not stats:
         return "eager"
-    from course.lessons.reduce_overhead import _condense
-
     modes = set(stats["fusion_modes"].values())
-    reasons = "; ".join(_condense(r, 1) for r in stats["fallback_reasons"].values())
+    reasons = "; ".join(condense(r, 1) for r in stats["fallback_reasons"].values())
     return ",".join(sorted(modes)) + (f" ({clip(reasons, 160)})" if reasons else "")
-
-
-def _free():
-    import torch
-
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 FAST = "fused + GEMV"  # the fastest variant: compiled, stacked projections, the Numba GEMV at batch 1
@@ -125,7 +100,7 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
     require_gpu("timing the real model's decode step")
     import torch
 
-    torch._dynamo.reset()
+    reset_compile()
     model = build_model(size)
     log(f"real_model_decode: {size} built ({model.dtype}); measuring the copy bandwidth")
     bw = copy_bandwidth_GBps()
@@ -153,7 +128,7 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
     log("real_model_decode: counting kernels per token (profiler, after all timing: it slows later launches)")
     for name, fn in steps.items():
         try:
-            rows[name]["kernels_per_token"] = kernels_per_call(lambda fn=fn: fn(*args))
+            rows[name]["kernels_per_token"] = launch_counts(lambda fn=fn: fn(*args), calls=3)["gpu_kernels"]
         except Exception:  # noqa: BLE001 - the kernel count is a bonus, never a lost row
             pass
     log(f"real_model_decode: checking {n_tokens} greedy tokens of every variant against eager")
@@ -170,7 +145,7 @@ def decode_experiment(size: str = "tinyllama", position: int = 32, repeats: int 
                     "max_logit_diff": c.get("max_logit_diff", 0.0 if name == "eager" else NAN),
                     "correct": c.get("ok", name == "eager"), "log": ""})
     del steps
-    _free()
+    release_memory()
     for recipe in (hf_recipes if hf_path else ()):
         hf = hf_compiled_row(model, recipe, log=log)
         out.append({"variant": hf["variant"], "status": hf["status"], "mode": f"transformers recipe {recipe!r}",
@@ -234,7 +209,7 @@ def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32,
     batches = sorted(set(int(b) for b in batches))
     if not batches or batches[0] < 1:
         raise ValueError(f"batches must be positive ints, got {batches}")
-    torch._dynamo.reset()
+    reset_compile()
     model = build_model(size)
     bw = copy_bandwidth_GBps()
     eager_dec, cache_dec, fused_dec = (StaticDecoder(model, max_len) for _ in range(3))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 
-from course.core.text import clip
+from course.core.compiled import reset_compile, torch_log_messages
+from course.core.text import clip, condense
 
 LOG_FLAGS = ("skipping cudagraphs", "cudagraph", "overwritten", "recompil", "graph break")
 RECIPES = {"forward": "HF: forward compiled", "auto": "HF: auto-compile"}
@@ -68,13 +69,11 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
 
     import torch
 
-    from course.lessons.reduce_overhead import _condense, torch_log_messages
-
     if recipe not in RECIPES:
         raise KeyError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     if not 0 < n_short < n_long:
         raise ValueError(f"need 0 < n_short < n_long, got {n_short}, {n_long}")
-    torch._dynamo.reset()
+    reset_compile()
     own_forward = "forward" in vars(model)  # normally not: forward is the class's method
     saved_forward, saved_impl = model.forward, model.generation_config.cache_implementation
     prompt = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
@@ -101,7 +100,7 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
             qs = statistics.quantiles(per, n=4) if len(per) >= 4 else (min(per), 0, max(per))
             row.update(us=statistics.median(per), q1_us=qs[0], q3_us=qs[-1])
         except Exception as e:  # noqa: BLE001 - the library's failure is the finding
-            row["status"] = f"FAILED: {type(e).__name__}: {clip(_condense(str(e), 2), 300)}"
+            row["status"] = f"FAILED: {type(e).__name__}: {clip(condense(str(e), 2), 300)}"
             log(f"real_model: {row['variant']}: {clip(row['status'], 160)}")
             try:
                 from course.core.capture import recover
@@ -110,8 +109,8 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
                 pass
         finally:
             _restore(model, own_forward, saved_forward, saved_impl)
-            torch._dynamo.reset()
-    lines = [clip(_condense(m, 1), 200) for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
+            reset_compile()
+    lines = [clip(condense(m, 1), 200) for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
     lines.sort(key=lambda l: not any(k in l.lower() for k in ("skipping", "overwritten")))  # the reasons first
     row["log"] = clip(" | ".join(dict.fromkeys(lines)), 600)
     return row

@@ -1,4 +1,5 @@
-"""What lesson 06's notebook needs beyond the package: GPU results that may not be recorded yet, and its plots."""
+"""What lesson 06's notebook needs beyond the package: GPU results that may not be recorded yet, and its plots
+(the stacked split of each variant's time, the roofline with both roofs)."""
 from __future__ import annotations
 
 from course.lessons.real_model.roofline import PARTS
@@ -7,21 +8,23 @@ COLORS = {"floor": "0.35", "fused above floor": "tab:green", "removed by fusion"
           "removed by graphs": "tab:red", "above floor, not split": "tab:purple"}
 
 
-def gpu_result(name: str, **params):
-    """``reference.heavy(name)``, or None with a printed note when it cannot run here and no reference exists.
+def gpu_result(name: str, heavy: bool = True, **params):
+    """``reference.heavy(name)`` (or ``reference.run(name)`` when not ``heavy``), or None with a printed note when it
+    cannot run here and no reference exists.
 
-    These experiments take minutes (compiles, transformers' own path), so on the GPU path they run live only
-    with ``COURSE_FULL=1`` and otherwise show the recorded result, captioned as such (:func:`reference.heavy`).
-    Where the reference file is not recorded yet (``python -m course bench`` on a GPU writes it), the cell
-    says so and the notebook goes on.
+    The heavy experiments take minutes (compiles, transformers' own path), so on the GPU path they run live only
+    with ``COURSE_FULL=1`` and otherwise show the recorded result, captioned as such (:func:`reference.heavy`); a
+    light one (``heavy=False``, seconds) runs live on any GPU. Where the reference file is not recorded yet
+    (``python -m course bench NAME`` on a GPU writes it), the cell says that the figure awaits its first
+    recording, and the notebook goes on.
     """
     from course.core import reference
 
     try:
-        return reference.heavy(name, **params)
+        return reference.heavy(name, **params) if heavy else reference.run(name, **params)
     except FileNotFoundError:
-        print(f"reference data not recorded yet for {name!r}: on a GPU, `python -m course bench {name}` records "
-              "it; the cells that show it are skipped until then.")
+        print(f"reference data not recorded yet for {name!r} (it awaits its first recording): on a GPU, "
+              f"`python -m course bench {name}` records it; the cells that show it are skipped until then.")
         return None
 
 
@@ -52,3 +55,39 @@ def plot_split(ax, parts: dict) -> None:
     ax.set_ylabel("time per token [us]")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
+
+
+def plot_roofline(ax, rows: list, bandwidth_GBps: float, tflops: float | None = None) -> None:
+    """The roofline of a decode step: attainable TFLOP/s against arithmetic intensity (FLOP per byte), log-log.
+
+    ``rows`` come from :func:`~course.lessons.real_model.roofline.roofline_rows`. The memory roof is
+    ``bandwidth x intensity``; with ``tflops`` the compute roof (a flat line) and the ridge point where they
+    meet are drawn too. Each measured variant is a line of points, one per batch: the FLOP its step does over
+    the time it took. A point sits under the roofs: its distance below them is time the roofs do not explain.
+    """
+    from course.lessons.real_model.roofline import ridge_point
+
+    if not rows:
+        raise ValueError("no rows to draw: pass roofline_rows(sweep, ...) of a sweep with floor rows")
+    xs = [r["flop_per_byte"] for r in rows]
+    lo, hi = min(xs) / 2, max(xs) * 4
+    if tflops:
+        ridge = ridge_point(tflops, bandwidth_GBps)
+        hi = max(hi, ridge * 4)
+        ax.plot([lo, ridge, hi], [bandwidth_GBps * lo / 1e3, tflops, tflops], "k-", lw=1.5, label="roofs")
+        ax.axvline(ridge, color="k", ls=":", lw=1)
+        ax.text(ridge, tflops * 1.15, f"ridge {ridge:.0f} FLOP/byte", ha="center", fontsize=8)
+    else:
+        ax.plot([lo, hi], [bandwidth_GBps * lo / 1e3, bandwidth_GBps * hi / 1e3], "k-", lw=1.5,
+                label="memory roof (compute roof: awaits its recording)")
+    variants = sorted({v for r in rows for v in r["measured_us"]})
+    for v in variants:
+        pts = [(r["flop_per_byte"], r["flop"] / (r["measured_us"][v] * 1e-6) / 1e12) for r in rows
+               if v in r["measured_us"]]
+        ax.plot(*zip(*pts), "o-", ms=4, label=v)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity [FLOP per byte read]")
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")

@@ -1,9 +1,13 @@
-"""The floor under a decode step, and where each variant's time above it goes.
+"""The roofline under a decode step, and where each variant's time above it goes.
 
-At batch 1 a decode step must read every weight once: it cannot beat ``bytes / bandwidth``, the
-**weight-read floor**. The bandwidth is measured (:func:`copy_bandwidth_GBps`: a large device-to-device
-copy timed with CUDA events, bytes read plus bytes written), the bytes come from the model
-(:func:`~course.lessons.real_model.model.bytes_per_token`).
+A decode step must read every weight once: it cannot beat ``bytes / bandwidth``, the **weight-read floor**
+(the memory roof). The bandwidth is measured (:func:`copy_bandwidth_GBps`: a large device-to-device copy timed
+with CUDA events, bytes read plus bytes written), the bytes come from the model
+(:func:`~course.lessons.real_model.model.bytes_per_token`). Nor can it beat ``FLOP / rate``, the **compute
+roof**: :func:`decode_flop` counts the step's arithmetic, ``matmul_rate`` (:func:`matmul_rate_experiment`)
+measures the rate of a large bfloat16 matrix product. Their ratio is the **ridge point**
+(:func:`ridge_point`, FLOP per byte): a step whose arithmetic intensity (:func:`roofline_rows`) is below it is
+bound by memory, above it by compute.
 
 :func:`split` cuts each variant's time per token into what removed it: launch overhead (eager minus
 graph-replayed), small-kernel execution (graph-replayed minus fused: many small kernels, each reading
@@ -11,6 +15,10 @@ and writing its activations, become fewer), what the fused step still spends abo
 floor itself.
 """
 from __future__ import annotations
+
+from course.core.reference import experiment
+from course.core.results import Result
+from course.lessons.real_model.model import _size
 
 PARTS = ("floor", "fused above floor", "removed by fusion", "removed by graphs")
 _PAID = {"eager": 4, "graph-cached": 3, "fused": 2}  # how many of PARTS each variant still pays
@@ -57,3 +65,101 @@ def split(eager_us: float, graphed_us: float, fused_us: float, floor: float) -> 
     parts = {"floor": floor, "fused above floor": fused_us - floor, "removed by fusion": graphed_us - fused_us,
              "removed by graphs": eager_us - graphed_us}
     return {v: {p: parts[p] for p in PARTS[:n]} for v, n in _PAID.items()}
+
+
+def decode_flop(size, batch: int = 1, context: int = 0) -> float:
+    """FLOP of one decode step of ``batch`` sequences of the model ``size`` (a key of ``SIZES`` or a ``Size``).
+
+    Each weight of every matrix product (q, k, v, o, gate, up, down per layer, and ``lm_head``) takes part in one
+    multiply-add per sequence: 2 FLOP per weight per sequence. Attention over ``context`` cached positions adds
+    ``4 * context * hidden`` per layer per sequence (scores, then the weighted sum of values). The embedding lookup
+    and the elementwise work are left out (no matrix products; a few FLOP per activation).
+    """
+    if batch < 1 or context < 0:
+        raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
+    s = _size(size)
+    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * i  # q, k and v, o, gate, up and down
+    weights = s.layers * per_layer + s.vocab * h  # and lm_head
+    return 2.0 * batch * weights + 4.0 * batch * context * h * s.layers
+
+
+def ridge_point(tflops: float, bandwidth_GBps: float) -> float:
+    """FLOP per byte where the compute roof meets the memory roof: ``rate / bandwidth``.
+
+    A kernel (or a whole step) doing fewer FLOP per byte it reads is bound by memory; more, by compute.
+    """
+    if tflops <= 0 or bandwidth_GBps <= 0:
+        raise ValueError(f"need a positive rate and bandwidth, got {tflops} TFLOP/s, {bandwidth_GBps} GB/s")
+    return tflops * 1e12 / (bandwidth_GBps * 1e9)
+
+
+def compute_floor_us(flop: float, tflops: float) -> float:
+    """Microseconds to do ``flop`` at ``tflops`` TFLOP/s: the compute roof's lower bound on a step."""
+    if flop < 0 or tflops <= 0:
+        raise ValueError(f"need flop >= 0 and a positive rate, got {flop}, {tflops}")
+    return flop / (tflops * 1e12) * 1e6
+
+
+def roofline_rows(sweep, size="tinyllama", tflops: float | None = None) -> list:
+    """Per batch of a ``real_model_batch_sweep`` result: the step's FLOP, bytes, arithmetic intensity and both roofs.
+
+    Bytes come from the sweep's own floor rows (floor us x its copy bandwidth), FLOP from :func:`decode_flop` at
+    the sweep's position. Each row: ``batch``, ``flop``, ``bytes``, ``flop_per_byte``, ``memory_floor_us``,
+    ``compute_floor_us`` (None without ``tflops``), ``bound`` ("memory", "compute" or "unknown" without a rate),
+    and ``measured_us`` with each measured variant's time per step.
+    """
+    bw = sweep.value("copy_bandwidth_GBps")
+    context = sweep.params.get("position", 0)
+    measured = {}
+    for r in sweep.rows:
+        if r["variant"] != "floor" and r["us"] == r["us"]:
+            measured.setdefault(r["batch"], {})[r["variant"]] = r["us"]
+    rows = []
+    for r in sorted((r for r in sweep.rows if r["variant"] == "floor"), key=lambda r: r["batch"]):
+        nbytes = r["us"] * bw * 1e3  # us x bytes per us
+        flop = decode_flop(size, r["batch"], context)
+        cfloor = compute_floor_us(flop, tflops) if tflops else None
+        rows.append({"batch": r["batch"], "flop": flop, "bytes": nbytes, "flop_per_byte": flop / nbytes,
+                     "memory_floor_us": r["us"], "compute_floor_us": cfloor,
+                     "bound": "unknown" if cfloor is None else "memory" if r["us"] >= cfloor else "compute",
+                     "measured_us": measured.get(r["batch"], {})})
+    return rows
+
+
+@experiment("matmul_rate", gpu_only=True, quick={"sizes": (2048,), "repeats": 3})
+def matmul_rate_experiment(sizes=(4096, 8192), repeats: int = 15) -> Result:
+    """The GPU's bfloat16 matrix-product rate: ``torch.matmul`` of two ``[n, n]`` bfloat16 matrices, CUDA events.
+
+    Each size: median and IQR of the time per product (3 back-to-back products per repeat, after warm-up), and
+    the rate ``2 n^3 / time``. Summary: the rate at the largest size (the compute roof), the copy bandwidth
+    measured in the same run (the memory roof) and their ratio, the ridge point in FLOP per byte.
+    """
+    from course.core.capture import require_gpu
+    from course.core.timing import time_device
+
+    require_gpu("measuring the matrix-product rate")
+    import torch
+
+    rows = []
+    for n in sorted(set(int(n) for n in sizes)):
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+        t = time_device(lambda: torch.matmul(a, b, out=out), warmup=5, repeats=repeats, inner=3)
+        flop = 2.0 * n ** 3
+        rows.append({"n": n, "GFLOP": flop / 1e9, "us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6,
+                     "TFLOPs": flop / t.median / 1e12, "TFLOPs_at_q3": flop / t.q3 / 1e12,
+                     "TFLOPs_at_q1": flop / t.q1 / 1e12})
+        del a, b, out
+    bw = copy_bandwidth_GBps()
+    res = Result("matmul_rate", "bfloat16 torch.matmul of two [n, n] matrices: time per product (CUDA events) and "
+                 "rate, beside the copy bandwidth of the same run",
+                 {"n": "", "GFLOP": "GFLOP", "us": "us", "q1_us": "us", "q3_us": "us", "TFLOPs": "TFLOP/s",
+                  "TFLOPs_at_q3": "TFLOP/s", "TFLOPs_at_q1": "TFLOP/s"}, rows,
+                 params={"sizes": sorted(set(int(n) for n in sizes)), "repeats": repeats, "torch": torch.__version__})
+    rate = rows[-1]["TFLOPs"]
+    res.add_summary("bf16_matmul_TFLOPs", rate, "TFLOP/s")
+    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    res.add_summary("ridge_FLOP_per_byte", ridge_point(rate, bw), "FLOP/byte")
+    return res

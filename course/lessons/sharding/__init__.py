@@ -1,8 +1,9 @@
-"""Lesson 05, a sharded embedding table: the seeds' DTensor test, vocab-parallel by hand, capture on GPUs.
+"""Lesson 05, a sharded embedding table: PyTorch's DTensor sharded-embedding test, vocab-parallel by hand, capture
+on GPUs, and why data-parallel ranks must replay the same graph.
 
 - :mod:`~course.lessons.sharding.launch`: start N worker processes (NCCL on 2+ GPUs, else gloo on the
   CPU), collect their results, hard time limit, errors that name the rank.
-- :mod:`~course.lessons.sharding.layouts`: row-wise / column-wise DTensor embeddings (the seed's test),
+- :mod:`~course.lessons.sharding.layouts`: row-wise / column-wise DTensor embeddings (PyTorch's DTensor test),
   who holds which rows and columns, what each collective moves.
 - :mod:`~course.lessons.sharding.vocab_parallel`: mask, local lookup (the course's Numba kernel),
   zero rows, all-reduce; the eager guard that refuses bad input on every rank.
@@ -11,7 +12,7 @@
 - :mod:`~course.lessons.sharding.experiments`: the registered experiments behind notebook 05.
 """
 from course.lessons.sharding.launch import Context, Plan, WorkerError, WorkerTimeout, launch, plan
-from course.lessons.sharding.layouts import LAYOUTS, SEED_CASES, chunk_bounds, comm_bytes, ownership, shard_embedding
+from course.lessons.sharding.layouts import LAYOUTS, DTENSOR_CASES, chunk_bounds, comm_bytes, ownership, shard_embedding
 from course.lessons.sharding.vocab_parallel import (check_inputs, local_rows, masked_lookup, shard_bounds,
                                                     vocab_parallel_embedding)
 from course.lessons.sharding.workers import agree_bucket, bucket_step, pick_bucket
@@ -19,7 +20,7 @@ from course.lessons.sharding.graphs import VARIANTS, capture_graph, make_step
 from course.lessons.sharding.lesson import (bucket_demo, capture_summary, load_or_explain, plot_cost,
                                             plot_ownership, plot_world_sizes, run_lesson, same_step, timing_method)
 
-__all__ = ["Context", "LAYOUTS", "Plan", "SEED_CASES", "VARIANTS", "WorkerError", "WorkerTimeout", "agree_bucket",
+__all__ = ["Context", "LAYOUTS", "Plan", "DTENSOR_CASES", "VARIANTS", "WorkerError", "WorkerTimeout", "agree_bucket",
            "bucket_demo", "bucket_step", "capture_graph", "capture_summary", "check_inputs", "chunk_bounds",
            "comm_bytes", "launch", "load_or_explain", "local_rows", "make_step", "masked_lookup", "ownership",
            "pick_bucket", "plan", "plot_cost", "plot_ownership", "plot_world_sizes", "run_lesson", "same_step",

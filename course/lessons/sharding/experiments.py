@@ -2,7 +2,8 @@
 
 Live everywhere (NCCL on 2+ GPUs, else gloo with CPU processes):
 
-- ``sharding_seed`` (:func:`seed_experiment`): the seed's DTensor test cases and comm counts;
+- ``sharding_dtensor_test`` (:func:`dtensor_experiment`): the cases of PyTorch's DTensor sharded-embedding test
+  and their communication counts;
 - ``sharding_cost`` (:func:`cost_experiment`): ids per step and table width swept, eager time, bytes
   of the lookup vs bytes of the all-reduce;
 - ``sharding_world_sizes`` (:func:`world_sizes_experiment`): the same lookup at world sizes 2, 4, 8
@@ -41,11 +42,11 @@ def _checks(case: dict) -> dict:
     return {k: v for k, v in case.items() if k != "local_weight_shape"}
 
 
-def seed_result(per_rank: list, p) -> Result:
-    """The seed's cases as a Result, from every rank's ``seed_worker`` output (the ranks must agree)."""
+def dtensor_result(per_rank: list, p) -> Result:
+    """The DTensor test's cases as a Result, from every rank's ``dtensor_worker`` output (the ranks must agree)."""
     first = per_rank[0]
     if any(list(map(_checks, o["cases"])) != list(map(_checks, first["cases"])) for o in per_rank):
-        raise AssertionError("the ranks disagree on the seed's checks: " + repr([o["cases"] for o in per_rank]))
+        raise AssertionError("the ranks disagree on the DTensor test's checks: " + repr([o["cases"] for o in per_rank]))
     rows = []
     for i, c in enumerate(first["cases"]):
         shards = " | ".join("x".join(map(str, o["cases"][i]["local_weight_shape"])) for o in per_rank)
@@ -60,18 +61,19 @@ def seed_result(per_rank: list, p) -> Result:
     cols = {"case": "", "layout": "", "ids": "", "table": "rows x cols", "kwargs": "", "forward_ok": "",
             "grad_ok": "", "F.embedding_ok": "", "fwd_comms": "count", "bwd_comms": "count", "output": "",
             "full_tensor": "collective x count", "shard_per_rank": "rows x cols"}
-    res = Result("sharding_seed", f"The seed's DTensor embedding test, {p.backend} with {p.world_size} processes",
+    res = Result("sharding_dtensor_test",
+                 f"PyTorch's DTensor sharded-embedding test, {p.backend} with {p.world_size} processes",
                  cols, rows, provenance=run_provenance(p), params={"backend": p.backend, "world_size": p.world_size})
     res.add_summary("cases_all_equal", all(r["forward_ok"] and r["grad_ok"] and r["F.embedding_ok"] for r in rows))
     res.add_summary("max_norm_error", first["max_norm_error"] or "")
     return res
 
 
-@experiment("sharding_seed", gpu_only=False)
-def seed_experiment(world_size: int | None = None, timeout: float = 120.0) -> Result:
-    """The seed's test, live: every case on every rank; rank 0's view (all ranks must agree)."""
+@experiment("sharding_dtensor_test", gpu_only=False)
+def dtensor_experiment(world_size: int | None = None, timeout: float = 120.0) -> Result:
+    """PyTorch's DTensor test, live: every case on every rank; rank 0's view (all ranks must agree)."""
     p = plan(world_size)
-    return seed_result(launch(W.seed_worker, p.world_size, backend=p.backend, timeout=timeout), p)
+    return dtensor_result(launch(W.dtensor_worker, p.world_size, backend=p.backend, timeout=timeout), p)
 
 
 def _sweep_result(name, title, rows, p, params) -> Result:

@@ -21,9 +21,11 @@ Frozen at capture: the process group and its ranks (the mesh), each rank's shard
 table address, the collective, its size and its dtype, the ids' and output's addresses. The
 ids' *values* and the table's *values* are read at every replay.
 
-After the shape buckets are captured, :func:`capture_worker` also shows the agreement step:
-each rank has a different number of tokens, the ranks all-gather their bucket picks, and all
-replay the same bucket's graph. Graphs are freed and the GPU synchronized before returning
+After the shape buckets are captured, :func:`capture_worker` also shows the agreement step that
+data-parallel ranks need: each rank is given a different number of tokens (in a vocab-parallel layer proper
+the ranks see the same ids and never disagree; here the row-wise lookup's graphs stand in for a step whose
+collective spans data-parallel ranks), the ranks all-gather their bucket picks, and all replay the same
+bucket's graph. Graphs are freed and the GPU synchronized before returning
 (tearing down NCCL with live graphs has hung).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Row-wise and column-wise sharded embeddings with DTensor: the seed's test, and who holds what.
+"""Row-wise and column-wise sharded embeddings with DTensor: PyTorch's DTensor test, and who holds what.
 
-The seed (PyTorch's ``test_embedding_ops.py``) shards an ``nn.Embedding`` over a device mesh,
-row-wise (``Shard(0)``: each rank holds some rows, i.e. some token ids) or column-wise
+PyTorch's DTensor sharded-embedding test (``test/distributed/_tensor/test_embedding_ops.py``) shards an
+``nn.Embedding`` over a device mesh, row-wise (``Shard(0)``: each rank holds some rows, i.e. some token ids) or column-wise
 (``Shard(1)``: each rank holds some columns of every row), and checks against a local copy:
 
 - forward, backward gradients and ``F.embedding`` equal the local table's;
@@ -11,8 +11,8 @@ row-wise (``Shard(0)``: each rank holds some rows, i.e. some token ids) or colum
   ``Shard(2)`` and ``full_tensor()`` is one ``all_gather_into_tensor``;
 - ``max_norm`` raises ``NotImplementedError`` (``aten.embedding_renorm_`` has no sharding strategy).
 
-:func:`seed_case` runs one case inside a worker and returns plain numbers; :data:`SEED_CASES`
-lists the seed's cases; :func:`chunk_bounds` and :func:`ownership` draw who holds which rows,
+:func:`dtensor_case` runs one case inside a worker and returns plain numbers; :data:`DTENSOR_CASES`
+lists the DTensor test's cases; :func:`chunk_bounds` and :func:`ownership` draw who holds which rows,
 columns and ids; :func:`comm_bytes` says how many bytes each collective moves.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import warnings
 
 import torch
 
-# (shard_dim, input_size, num_embeddings, embedding_dim, kwargs): the seed's cases, in its order.
-SEED_CASES = (
+# (shard_dim, input_size, num_embeddings, embedding_dim, kwargs): the DTensor test's cases, in its order.
+DTENSOR_CASES = (
     (1, (5, 4), 17, 12, {}), (1, (6, 7, 6), 21, 11, {}), (1, (8, 6, 5, 4), 23, 13, {}),
     (1, (8, 6, 5, 4, 7), 23, 16, {}), (1, (4,), 15, 14, {}), (1, (34,), 15, 14, {"padding_idx": 10}),
     (1, (8, 6, 5, 4), 23, 13, {"padding_idx": 12}),
@@ -33,7 +33,7 @@ LAYOUTS = {0: "row-wise Shard(0)", 1: "column-wise Shard(1)"}
 
 
 def shard_embedding(module: torch.nn.Module, mesh, shard_dim: int) -> torch.nn.Module:
-    """Replace every parameter of ``module`` by a DTensor sharded on ``shard_dim`` (the seed's ``_apply_sharding``)."""
+    """Replace every parameter of ``module`` by a DTensor sharded on ``shard_dim`` (the test's ``_apply_sharding``)."""
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
     def shard_params(name, mod, device_mesh):
@@ -48,8 +48,8 @@ def _counts(mode) -> dict:
     return {str(op).split(".")[-1] if "." in str(op) else str(op): n for op, n in mode.get_comm_counts().items()}
 
 
-def seed_case(mesh, shard_dim: int, input_size, num_embeddings: int, embedding_dim: int, **kwargs) -> dict:
-    """One case of the seed's test on this rank; returns what it checked, as plain numbers and flags."""
+def dtensor_case(mesh, shard_dim: int, input_size, num_embeddings: int, embedding_dim: int, **kwargs) -> dict:
+    """One case of PyTorch's DTensor test on this rank; returns what it checked, as plain numbers and flags."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -96,10 +96,10 @@ def seed_case(mesh, shard_dim: int, input_size, num_embeddings: int, embedding_d
 
 
 def max_norm_error(mesh) -> str:
-    """The seed's ``max_norm`` case: the error DTensor raises, as text ('' if it did not raise)."""
+    """The DTensor test's ``max_norm`` case: the error DTensor raises, as text ('' if it did not raise)."""
     shard_dim, size, num, dim, kwargs = MAX_NORM_CASE
     try:
-        seed_case(mesh, shard_dim, size, num, dim, **kwargs)
+        dtensor_case(mesh, shard_dim, size, num, dim, **kwargs)
     except NotImplementedError as e:
         return str(e).strip().splitlines()[0]
     return ""

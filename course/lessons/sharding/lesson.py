@@ -1,9 +1,9 @@
 """Notebook 05's helpers: run the eager part in worker processes, the bucket demo, and read the GPU figures.
 
 - :func:`run_lesson`: one launch that runs :func:`~course.lessons.sharding.workers.lesson_worker` on every
-  rank (the seed's cases included) and returns each rank's findings.
-- :func:`bucket_demo`: the rule every engine lives by, shown safely on CPU processes: ranks that agree on
-  the bucket finish; ranks that do not are stopped by the time limit.
+  rank (the DTensor test's cases included) and returns each rank's findings.
+- :func:`bucket_demo`: the rule every data-parallel engine lives by, shown safely on CPU processes: ranks with
+  different batches that agree on the bucket finish; ranks that do not are stopped by the time limit.
 - :func:`load_or_explain`: a registered experiment's result, or ``None`` with a printed reason when it
   needs more GPUs than this machine has and nobody recorded it yet.
 - :func:`capture_summary`, :func:`same_step`, :func:`timing_method`, :func:`plot_world_sizes`, :func:`plot_cost`,
@@ -16,17 +16,18 @@ import time
 import course.core.plots as plots
 from course.core.reference import get, run
 import course.lessons.sharding.workers as W
-from course.lessons.sharding.experiments import seed_result
+from course.lessons.sharding.experiments import dtensor_result
 from course.lessons.sharding.launch import WorkerError, WorkerTimeout, launch, plan
 
 
 def run_lesson(world_size: int | None = None, timeout: float = 150.0, backend: str | None = None, **kwargs) -> dict:
-    """Start the workers once: ownership, DTensor vs vocab-parallel (Numba, F.embedding), bad inputs, seed cases."""
+    """Start the workers once: ownership, DTensor vs vocab-parallel (Numba, F.embedding), bad inputs, the cases of
+    PyTorch's DTensor test."""
     p = plan(world_size, backend)
     t0 = time.perf_counter()
     ranks = launch(W.lesson_worker, p.world_size, backend=p.backend, timeout=timeout, **kwargs)
     seconds = time.perf_counter() - t0
-    return {"plan": p, "ranks": ranks, "seed": seed_result([r["seed"] for r in ranks], p), "seconds": seconds}
+    return {"plan": p, "ranks": ranks, "dtensor": dtensor_result([r["dtensor"] for r in ranks], p), "seconds": seconds}
 
 
 def bucket_demo(timeout: float = 12.0, world_size: int = 2) -> dict:

@@ -4,12 +4,13 @@ Every function here takes the worker's :class:`~course.lessons.sharding.launch.C
 returns plain picklable data. They live in ``course`` (not in the notebook) because spawned
 processes import them by name.
 
-- :func:`seed_worker`: the seed's DTensor test cases, both layouts, plus the ``max_norm`` error.
+- :func:`dtensor_worker`: PyTorch's DTensor sharded-embedding test cases, both layouts, plus the ``max_norm`` error.
 - :func:`lesson_worker`: notebook 05's eager part: the ownership picture, DTensor vs hand-written
   vocab-parallel lookup (Numba and ``F.embedding``), and the bad inputs refused on every rank.
 - :func:`sweep_worker`: eager time of the row-wise lookup + all-reduce at several world sizes (subgroups
   of one launch) and several ids-per-step / table widths, with the bytes each moves.
-- :func:`bucket_worker`: ranks pick a shape bucket and (optionally) agree on it before the collective.
+- :func:`bucket_worker`: data-parallel ranks (different batches) pick a shape bucket and (optionally) agree on it
+  before the collectives.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def _mesh(ctx, group=None):
     return DeviceMesh.from_group(group, dev)
 
 
-def seed_worker(ctx, cases=None, max_norm: bool = True, mesh=None) -> dict:
-    """Run the seed's cases (default :data:`~course.lessons.sharding.layouts.SEED_CASES`) on this rank."""
+def dtensor_worker(ctx, cases=None, max_norm: bool = True, mesh=None) -> dict:
+    """Run the DTensor test's cases (default :data:`~course.lessons.sharding.layouts.DTENSOR_CASES`) on this rank."""
     mesh = mesh or _mesh(ctx)
-    out = [L.seed_case(mesh, d, size, n, dim, **kw) for d, size, n, dim, kw in (cases or L.SEED_CASES)]
+    out = [L.dtensor_case(mesh, d, size, n, dim, **kw) for d, size, n, dim, kw in (cases or L.DTENSOR_CASES)]
     return {"cases": out, "max_norm_error": L.max_norm_error(mesh) if max_norm else None}
 
 
@@ -44,10 +45,11 @@ def _same_ids(shape, num_embeddings: int, device, seed: int = 7):
     return torch.randint(0, num_embeddings, shape, generator=g).to(device)
 
 
-def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_shape=(2, 5), seed: bool = True) -> dict:
+def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_shape=(2, 5),
+                  dtensor: bool = True) -> dict:
     """Notebook 05's eager part on this rank (tiny sizes: the Numba kernel runs on the simulator on CPUs).
 
-    ``seed=True`` also runs :func:`seed_worker` (the seed's test cases) in the same processes.
+    ``dtensor=True`` also runs :func:`dtensor_worker` (the DTensor test's cases) in the same processes.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
@@ -94,8 +96,8 @@ def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_sha
     except ValueError as e:
         errors["mismatched_dtypes"] = str(e)
     res["errors"] = errors
-    if seed:
-        res["seed"] = seed_worker(ctx, mesh=mesh)
+    if dtensor:
+        res["dtensor"] = dtensor_worker(ctx, mesh=mesh)
     dist.barrier()
     return res
 
@@ -168,7 +170,8 @@ def bucket_step(x: torch.Tensor, group=None, say=None) -> None:
 
 
 def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4, serve_s: float = 3600.0) -> dict:
-    """Ranks hold different numbers of tokens; each bucket's step (:func:`bucket_step`) ends in collectives.
+    """Data-parallel ranks: each holds its own number of tokens; each bucket's step (:func:`bucket_step`) ends in
+    collectives over all the ranks (as an expert-parallel layer's all-to-all would).
 
     ``agree=False``: each rank runs its own bucket's step, then (like a serving engine) stays up waiting
     for the next request for ``serve_s`` seconds. The rank with the bigger bucket waits in a collective

@@ -121,7 +121,7 @@ def _gpu_us_per_call(fn, n: int = 20, host_us: float = 1000.0) -> float:
 
 @experiment("hazards_event_test", gpu_only=True, quick={"repeats": 5})
 def event_test_experiment(repeats: int = 25, sleep_ms: float = 20.0) -> Result:
-    """The seeds' 'event already complete, so it synchronized' test against the robust host-blocking test."""
+    """InfiniCore's 'event already complete, so it synchronized' test against the robust host-blocking test."""
     import torch
     from course.core.blocking import event_complete_right_after, host_blocking
     from course.core.timing import time_enqueue

@@ -22,7 +22,8 @@ _RULES = (
          "a device-to-host copy: the host waits for the GPU; during capture it fails (pageable destination)",
          "keep results on the device; copy the graph's static output to the host after replay"),
     Rule("to_cpu", '.to("cpu")',
-         "a device-to-host copy (the seeds' indices->to(cpu_device)): a sync; during capture it fails",
+         "a device-to-host copy (InfiniCore's old Embedding::forward: indices->to(cpu_device)): a sync; "
+         "during capture it fails",
          "do the work on the device (a device kernel, F.embedding, index_select) and copy results out after replay"),
     Rule("tolist", ".tolist()",
          "copies the tensor into a Python list on the host (a sync); on a host copy of GPU data the values "

@@ -1,6 +1,6 @@
 """The static capture-hazard finder: read a function's source and flag what breaks capture.
 
-The seeds check for a host sync with ``grep "to(cpu_device)"``. This module does
+InfiniCore's embedding graph-recording guide checks for the host sync with ``grep "to(cpu_device)"``. This module does
 that job properly.
 
 Static (:func:`find_static`, runs anywhere): parse a function's source with

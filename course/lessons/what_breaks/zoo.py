@@ -50,10 +50,10 @@ def cpu_fixed(x, w):
     return y, y.mean(dim=0)  # stays on the device; copy it to the host after replay
 
 
-# --- 3. .to("cpu"): the seeds' embedding --------------------------------------
+# --- 3. .to("cpu"): InfiniCore's old embedding ---------------------------------
 def to_cpu_hazard(ids, weight):
-    """Look up rows of weight, routing the indices through the host (the seeds' embedding)."""
-    ids_host = ids.to("cpu")  # hazard: the seeds' indices->to(cpu_device)
+    """Look up rows of weight, routing the indices through the host (InfiniCore's Embedding::forward before its fix)."""
+    ids_host = ids.to("cpu")  # hazard: InfiniCore's old indices->to(cpu_device)
     return weight.index_select(0, ids_host.to(weight.device))  # hazard: and back again
 
 
@@ -294,7 +294,7 @@ def _mk_pinned(g, d, fixed):
 ENTRIES = (
     Entry("item", ".item()", item_hazard, item_fixed, _mk_x, "error", ("item",)),
     Entry("cpu", ".cpu()", cpu_hazard, cpu_fixed, _mk_xw, "error", ("cpu",)),
-    Entry("to_cpu", '.to("cpu") (the seeds\' embedding)', to_cpu_hazard, to_cpu_fixed, _mk_ids_weight, "error",
+    Entry("to_cpu", '.to("cpu") (InfiniCore\'s old embedding)', to_cpu_hazard, to_cpu_fixed, _mk_ids_weight, "error",
           ("to_cpu", "h2d")),
     Entry("tolist", ".tolist()", tolist_hazard, tolist_fixed, _mk_x_ids, "error", ("tolist",)),
     Entry("print", "print(tensor)", print_hazard, print_fixed, _mk_xw, "error", ("print",)),

@@ -1,8 +1,9 @@
-"""Instructor tools: generate labs/ and the lessons' exercise versions from solutions/.
+"""The learner versions: ``labs/`` and the lessons' exercise versions in ``notebooks/``, built from ``solutions/``.
 
-``solutions/*.ipynb`` are the source: ``solutions/labN_*.ipynb`` generates ``labs/labN_*.ipynb``,
-``solutions/NN_*.ipynb`` (a lesson with its answers) generates ``notebooks/NN_*.ipynb`` (the
-lesson with its exercises and checks, without the answers). In code cells, the regions between
+``solutions/*.ipynb`` are the answer versions and the source: ``solutions/labN_*.ipynb`` generates
+``labs/labN_*.ipynb``, ``solutions/NN_*.ipynb`` (a lesson with its answers) generates ``notebooks/NN_*.ipynb`` (the
+lesson with its exercises and checks, without the answers). Every learner version says in its first cell which
+answer version it comes from, and that changes to the notebook go there (:func:`source_note`). In code cells, the regions between
 ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers) are the answers;
 :func:`strip_solutions` replaces each with ``# YOUR CODE HERE`` and a
 ``raise NotImplementedError(...)`` at the same indentation. In Markdown cells,
@@ -129,8 +130,19 @@ def with_nbgrader(nb):
     return out
 
 
-def make_lab(nb):
-    """The lab version of a solution notebook (a new notebook; outputs cleared; nbgrader metadata kept)."""
+def source_note(source: str) -> str:
+    """The line a learner version's first cell ends with: the answer version it comes from, and where edits go."""
+    return (f"*This is the learner version of `{source}` (the answer version), generated from it by `python -m "
+            f"course build-labs`: a change to this notebook goes into `{source}`, then regenerate. Your own work "
+            "goes into your copy in `work/` (`make lab`).*")
+
+
+def make_lab(nb, source: str | None = None):
+    """The lab version of a solution notebook (a new notebook; outputs cleared; nbgrader metadata kept).
+
+    With ``source`` (the solution's path, e.g. ``solutions/lab1_embedding_kernel.ipynb``) the first cell ends with
+    :func:`source_note` (a Markdown cell is added first when the notebook starts with code).
+    """
     lab = with_nbgrader(nb)
     cells = []
     for i, cell in enumerate(lab.cells):
@@ -145,6 +157,14 @@ def make_lab(nb):
         except SolutionMarkerError as e:
             raise SolutionMarkerError(f"cell {i} (id {cell.get('id')}): {e}") from None
         cells.append(cell)
+    if source:
+        note = source_note(source)
+        if cells and cells[0].cell_type == "markdown":
+            cells[0].source = cells[0].source.rstrip("\n") + "\n\n" + note
+        else:
+            first = nbformat.v4.new_markdown_cell(note)
+            first["id"] = "learner-version"  # fixed: a rebuilt notebook must be byte-for-byte the same
+            cells.insert(0, first)
     lab.cells = cells
     return lab
 
@@ -176,7 +196,7 @@ def build_labs(check: bool = False, *, root=None) -> int:
     for src in sources:
         try:
             sol = with_nbgrader(nbformat.read(src, as_version=4))
-            text = _render(make_lab(sol))
+            text = _render(make_lab(sol, source=src.relative_to(root).as_posix()))
         except SolutionMarkerError as e:
             print(f"build-labs: {src.relative_to(root)}: {e}")
             return 2
@@ -205,8 +225,3 @@ def build_labs(check: bool = False, *, root=None) -> int:
         print("build-labs: run `python -m course build-labs` to regenerate labs/ and lessons from solutions/.")
         return 1
     return 0
-
-
-# --------------------------------------------------------------------------- checking a notebook
-# The runner lives in course.tools.grade; these names stay importable from here.
-from course.tools.grade import check_notebook, exercise_cells, exercise_names  # noqa: E402,F401
