@@ -3,8 +3,8 @@
 ``import course`` first in every notebook: it makes the course's one runtime
 decision (real GPU or Numba CUDA simulator) before numba is imported.
 """
-from course.core.runtime import (CourseEnvironmentError, as_numba, cuda, numba_stream, runtime, synchronize,
-                      torch_device)
+from course.core.runtime import (CourseEnvironmentError, as_numba, cuda, graphs, numba_stream, runtime,
+                                 synchronize, torch_device)
 
 __version__ = "0.1.0"
 
@@ -22,5 +22,5 @@ def header() -> None:
         print(f"  to use a GPU: {fix}")
 
 
-__all__ = ["CourseEnvironmentError", "as_numba", "cuda", "device", "header", "numba_stream",
+__all__ = ["CourseEnvironmentError", "as_numba", "cuda", "device", "graphs", "header", "numba_stream",
            "runtime", "synchronize", "torch_device", "__version__"]

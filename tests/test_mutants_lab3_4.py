@@ -229,8 +229,6 @@ LAB4_MUTANTS = [
     ("wrap without buckets", _one(_WRAP, _WRAP.replace("buckets=[1, 2, 4, 8], ", "")), L2, ["no padded rows"]),
     ("wrap with the position batched", _one(_WRAP, _WRAP.replace("batched=(0,), ", "")), L2,
      ["batch size", "batched=("]),
-    ("wrap on the default backend", _one(_WRAP, _WRAP.replace(", backend=model_backend()", "")), L2,
-     ["eager calls", "capture"], "simulator"),  # on a GPU model_backend() is the default backend
     ("padding token outside the vocabulary", _one(_WRAP, _WRAP.replace("pad_value=(0, 0)", "pad_value=(-1, 0)")),
      L2, ["token id -1", "device-side assert"]),
     ("predict without the batch", _one("return batch / (nbytes", "return 1 / (nbytes"), L3, ["`batch` tokens"]),

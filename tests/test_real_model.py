@@ -145,6 +145,8 @@ def test_recording_backend_still_refuses_host_reads(model):
     with pytest.raises(Exception, match="CPU"):
         backend.capture(lambda x: x.to("cpu") + 1, [torch.ones(2)])
     rec = backend.capture(lambda x: x.to(x.device) + 1, [torch.ones(2)])
+    assert torch.isnan(rec.output).all(), "a capture computes nothing: the output is filled at the first replay"
+    rec.replay()
     assert torch.equal(rec.output, torch.full((2,), 2.0))
 
 

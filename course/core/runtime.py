@@ -277,12 +277,13 @@ def numba_stream():
 
     GPU path: ``numba.cuda.external_stream`` wrapping torch's current stream (cached
     per stream handle), so the launch is ordered with torch's work and is captured
-    by ``torch.cuda.graph``. Simulator path: the simulator's default stream.
+    by ``torch.cuda.graph``. Simulator path: a simulator stream standing for the current
+    stream of ``course.graphs()`` (cached per stream), so a simulated capture records the launch.
     """
     nc = cuda()
-    if not runtime().on_gpu:
-        # numba-cuda's simulator has default_stream(); plain numba's built-in one (macOS) only stream()
-        return nc.default_stream() if hasattr(nc, "default_stream") else nc.stream()
+    if not runtime().on_gpu:  # one simulator stream per stand-in torch stream, so a capture sees its launches
+        from course.core import simstream
+        return simstream.numba_stream_for(simstream.current_stream(), nc)
     import torch
     handle = torch.cuda.current_stream().cuda_stream
     stream = _streams.get(handle)
@@ -292,7 +293,28 @@ def numba_stream():
 
 
 def synchronize() -> None:
-    """Wait for all queued GPU work (no-op on the simulator path)."""
+    """Wait for all queued GPU work (simulator: nothing to wait for, but refused during a capture, as on a GPU)."""
     if runtime().on_gpu:
         import torch
         torch.cuda.synchronize()
+    else:
+        from course.core import simstream
+        simstream.synchronize()
+
+
+def graphs():
+    """``torch.cuda`` on the GPU path; its simulated graph and stream API (:mod:`course.core.simcuda`) otherwise.
+
+    ``cg = course.graphs()`` then ``cg.CUDAGraph()``, ``cg.graph(g)``, ``cg.Stream()``, ``g.replay()``... run the
+    same learner code on both paths: the simulator records at capture and replays without running Python.
+    """
+    if runtime().on_gpu:
+        import torch
+        return torch.cuda
+    from course.core import simcuda
+    return simcuda
+
+
+def capturing() -> bool:
+    """True while the current stream captures a graph (``torch.cuda``'s, or the simulator's)."""
+    return bool(graphs().is_current_stream_capturing())

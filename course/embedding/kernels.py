@@ -29,7 +29,7 @@ Out-of-range ids, two ways to catch them (``bounds=``):
   you learn about the error later, when you call :func:`check_errors` (one sync, e.g.
   after a step or after a replay).
 - ``"auto"`` (default): ``"host"`` on the simulator (the ids are already on the host, the
-  check is free) and ``"device"`` on a GPU.
+  check is free) except while a graph is being captured, and ``"device"`` on a GPU.
 
 (``torch.nn.functional.embedding`` uses a device-side assert instead: it stops the
 kernel, and the CUDA context is unusable afterwards.)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from course.core.runtime import as_numba, numba_stream, runtime
+from course.core.runtime import as_numba, capturing, numba_stream, runtime
 import course.embedding.lean as lean
 from course.embedding.kernels import (IMPLS, BOUNDS, ID_DTYPES, WEIGHT_DTYPES, INT64_MAX, EmbeddingIndexError, as_words,
                                       element_view, fast_kernel, launch_config, naive_kernel, pick_word_bytes)
 
 
 def _capturing() -> bool:
-    return runtime().on_gpu and torch.cuda.is_current_stream_capturing()
+    return capturing()
 
 
 LEAN = True  # launch through course.embedding.lean (False: the plain Numba launch, for comparison)
@@ -171,7 +171,7 @@ def embedding(ids, weight, padding_idx=None, impl: str = "fast", *, bounds: str 
     vocab, dim = weight.shape
     if out is None:
         out = torch.empty((*ids.shape, dim), dtype=weight.dtype, device=weight.device)
-    if bounds == "host" or (bounds == "auto" and not runtime().on_gpu):
+    if bounds == "host" or (bounds == "auto" and not runtime().on_gpu and not _capturing()):
         host_bounds_check(ids, vocab)
     flat = ids.contiguous().view(-1)  # no copy when ids are contiguous, else a (capturable) device copy
     n = flat.numel()

@@ -15,8 +15,9 @@ the launch is captured.
 
 :class:`SwapEmbedding` holds the table and switches between the two with ``impl``;
 :func:`make_model` builds a small model around it and :func:`swap` switches a whole
-model (:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` mimics ``graph.replay()`` on the simulator so the replay
-exercise can be checked without a GPU.
+ model (:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` is the simulator's CUDA graph
+(records at capture, replays without running Python), so the replay exercise behaves on a laptop as it does
+on a GPU.
 """
 from __future__ import annotations
 
@@ -239,32 +240,49 @@ def count_device_to_host_copies(fn) -> int:
 # --------------------------------------------------------------------------- replay
 
 class ReplayStandIn:
-    """A CPU stand-in for a captured CUDA graph, for checking replay code on the simulator.
+    """A CUDA graph on the simulator path (``course.graphs()``'s ``CUDAGraph``), for checking replay code there.
 
-    ``replay()`` re-runs the captured function and writes its result into the same
-    ``static_out`` memory. Like a real graph, it reads whatever the *static input tensor*
-    holds now: rebinding a Python name to a new tensor does not change what it reads;
-    writing into the static tensor with ``copy_`` does.
+    ``ReplayStandIn(fn)`` captures ``fn()`` as a GPU would: the ops are recorded, not run, and ``replay()`` runs
+    them again without running ``fn``'s Python. Like a real graph it reads the memory of the tensors it was
+    captured with (rebinding a Python name to a new tensor changes nothing; ``copy_`` into the static tensor
+    does) and writes the same output tensor at every replay. With ``static_out``, the capture also copies the
+    result into it (``static_out`` is then the graph's output). ``output`` is the output tensor.
     """
 
-    def __init__(self, fn, static_out: torch.Tensor):
-        self.fn = fn
-        self.static_out = static_out
+    def __init__(self, fn, static_out: torch.Tensor | None = None, warmup: int = 3):
+        from course.core import simcuda as cg
+
+        for _ in range(warmup):  # as try_capture does on a GPU
+            fn()
+        self.graph = cg.CUDAGraph()
+        with cg.graph(self.graph):
+            out = fn()
+            if static_out is not None:
+                static_out.copy_(out)
+        self.output = self.static_out = out if static_out is None else static_out
 
     def replay(self) -> None:
-        """Recompute into the static output."""
-        self.static_out.copy_(self.fn())
+        """Run the recorded work: the output now holds the result for the static inputs' current contents."""
+        self.graph.replay()
 
 
 def capture_for_replay(fn):
     """Capture ``fn()`` for replay: ``(graph, static_out, how)``.
 
     GPU: a real ``torch.cuda.CUDAGraph`` (via :func:`course.core.capture.try_capture`; a failed
-    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`.
+    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`, the simulator's
+    graph (a failed capture raises RuntimeError with the error a GPU gives).
     """
     if not runtime().on_gpu:
-        out = fn()
-        return ReplayStandIn(fn, out), out, "simulator stand-in (re-runs the function)"
+        from course.core.capture import _root_cause
+        try:
+            stand_in = ReplayStandIn(fn)
+        except Exception as e:  # noqa: BLE001 - reported like a GPU capture failure
+            cause = _root_cause(e)
+            from course.core import simcuda
+            simcuda.set_stream(simcuda.default_stream())
+            raise RuntimeError(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
+        return stand_in, stand_in.output, "simulator stand-in (records at capture, replays without running Python)"
     from course.core.capture import try_capture
     outcome = try_capture(fn)
     if not outcome.ok:

@@ -3,75 +3,42 @@
 - :class:`CudaGraphBackend` (GPU path): warm up, capture into a ``torch.cuda.CUDAGraph`` (one
   shared memory pool per cache, or one pool per graph), replay; a failed capture is reported, with
   the line that broke it, and CUDA is left usable (:func:`course.core.capture.try_capture`).
-- :class:`RecordingBackend` (simulator path): the same protocol, run eagerly. "Capture" runs the
-  function once under a watch for the operations that would break a real capture (a host read
-  such as ``.item()``, ``nonzero``...), so fallbacks show up on a laptop too; "replay" calls the
-  function on the static inputs and writes the results into the static outputs, so inputs that
-  were not copied in, or outputs overwritten by the next replay, behave exactly as on a GPU. Its
-  ``memory_reserved()`` counts the bytes of the static inputs and outputs of the recordings still
-  alive (a real graph's memory stays reserved while anything references the graph), so a cache that
-  "clears" but keeps its recordings referenced elsewhere frees nothing here either.
+- :class:`RecordingBackend` (simulator path): the same protocol on the simulator's graphs
+  (``course.graphs()``, :mod:`course.core.simgraph`). A capture records the ops and Numba launches without
+  running them and refuses what a GPU refuses (a host read such as ``.item()``, ``nonzero``, a copy to the
+  host...), so fallbacks show up on a laptop too; a replay runs what was recorded without running Python, so
+  inputs that were not copied in, host values frozen at capture, or outputs overwritten by the next replay
+  behave exactly as on a GPU. Its ``memory_reserved()`` counts the bytes of the static inputs and outputs of the
+  recordings still alive (a real graph's memory stays reserved while anything references the graph), so a
+  cache that "clears" but keeps its recordings referenced elsewhere frees nothing here either.
 
 Both return a :class:`Recorded` (the replay callable and the static output) or raise
 :class:`CaptureFailed` with a one-line reason.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
 import time
+import warnings
 import weakref
 
+from course.core.simpatch import host_reads_refused
 from course.core.text import complete_statement
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TOOL_FILES = tuple(os.path.join(_HERE, f) for f in ("backends.py", "cache.py"))
 
-# aten ops that make the host wait for the GPU (or read device memory on the host): they break capture
-HOST_READS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
 
-
-def _refuse(what: str):
-    raise RuntimeError(f"{what} during CUDA graph capture: on a GPU the host would wait for the device "
-                       "(the recording backend's capture check)")
-
-
-@contextlib.contextmanager
 def host_read_watch():
-    """Make the calls that break a real capture raise, on any device (the recording backend's 'capture').
+    """Make the calls that break a real capture raise, with the GPU's errors, outside any capture.
 
-    Tensor methods that read device memory on the host (``item``, ``tolist``, ``cpu``, ``to("cpu")``)
-    and aten ops that synchronize (:data:`HOST_READS`) raise ``RuntimeError`` inside the block.
+    Tensor methods that read device memory on the host (``item``, ``tolist``, ``cpu``, ``to("cpu")``, printing)
+    and aten ops that synchronize (``nonzero``, ``masked_select``, ``unique``...) raise ``RuntimeError`` inside the
+    block (:func:`course.core.simpatch.host_reads_refused`).
     """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.__name__.split(".")[0]
-            if name in HOST_READS:
-                _refuse(f"aten.{name} reads device memory on the host")
-            return func(*args, **(kwargs or {}))
-
-    def to(self, *args, **kwargs):
-        dev = kwargs.get("device", args[0] if args else None)
-        if isinstance(dev, (str, torch.device)) and torch.device(dev).type == "cpu":
-            _refuse("a copy to the CPU (.to('cpu'))")
-        return saved["to"](self, *args, **kwargs)
-
-    saved = {k: getattr(torch.Tensor, k) for k in ("item", "tolist", "cpu", "to")}
-    torch.Tensor.item = lambda self: _refuse(".item() reads a value on the host")
-    torch.Tensor.tolist = lambda self: _refuse(".tolist() reads values on the host")
-    torch.Tensor.cpu = lambda self, *a, **k: _refuse("a copy to the CPU (.cpu())")
-    torch.Tensor.to = to
-    try:
-        with Watch():
-            yield
-    finally:
-        for k, v in saved.items():
-            setattr(torch.Tensor, k, v)
+    return host_reads_refused()
 
 
 class CaptureFailed(RuntimeError):
@@ -84,13 +51,14 @@ class CaptureFailed(RuntimeError):
 
 @dataclasses.dataclass
 class Recorded:
-    """One recorded key: ``replay()`` recomputes ``output`` from the static inputs in place."""
+    """One recorded key: ``replay()`` recomputes ``output`` from the static inputs in place (until then it holds
+    nothing computed: NaN on the recording backend, whatever the pool memory held on a GPU)."""
 
     replay: object
     output: object
     capture_ms: float
     memory_bytes: int  # memory the capture reserved (GPU); 0 on the recording backend
-    graph: object = None  # the torch.cuda.CUDAGraph on the GPU path
+    graph: object = None  # the CUDAGraph: torch.cuda's on the GPU path, the simulator's on the recording backend
 
 
 def diagnose(error_type: str, message: str, frames) -> str:
@@ -121,63 +89,62 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
-def _copy_into(static, fresh) -> None:
-    """Write ``fresh`` (a tensor or nested tuple/list of them) into ``static`` of the same structure."""
-    import torch
-
-    if isinstance(static, torch.Tensor):
-        static.copy_(fresh)
-    elif isinstance(static, (tuple, list)):
-        for s, f in zip(static, fresh):
-            _copy_into(s, f)
-    elif isinstance(static, dict):
-        for k, s in static.items():
-            _copy_into(s, fresh[k])
-
-
 class RecordingBackend:
-    """Records and replays by calling the function eagerly (the simulator path; see the module docstring)."""
+    """Records and replays with the simulator's CUDA graphs (the simulator path; see the module docstring)."""
 
     name = "recording"
 
     def __init__(self, pools: str = "shared"):
+        if pools not in ("shared", "separate"):
+            raise ValueError(f"pools must be 'shared' or 'separate', got {pools!r}")
         self.pools = pools
-        self.watch = True  # look for host reads at capture (they would break a real capture)
+        self._pool = None
         self._held: dict = {}  # recording id -> bytes it holds, while the Recorded object is alive
         self._ids = itertools.count()
 
     def capture(self, fn, static_args, warmup: int = 1) -> Recorded:
-        """Warm up ``warmup`` times, then run ``fn(*static_args)`` once as the 'capture'; raise CaptureFailed."""
-        import traceback
+        """Warm up ``warmup`` times eagerly, then capture ``fn(*static_args)`` into a simulated graph.
+
+        Raises CaptureFailed with the root cause and the user line that caused it; the capture stream is left
+        and a pool the failed capture claimed is not used again (as :func:`course.core.capture.graph` does).
+        """
+        from course.core import simcuda as cg
+        from course.core.capture import _root_cause, exception_frames
 
         t0 = time.perf_counter()
         for _ in range(warmup):
             fn(*static_args)
+        g, before = cg.CUDAGraph(), cg.current_stream()
         try:
-            if self.watch:
-                with host_read_watch():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with cg.graph(g, pool=self.new_pool()):
                     out = fn(*static_args)
-            else:
-                out = fn(*static_args)
-        except Exception as e:  # noqa: BLE001 - every capture failure becomes a fallback
-            frames = tuple((f.filename, f.lineno, f.name, (f.line or "").strip())
-                           for f in traceback.extract_tb(e.__traceback__))
-            msg = (str(e).strip().splitlines() or [repr(e)])[0]
-            raise CaptureFailed(diagnose(type(e).__name__, msg, frames)) from None
+        except Exception as e:  # noqa: BLE001 - every capture failure becomes a fallback (its warnings are noise)
+            cause = _root_cause(e)
+            msg = (str(cause).strip().splitlines() or [repr(cause)])[0]
+            frames = exception_frames(cause)
+            cg.set_stream(before)
+            self._pool = None  # a failed capture leaves its pool claimed: later captures use a fresh one
+            raise CaptureFailed(diagnose(type(cause).__name__, msg, frames)) from None
+        for w in caught:  # a capture that succeeded keeps its warnings ("the CUDA Graph is empty": wrong stream?)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         ms = (time.perf_counter() - t0) * 1e3
-
-        def replay():
-            _copy_into(out, fn(*static_args))
-
-        rec = Recorded(replay, out, ms, 0)
+        rec = Recorded(g.replay, out, ms, 0, g)
         key = next(self._ids)
         self._held[key] = tensor_bytes(out) + tensor_bytes(list(static_args))
         weakref.finalize(rec, self._held.pop, key, None)  # freed with the recording (its "graph")
         return rec
 
     def new_pool(self):
-        """No memory pools on the simulator path."""
-        return None
+        """The pool for the next capture: the cache's one shared pool, or None (a private pool per graph)."""
+        from course.core import simcuda as cg
+
+        if self.pools == "separate":
+            return None
+        if self._pool is None:
+            self._pool = cg.graph_pool_handle()
+        return self._pool
 
     def memory_reserved(self) -> int:
         """Bytes of the static inputs and outputs of this backend's recordings that are still alive.
@@ -188,7 +155,8 @@ class RecordingBackend:
         return sum(self._held.values())
 
     def reset_pool(self) -> None:
-        """Nothing to forget on the simulator path."""
+        """Forget the shared pool (after every graph using it is freed)."""
+        self._pool = None
 
 
 class CudaGraphBackend:

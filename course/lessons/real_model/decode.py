@@ -23,9 +23,6 @@ import torch
 from course.lessons.graph_cache.backends import CudaGraphBackend, RecordingBackend
 from course.lessons.graph_cache.cache import GraphCache
 
-_ORIGINAL_TO = torch.Tensor.to  # before any capture watch patches it
-
-
 class NaiveDecoder:
     """The first wrapper anyone writes around ``model(...)``: correct eagerly, not capturable (see the module doc)."""
 
@@ -109,30 +106,10 @@ class ModelRecordingBackend(RecordingBackend):
     """The recording backend for a transformers model (simulator path).
 
     transformers moves tensors to the device they are already on (``t.to(x.device)``): a no-op on every
-    machine, but on the simulator path that device is the CPU, which the capture watch would read as a
-    copy to the host. Here such same-device moves pass; a ``.to("cpu")`` written as a string, ``.item()``,
-    ``.tolist()`` and the other host reads are still refused.
+    machine, and the simulated capture lets such same-device moves pass, as a GPU does. A ``.to("cpu")``
+    written as a string, ``.item()``, ``.tolist()`` and the other host reads are refused with the GPU's errors
+    (:mod:`course.core.simpatch`).
     """
-
-    def capture(self, fn, static_args, warmup: int = 1):
-        """Like :meth:`RecordingBackend.capture`, letting same-device ``.to(device)`` calls through."""
-
-        def call(*args):
-            watched = torch.Tensor.to
-
-            def to(t, *a, **k):
-                dev = k.get("device", a[0] if a else None)
-                if isinstance(dev, torch.device) and dev == t.device:
-                    return _ORIGINAL_TO(t, *a, **k)
-                return watched(t, *a, **k)
-
-            torch.Tensor.to = to
-            try:
-                return fn(*args)
-            finally:
-                torch.Tensor.to = watched
-
-        return super().capture(call, static_args, warmup=warmup)
 
 
 def model_backend():

@@ -1,0 +1,23 @@
+"""torch.cuda's graph and stream API on the simulator path: what ``course.graphs()`` returns there.
+
+``cg = course.graphs()`` is ``torch.cuda`` on a GPU and this module on the simulator, so the same code captures
+and replays on both: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``make_graphed_callables``, ``Stream``,
+``Event``, ``stream``, ``current_stream``, ``default_stream``, ``set_stream``, ``synchronize`` and
+``is_current_stream_capturing``. What the stand-in models, and what not: :mod:`course.core.simgraph`.
+"""
+from course.core.simcallables import make_graphed_callables
+from course.core.simgraph import CUDAGraph, graph, graph_pool_handle
+from course.core.simstream import (Event, Stream, StreamContext, current_stream, default_stream,
+                                   is_current_stream_capturing, set_stream, stream, synchronize)
+
+SIMULATED = True  # torch.cuda has no such attribute: ``getattr(cg, "SIMULATED", False)`` tells the two apart
+
+
+def is_available() -> bool:
+    """False: the simulator path has no CUDA device (graphs are simulated on the CPU)."""
+    return False
+
+
+__all__ = ["CUDAGraph", "Event", "SIMULATED", "Stream", "StreamContext", "current_stream", "default_stream", "graph",
+           "graph_pool_handle", "is_available", "is_current_stream_capturing", "make_graphed_callables",
+           "set_stream", "stream", "synchronize"]

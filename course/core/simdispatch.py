@@ -1,0 +1,178 @@
+"""How a simulated capture routes aten ops: record them (:mod:`course.core.simrecord`), or refuse host reads.
+
+:class:`Recorder` is a ``TorchDispatchMode``, pushed while any capture is under way. An op on a capturing
+stream is recorded by :func:`record_op`; an op on another stream runs at once, as on a GPU. An op that reads
+device memory on the host (``.item()`` reaches aten as ``_local_scalar_dense``; ``nonzero``, ``unique``,
+``masked_select`` and boolean-mask indexing size their output from device values) is refused with the GPU's
+error. Each op also runs on meta tensors first, so shapes, dtypes and the errors a bad shape raises are those of
+the real op, raised at capture as on a GPU.
+"""
+from __future__ import annotations
+
+import course.core.simstream as ss
+
+# aten ops that read device memory on the host (their output size, or a value): a GPU waits for them
+_SIZED = "sizes its output from device values"
+HOST_READS = {"_local_scalar_dense": "reads a device value on the host (.item(), float(t), int(t), if t:)",
+              "nonzero": f"{_SIZED} (nonzero, torch.where(cond), argwhere)", "masked_select": _SIZED,
+              "unique_dim": _SIZED, "_unique": _SIZED, "_unique2": _SIZED, "unique_consecutive": _SIZED,
+              "equal": "returns a Python bool computed on the device", "bincount": _SIZED}
+EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}  # memory only: nothing to run
+HOST_SIDE = {"resize_", "set_", "resize_as_"}  # metadata changes made on the host
+
+
+
+def _as_meta(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return None if isinstance(x, torch.Generator) else x
+
+
+def _meta(func, args, kwargs):
+    """``func`` run on meta tensors: the outputs' shapes, dtypes and strides (None when it has no meta kernel)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    margs, mkwargs = tree_map(_as_meta, (args, kwargs))
+    if "device" in mkwargs:
+        mkwargs["device"] = torch.device("meta")
+    if mkwargs.get("pin_memory"):
+        mkwargs["pin_memory"] = False
+    try:
+        return func(*margs, **mkwargs)
+    except NotImplementedError:
+        return None
+
+
+def _real_error(func, args, kwargs):
+    """The error ``func`` raises when run for real (on copies: nothing is written), or None."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    cargs, ckwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    try:
+        func(*cargs, **ckwargs)
+    except Exception as e:  # noqa: BLE001 - returned to be raised
+        return e.with_traceback(None)
+    return None
+
+
+def _host_read(func, name: str, args, kwargs):
+    """Why ``func`` would read device memory on the host (so a GPU refuses it during capture), or None."""
+    import torch
+
+    if name in HOST_READS:
+        return f"aten.{name} {HOST_READS[name]}"
+    if name == "repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None:
+        return "aten.repeat_interleave with tensor repeats sizes its output from device values"
+    if name in ("index", "index_put_", "index_put", "_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
+            return f"aten.{name} with a boolean mask finds the selected elements on the host (nonzero)"
+    return None
+
+
+def _aliased(schema, args, kwargs, alias):
+    """The argument a return value aliases (the tensor an in-place or out= op wrote into)."""
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set == alias.before_set:
+            return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name, a.default_value)
+    raise NotImplementedError(f"the simulated capture cannot tell what {schema.name} returns")
+
+
+def record_op(cap, func, args, kwargs):
+    """Record one aten op on capture ``cap`` and return what the op returns at capture (see the module doc)."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+    schema = func._schema
+    name = schema.name.split("::")[-1]
+    why = _host_read(func, name, args, kwargs)
+    if why:
+        ss.refuse_sync(why, cap)
+    if func.is_view or torch.Tag.inplace_view in func.tags or name in HOST_SIDE:
+        return func(*args, **kwargs)
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        gen = kwargs.get("generator") or next((a for a in args if isinstance(a, torch.Generator)), None)
+        if gen is not None and not any(g._cdata == gen._cdata for g in cap.generators):
+            raise RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    try:
+        meta = _meta(func, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - a bad shape or dtype: raise what the real op raises, as a GPU does
+        raise _real_error(func, args, kwargs) or e from None
+    if meta is None:
+        if writes:
+            raise NotImplementedError(f"the simulated capture cannot record {schema.name} (no meta kernel)")
+        meta = tree_map(_as_meta, func(*args, **kwargs))  # functional: safe to run for its shapes
+    device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                  kwargs.get("device") or torch.device("cpu"))
+    program, outs = cap.program, []
+    aliases = [r.alias_info for r in schema.returns]
+    if any(aliases):
+        result = [_aliased(schema, args, kwargs, a) if a is not None else m
+                  for a, m in zip(aliases, meta if len(aliases) > 1 else (meta,))]
+        result = tuple(result) if len(aliases) > 1 else result[0]
+    else:
+        result = meta
+    leaves, spec = tree_flatten(result)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+            leaves[i] = program.alloc_like(leaf, device)
+            outs.append((i, program.ref(leaves[i])))
+    if name not in EMPTY:
+        cap.note_work(ss.current_stream())
+        program.steps.append(("op", func, program.refs(args), program.refs(kwargs), outs))
+    return tree_unflatten(leaves, spec)
+
+
+def _recorder_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        """Routes every aten op to the capture of the current stream (ops on other streams run at once)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            cap = ss.capturing()
+            if cap is None:
+                why = _watch[0] and _host_read(func, func._schema.name.split("::")[-1], args, kwargs)
+                if why:
+                    raise ss._accelerator_error(f"{ss.SYNC} ({why})")
+                return func(*args, **kwargs)
+            return record_op(cap, func, args, kwargs)
+
+    return Recorder
+
+
+_mode: list = []
+_watch = [0]  # host_reads_refused() blocks under way
+
+
+def begin() -> None:
+    """Start routing aten ops to captures (the first capture under way pushes the mode)."""
+    if not _mode:
+        _mode.append(_recorder_class()())
+        _mode[0].__enter__()
+
+
+def end() -> None:
+    """Stop routing when no capture (and no watch) is under way any more."""
+    if _mode and not ss._ACTIVE and not _watch[0]:
+        _mode.pop().__exit__(None, None, None)
+
+
+def begin_watch() -> None:
+    """Refuse aten host reads even outside a capture (:func:`course.core.simpatch.host_reads_refused`)."""
+    _watch[0] += 1
+    begin()
+
+
+def end_watch() -> None:
+    """End one :func:`begin_watch`."""
+    _watch[0] -= 1
+    end()

@@ -1,0 +1,187 @@
+"""``CUDAGraph``, ``graph`` and ``graph_pool_handle`` for the simulator path, with torch.cuda's names and rules.
+
+``course.graphs()`` returns ``torch.cuda`` on a GPU and :mod:`course.core.simcuda` (these names and the streams
+of :mod:`course.core.simstream`) on the simulator, so one program runs on both::
+
+    cg = course.graphs()
+    g = cg.CUDAGraph()
+    with cg.graph(g):            # records; computes nothing yet (new tensors hold NaN until the first replay)
+        y = model(static_x)
+    static_x.copy_(new_x)
+    g.replay()                   # runs what was recorded, without running Python: y now holds model(new_x)
+
+What is modelled, as a GPU does it: a capture records aten ops and Numba launches and runs none of them
+(:mod:`course.core.simrecord`); in-place writes happen at replay only; Python values, branches and side effects
+are frozen at capture; a replay reads the tensors the capture saw (rebinding a name changes nothing) and writes the
+same output tensors (a kept output is overwritten by the next replay); host reads, host copies, ``synchronize()``,
+``torch.manual_seed`` and Numba allocations are refused with the GPU's error (:mod:`course.core.simpatch`), and
+a CUDA error invalidates the capture (``capture_end`` then fails, and the pool it recorded into stays claimed, so
+the next capture into that pool fails with ``beginAllocateToPool: already recording to mempool_id``, as on a GPU);
+capture on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves the
+capture stream current when ``capture_end`` fails; streams fork into a capture and must be joined; random ops draw
+fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
+registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory.
+
+Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation that a GPU cannot do inside
+a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
+device tensor (``host_tensor.to(course.device())``); ``Event`` timing inside captures; the generator left in capture
+mode after a failed capture; freeing a graph's static input (the graph keeps it alive, where a GPU would read freed
+memory); ``torch.cuda`` functions other than the graph and stream API.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import course.core.simdispatch as sd
+import course.core.simpatch as sp
+import course.core.simrecord as sr
+import course.core.simstream as ss
+
+ALREADY = "This CUDAGraph instance already owns a captured graph. To capture a new graph, create a new instance."
+DEFAULT = ("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok to replay them "
+           "on the default stream.)")
+EMPTY = ("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device "
+         "or stream.")
+
+
+def graph_pool_handle():
+    """An opaque token naming a graph memory pool, for captures that may share memory."""
+    return sr.new_handle(user=True)
+
+
+class CUDAGraph:
+    """A recorded capture on the simulator: ``capture_begin`` / ``capture_end``, then ``replay()``."""
+
+    def __init__(self, keep_graph: bool = False):
+        self._capture = self._steps = self._handle = self._pool = self._release = None
+        self._generators: list = []
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global", check_input_liveness: bool = False):
+        """Start recording the current stream's work (see the module doc for what is recorded)."""
+        if self._steps is not None or self._capture is not None:
+            raise RuntimeError(ALREADY)
+        if capture_error_mode not in ss.MODES:
+            raise RuntimeError(f"Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got "
+                               f"{capture_error_mode}")
+        stream = ss.current_stream()
+        if stream is ss.default_stream():
+            raise RuntimeError(DEFAULT)
+        if stream.capture is not None:
+            ss.refuse_sync("capture_begin on a stream that is already capturing", stream.capture)
+        handle = pool if pool is not None else sr.new_handle(user=False)
+        mem = sr.pool_for(handle)
+        if mem.recording:
+            raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {handle} (a failed capture "
+                               "into this pool never ended its recording; use a new pool)")
+        mem.recording = True
+        cap = ss.Capture(stream, capture_error_mode, sr.Program(mem), mem)
+        cap.generators = self._generators
+        stream.capture = cap
+        ss._ACTIVE.append(cap)
+        sp.install()
+        sd.begin()
+        self._capture, self._handle, self._pool = cap, handle, mem
+
+    def capture_end(self) -> None:
+        """End the capture; raise what CUDA raises if it was invalidated or left a forked stream unjoined."""
+        cap = self._capture
+        if cap is None:
+            raise ss._accelerator_error("CUDA error: capture was not initiated in this stream")
+        if ss.current_stream() is not cap.origin:
+            raise RuntimeError("Capture must end on the same stream it began on.")
+        self._capture = None
+        ss._ACTIVE.remove(cap)
+        for s in cap.work:
+            if s.capture is cap:
+                s.capture = None
+        sp.uninstall()
+        sd.end()
+        if cap.invalid:
+            raise ss._accelerator_error(ss.INVALIDATED)
+        if cap.unjoined():
+            raise ss._accelerator_error(ss.UNJOINED)
+        cap.pool.recording = False
+        self._steps, held = cap.program.finish()
+        self._release = weakref.finalize(self, sr.release, held)
+        if not self._steps:
+            warnings.warn(EMPTY, UserWarning, stacklevel=2)
+
+    def instantiate(self) -> None:
+        """Nothing to do on the simulator (torch instantiates in capture_end)."""
+        if self._steps is None:
+            raise RuntimeError("capture_end() must have been called before calling instantiate")
+
+    def replay(self) -> None:
+        """Run the recorded work: no Python of the captured function runs."""
+        if self._steps is None:
+            raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture.")
+        sr.run(self._steps, sp.launch_kernel)
+
+    def reset(self) -> None:
+        """Delete the recorded work; the instance can capture again."""
+        self._steps = None
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    def pool(self):
+        """The id of this graph's memory pool, for another capture that may share it."""
+        if self._steps is None:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return self._handle
+
+    def register_generator_state(self, generator) -> None:
+        """Let the capture draw from ``generator`` (torch registers only the default generator itself)."""
+        if ss.capturing() is not None:
+            raise RuntimeError("Cannot register the state during capturing stage. during CUDA graph capture. If you "
+                               "need this call to be captured, please file an issue. Current cudaStreamCaptureStatus:"
+                               " cudaStreamCaptureStatusActive")
+        self._generators.append(generator)
+
+    def enable_debug_mode(self) -> None:
+        """Accepted for compatibility; see :meth:`recorded_ops` for what the simulator recorded."""
+
+    def recorded_ops(self) -> list:
+        """Names of the recorded steps in replay order (simulator only: a GPU graph has kernels, not aten ops)."""
+        if self._steps is None:
+            return []
+        return [s[1].__name__ if s[0] == "kernel" and hasattr(s[1], "__name__") else str(s[1]) for s in self._steps]
+
+
+class graph:
+    """``with graph(g):`` captures the block into ``g`` on a side stream (torch.cuda.graph's rules)."""
+
+    default_capture_stream = None
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode: str = "global", **kwargs):
+        if stream is None and graph.default_capture_stream is None:
+            graph.default_capture_stream = ss.Stream()
+        self.pool = () if pool is None else (pool,)
+        self.capture_stream = stream if stream is not None else graph.default_capture_stream
+        self.stream_ctx = ss.stream(self.capture_stream)
+        self.cuda_graph = cuda_graph
+        self.capture_error_mode = capture_error_mode
+
+    def __enter__(self) -> None:
+        ss.synchronize()  # what torch.cuda.graph does first: inside another capture, the error a GPU gives
+        self.stream_ctx.__enter__()
+        self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
+
+    def __exit__(self, *exc) -> None:
+        self.cuda_graph.capture_end()  # as torch: if this raises, the capture stream stays current
+        self.stream_ctx.__exit__(*exc)
+
+
+def end_all_captures() -> None:
+    """End every capture under way, keeping nothing (after a test, or a cell stopped between capture_begin and
+    capture_end); the current stream becomes the default stream again."""
+    for cap in list(ss._ACTIVE):
+        ss._ACTIVE.remove(cap)
+        cap.pool.recording = False
+        for s in cap.work:
+            if s.capture is cap:
+                s.capture = None
+        sp.uninstall()
+        sd.end()
+    ss.set_stream(ss.default_stream())

@@ -1,0 +1,186 @@
+"""The calls a simulated capture intercepts outside aten: host reads that never dispatch, and Numba's launches.
+
+On the CPU, ``.cpu()``, ``.tolist()`` or ``print(t)`` need no aten op, so the recorder cannot see them; these
+patches, in force only while a capture is under way (:func:`install` / :func:`uninstall`), refuse them on a
+capturing stream with the GPU's error (:mod:`course.core.simstream`). They also route a Numba simulator launch
+``kernel[grid, block, stream](...)`` on a capturing stream into the capture instead of running it, and refuse
+Numba's allocations and ``torch.manual_seed`` as CUDA and torch do. :func:`host_reads_refused` is the same
+refusal outside any capture (the course's older "capture watch").
+
+The simulator cannot tell a host tensor from a device tensor (both are CPU tensors), so: ``.to("cpu")`` written
+as a string is a copy to the host, ``.to(device)`` with a ``torch.device`` equal to the tensor's is a no-op (as
+``t.to(x.device)`` is on a GPU), and ``torch.tensor(data, device=...)`` is a host-to-device copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import course.core.simstream as ss
+
+_saved: list = []  # (owner, name, had its own attribute, original)
+_depth = [0]
+_forced = [0]  # host_reads_refused() blocks: refuse even with no capture
+
+
+def _on() -> bool:
+    return _forced[0] > 0 or ss.capturing() is not None
+
+
+def _sync(what):
+    return ss.refuse_sync(what) if ss.capturing() is not None else _raise_sync(what)
+
+
+def _raise_sync(what):
+    raise ss._accelerator_error(f"{ss.SYNC} ({what})")
+
+
+def _tensor_patches(torch):
+    T = torch.Tensor
+    orig = {k: getattr(T, k) for k in ("item", "tolist", "cpu", "to", "numpy", "__repr__", "__format__",
+                                       "__bool__", "__float__", "__int__", "__index__")}
+
+    def reader(name, what):
+        def method(self, *a, **k):
+            return _sync(what) if _on() else orig[name](self, *a, **k)
+        return method
+
+    def copier(name, what):
+        def method(self, *a, **k):
+            return ss.refuse_copy(what) if _on() else orig[name](self, *a, **k)
+        return method
+
+    def to(self, *a, **k):
+        dev = k.get("device", a[0] if a else None)
+        if _on() and isinstance(dev, str) and torch.device(dev).type == "cpu":
+            ss.refuse_copy(f'.to("{dev}") copies the tensor to the host')
+        return orig["to"](self, *a, **k)
+
+    def numpy(self, *a, **k):
+        caller = sys._getframe(1).f_code
+        if _on() and not (caller.co_name == "as_numba" and caller.co_filename.endswith("runtime.py")):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                            "to host memory first. (on the simulator: refused during capture; use course.as_numba "
+                            "for a kernel argument)")
+        return orig["numpy"](self, *a, **k)
+
+    host = "reads a device value on the host"
+    return [(T, "item", reader("item", f".item() {host}")), (T, "__bool__", reader("__bool__", f"bool(tensor) {host}")),
+            (T, "__float__", reader("__float__", f"float(tensor) {host}")),
+            (T, "__int__", reader("__int__", f"int(tensor) {host}")),
+            (T, "__index__", reader("__index__", f"using a tensor as a Python int {host}")),
+            (T, "__repr__", reader("__repr__", "printing a tensor reads its values on the host")),
+            (T, "__format__", reader("__format__", "formatting a tensor reads its values on the host")),
+            (T, "tolist", copier("tolist", ".tolist() copies the tensor to the host")),
+            (T, "cpu", copier("cpu", ".cpu() copies the tensor to the host")), (T, "to", to), (T, "numpy", numpy)]
+
+
+def _torch_patches(torch):
+    def ctor(orig, name):
+        def make(data, *a, **k):
+            if _on() and k.get("device") is not None and not isinstance(data, torch.Tensor):
+                ss.refuse_copy(f"torch.{name}(..., device=...) builds the tensor on the host and copies it")
+            return orig(data, *a, **k)
+        return make
+
+    def seeding(orig):
+        def seed(*a, **k):
+            if ss.capturing() is not None:
+                raise RuntimeError(ss.SEED)
+            return orig(*a, **k)
+        return seed
+
+    out = [(torch, "tensor", ctor(torch.tensor, "tensor")), (torch, "as_tensor", ctor(torch.as_tensor, "as_tensor"))]
+    for owner in (torch, torch.random):
+        out += [(owner, "manual_seed", seeding(owner.manual_seed)), (owner, "seed", seeding(owner.seed))]
+    return out
+
+
+def _numba_patches():
+    nc = sys.modules.get("numba.cuda")
+    km = sys.modules.get("numba.cuda.simulator.kernel")
+    if nc is None or km is None:
+        return []
+    kernel = km.FakeCUDAKernel
+    call, getitem = kernel.__call__, kernel.__getitem__
+
+    def configure(self, config):
+        self._course_stream = config[2] if len(config) > 2 else None
+        return getitem(self, config)
+
+    def launch(self, *args):
+        stream = None if self._device else ss.stream_of_numba(getattr(self, "_course_stream", None))
+        if stream is None or stream.capture is None or stream.capture not in ss._ACTIVE:
+            return call(self, *args)
+        stream.capture.program.record_kernel(self, args, stream)
+
+    def refused(orig, call_name, what, relaxed_ok=True):
+        def api(*a, **k):
+            if ss.strict_capture() is not None or (not relaxed_ok and ss._ACTIVE):
+                ss.refuse_numba(call_name, what)
+            return orig(*a, **k)
+        return api
+
+    alloc = "a Numba allocation during capture"
+    return [(kernel, "__call__", launch), (kernel, "__getitem__", configure),
+            (nc, "device_array", refused(nc.device_array, "cuMemAlloc", f"cuda.device_array: {alloc}")),
+            (nc, "device_array_like", refused(nc.device_array_like, "cuMemAlloc", f"cuda.device_array_like: {alloc}")),
+            (nc, "to_device", refused(nc.to_device, "cuMemAlloc", f"cuda.to_device: {alloc}")),
+            (nc, "synchronize", refused(nc.synchronize, "cuCtxSynchronize", "cuda.synchronize() waits for the "
+                                        "device", relaxed_ok=False))]
+
+
+def launch_kernel(kernel, config, args) -> None:
+    """Run a recorded Numba launch now (a replay), with the configuration it was captured with."""
+    km = sys.modules["numba.cuda.simulator.kernel"]
+    call = next((o for owner, name, _, o in _saved if owner is km.FakeCUDAKernel and name == "__call__"),
+                km.FakeCUDAKernel.__call__)
+    kernel.grid_dim, kernel.block_dim, kernel.dynshared_size = config
+    call(kernel, *args)
+
+
+def _apply(patches) -> None:
+    for owner, name, repl in patches:
+        _saved.append((owner, name, name in vars(owner), getattr(owner, name)))
+        setattr(owner, name, repl)
+
+
+def _restore() -> None:
+    while _saved:
+        owner, name, own, orig = _saved.pop()
+        if own:
+            setattr(owner, name, orig)
+        else:
+            delattr(owner, name)
+
+
+def install() -> None:
+    """Put the patches in force (nested: the first install patches, the matching last uninstall restores)."""
+    import torch
+
+    _depth[0] += 1
+    if _depth[0] == 1:
+        _apply(_tensor_patches(torch) + _torch_patches(torch) + _numba_patches())
+
+
+def uninstall() -> None:
+    """Undo :func:`install` once."""
+    _depth[0] -= 1
+    if _depth[0] == 0:
+        _restore()
+
+
+@contextlib.contextmanager
+def host_reads_refused():
+    """Refuse host reads and copies in the block, as a capturing stream would, even with no capture under way."""
+    from course.core import simdispatch
+
+    install()
+    _forced[0] += 1
+    simdispatch.begin_watch()
+    try:
+        yield
+    finally:
+        simdispatch.end_watch()
+        _forced[0] -= 1
+        uninstall()
