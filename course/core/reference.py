@@ -39,6 +39,7 @@ EXPERIMENT_MODULES = (
     "course.embedding.access",
     "course.lessons.real_model.experiments",
     "course.lessons.real_model.gemv_bench",
+    "course.lessons.real_model.reduce_bench",
 )
 
 

@@ -13,15 +13,15 @@ def gpu_result(name: str, **params):
     These experiments take minutes (compiles, transformers' own path), so on the GPU path they run live only
     with ``COURSE_FULL=1`` and otherwise show the recorded result, captioned as such (:func:`reference.heavy`).
     Where the reference file is not recorded yet (``python -m course bench`` on a GPU writes it), the cell
-    says so and the notebook goes on.
+    says that it awaits its first recording, and the notebook goes on.
     """
     from course.core import reference
 
     try:
         return reference.heavy(name, **params)
     except FileNotFoundError:
-        print(f"reference data not recorded yet for {name!r}: on a GPU, `python -m course bench {name}` records "
-              "it; the cells that show it are skipped until then.")
+        print(f"reference data not recorded yet for {name!r} (it awaits its first recording): on a GPU, "
+              f"`python -m course bench {name}` records it; the cells that show it are skipped until then.")
         return None
 
 
