@@ -13,7 +13,7 @@ import torch
 import course
 from course.core import checks, reference
 from course.core.results import Result
-from course.core.runtime import runtime
+from course.core.runtime import capturing as runtime_capturing, runtime
 from course.core.timing import Timing
 from course.lessons.real_model import StaticDecoder, assert_correct, build_model, check_variants, greedy, lesson
 from course.lessons.real_model import lab_graph, reduce_bench
@@ -97,6 +97,18 @@ def test_lab_hand_capture_check_passes_the_course_class_and_names_a_kept_output(
 
     lab_graph.check_hand_capture(KeepsTheOutput)
     assert checks.status(lab_graph.NAME) == "fail" and "the last one" in capsys.readouterr().out
+
+    class BreaksBeforeTheCapture(GraphedDecode):
+        def one_token(self):
+            if getattr(self, "warmed", False):
+                raise AttributeError("a slip of the learner's own")  # after the warm-up, before any capture
+            self.warmed = True
+            return super().one_token()
+
+    lab_graph.check_hand_capture(BreaksBeforeTheCapture)  # their own error, with its line: a crash, not a ✗ of ours
+    assert checks.status(lab_graph.NAME) == "crash" and "a slip of the learner's own" in capsys.readouterr().out
+    cg = course.graphs()
+    assert cg.current_stream() == cg.default_stream() and not runtime_capturing(), "the stream must be put back"
     checks.reset()
 
 
