@@ -9,7 +9,8 @@ does not occur exactly once fails its test (the table must follow the answers).
 
 The same tests run on the simulator path and on a GPU (the checks use this machine's backend). A
 mutant only one path can see names it as a fifth field ("simulator" or "gpu") and is skipped, with
-the reason, on the other. Lab 4's steps run the tiny Llama (well under a second per mutant on a CPU).
+the reason, on the other. Lab 4's steps run the tiny Llama (a second or two per mutant on a CPU; step 5's
+hand capture decodes 64 + 16 tokens, a few seconds).
 """
 import contextlib
 import io
@@ -210,10 +211,16 @@ def test_a_find_string_that_no_longer_matches_fails_loudly(tmp_path):
 
 # ----------------------------------------------------------------------------- lab 4
 LAB4 = "lab4_real_model.ipynb"
-L1, L2, L3, L4 = ("lab 4.1 a capturable step", "lab 4.2 wrapped in the graph cache", "lab 4.3 predict tokens/s",
-                  "lab 4.4 the gap, per kernel")
+L1, L2, L3, L4, L5 = ("lab 4.1 a capturable step", "lab 4.2 wrapped in the graph cache", "lab 4.3 predict tokens/s",
+                      "lab 4.4 the gap, per kernel", "lab 4.5 the token loop, captured by hand")
 _WRAP = "GraphCache(decoder.step, buckets=[1, 2, 4, 8], batched=(0,), pad_value=(0, 0), backend=model_backend())"
 _POS_IDS = "position_ids=position.view(1, 1).expand(b, 1)"
+# lab 4.5 (the hand capture): lines of MyGraphedDecode's answer
+_POS_BUF = "        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # static input: its position\n"
+_WARM = "            for _ in range(2):\n                self.one_token()  # warm-up, on a side stream\n"
+_PIN = ("        for layer in self.cache.layers:\n"
+        "            layer.cumulative_length.copy_(pos[0])  # the cache writes at our position, not at its own counter\n")
+_FEED = "            self.ids.copy_(self.next)  # fed back into the buffer the graph reads\n"
 # (name, edits, the check that must fail, words its message must contain[, the only path that can see it])
 LAB4_MUTANTS = [
     ("cumulative_length left alone", _one("        for layer in cache.layers:\n"
@@ -237,12 +244,39 @@ LAB4_MUTANTS = [
      ["whole gap"]),
     ("gap with the sign flipped", _one("return (slow_us - fast_us) / kernels", "return (fast_us - slow_us) / kernels"),
      L4, ["the sign"]),
+    # step 5, the hand capture: 12 mutants, the same verdict on the simulator and on a GPU
+    ("position a Python int, frozen at capture",
+     [(_POS_BUF, _POS_BUF + "        self.position = 0\n"),
+      ("        pos = self.pos\n",
+       "        pos = torch.full((1,), self.position, dtype=torch.long, device=self.ids.device)\n"),
+      ("            self.pos.add_(1)\n", "            self.position += 1\n")], L5, ["position 0", "frozen at capture"]),
+    ("position never advanced", _one("            self.pos.add_(1)\n", ""), L5, ["position 0", "self.pos.add_(1)"]),
+    ("cache left to its own counter", _one(_PIN, ""), L5, ["its own counter", "cumulative_length is 66"]),
+    ("no static KV cache", _one("past_key_values=self.cache, use_cache=True", "use_cache=True"), L5,
+     ["past_key_values=none", "DynamicCache"]),
+    ("token read with .item() inside the capture",
+     _one("        return out.logits[:, -1].argmax(-1, keepdim=True)\n",
+          "        return torch.full((1, 1), out.logits[:, -1].argmax().item(), device=self.ids.device)\n"), L5,
+     ["the capture failed", "not permitted when stream is capturing", "host read"]),
+    ("next token not cloned before the next replay", _one("out.append(self.next.clone())", "out.append(self.next)"),
+     L5, ["the last one", "clone()"]),
+    ("no warm-up", _one(_WARM, "            pass\n"), L5, ["no warm-up", "side stream"]),
+    ("warm-up on the default stream",
+     _one("        with cg.stream(side):\n" + _WARM, "        for _ in range(2):\n            self.one_token()\n"), L5,
+     ["default stream", "side stream"]),
+    ("next token rebound, not copied in", _one(_FEED, "            self.ids = self.next.clone()\n"), L5,
+     ["rebound self.ids", "copy_"]),
+    ("next token never fed back", _one(_FEED, ""), L5, ["first token again", "self.ids.copy_"]),
+    ("generate runs the step eagerly",
+     _one("            self.graph.replay()\n", "            self.next = self.one_token()\n"), L5, ["in Python 64 times", "replay"]),
+    ("a new sequence starts where the last ended", _one("        self.pos.zero_()\n", ""), L5,
+     ["second did not", "zero the position"]),
 ]
 
 
 def test_lab4_answer_passes_every_check(tmp_path):
     got = run_notebook_checks(LAB4, log_dir=tmp_path)
-    assert set(got) == {L1, L2, L3, L4}, sorted(got)
+    assert set(got) == {L1, L2, L3, L4, L5}, sorted(got)
     bad = {k: v["message"] for k, v in got.items() if v["status"] != "pass"}
     assert not bad, bad
 

@@ -101,7 +101,9 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     import torch
 
     from course.lessons.real_model.decode import StaticDecoder
-    from course.lessons.real_model.experiments import _free, _reason, first_call, kernels_per_call
+    from course.core.hardware import release_memory
+    from course.core.profiling import launch_counts
+    from course.lessons.real_model.experiments import _reason, first_call
     from course.lessons.real_model.generate import check_variants
     from course.lessons.real_model.hf_path import hf_compiled_row
     from course.lessons.real_model.model import build_model, bytes_per_token, size_of
@@ -138,7 +140,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     kernels = {}
     for name, fn in steps.items():
         try:
-            kernels[name] = kernels_per_call(lambda fn=fn: fn(*args))
+            kernels[name] = launch_counts(lambda fn=fn: fn(*args), calls=3)["gpu_kernels"]
         except Exception:  # noqa: BLE001 - the count is a bonus, never a lost row
             kernels[name] = NAN
     log(f"last_mile_waterfall: checking {n_tokens} greedy tokens of every variant against eager")
@@ -162,7 +164,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
                 "status": "computed", "us": floor, "q1_us": floor, "q3_us": floor, "kernels_per_token": NAN,
                 "x_floor": 1.0, "first_call_s": NAN, "tokens_equal": True, "max_logit_diff": NAN, "correct": True})
     del steps
-    _free()
+    release_memory()
     res = Result("last_mile_waterfall", "", {"variant": "", "change": "", "status": "", "us": "us", "q1_us": "us",
                                              "q3_us": "us", "kernels_per_token": "count", "x_floor": "x",
                                              "first_call_s": "s", "tokens_equal": "", "max_logit_diff": "fraction",

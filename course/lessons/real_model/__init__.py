@@ -13,8 +13,13 @@
   the model that shares its other weights (``gemv_model``).
 - :mod:`~course.lessons.real_model.gemv_bench`: the GEMV per weight shape, cuBLAS against Numba, timed from memory.
 - :mod:`~course.lessons.real_model.experiments`: the registered GPU experiments (decode, batch sweep).
+- :mod:`~course.lessons.real_model.handgraph`: the batch-1 step and its token loop captured by hand (gpt-fast's
+  ``decode_one_token``): static buffers, the static cache, a side-stream warm-up, one replay per token.
+- :mod:`~course.lessons.real_model.reduce_fixed`: why transformers' ``mode="reduce-overhead"`` recipe skipped its
+  CUDA graphs (torch's static-input analysis, live) and the step under that mode, fixed.
+- :mod:`~course.lessons.real_model.reduce_bench`: the GPU experiment timing the fixed step against fused + GEMV.
 - :mod:`~course.lessons.real_model.lesson`: notebook helpers (GPU results not recorded yet, the stacked bars).
-- :mod:`~course.lessons.real_model.lab`: lab 4's checks.
+- :mod:`~course.lessons.real_model.lab`: lab 4's checks; :mod:`~course.lessons.real_model.lab_graph`: step 5's.
 """
 from course.lessons.real_model.decode import NaiveDecoder, StaticDecoder, graph_cached, model_backend
 from course.lessons.real_model.generate import assert_correct, check_variants, forced_logits, greedy

@@ -11,9 +11,10 @@ Two recipes (:data:`RECIPES`), both with ``generation_config.cache_implementatio
 :func:`hf_compiled_row` runs one recipe on the GPU and returns one row: time per token (the difference between
 a long and a short ``generate``, so prefill and set-up cancel), time to the first ``generate`` (compile and
 CUDA-graph recording included), whether its tokens equal the uncompiled ``generate``'s (greedy, same prompt,
-dynamic cache), the cudagraph log lines torch wrote (e.g. "skipping cudagraphs due to mutated inputs") and,
-when it fails, ``FAILED`` with the error: a finding, never a lost run. The model's ``forward``, its compiled
-call and its generation config are restored afterwards.
+dynamic cache), the cudagraph log lines torch wrote (e.g. "skipping cudagraphs due to mutated inputs"), the
+inputs torch did not take as static in the last graph it compiled (the decode step; see
+:mod:`~course.lessons.real_model.reduce_fixed`) and, when it fails, ``FAILED`` with the error: a finding, never a
+lost run. The model's ``forward``, its compiled call and its generation config are restored afterwards.
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
 
     import torch
 
+    from course.lessons.real_model.reduce_fixed import describe_sources, static_input_report
+
     if recipe not in RECIPES:
         raise KeyError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     if not 0 < n_short < n_long:
@@ -81,7 +84,7 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
     nan = float("nan")
     row = {"variant": RECIPES[recipe], "status": "ok", "us": nan, "q1_us": nan, "q3_us": nan, "first_call_s": nan,
            "tokens_equal": False, "log": ""}
-    with torch_log_messages(cudagraphs=True, perf_hints=True, recompiles=True) as msgs:
+    with torch_log_messages(cudagraphs=True, perf_hints=True, recompiles=True, cudagraph_static_inputs=True) as msgs:
         try:
             log(f"real_model: {row['variant']}: uncompiled generate for the reference tokens ...")
             want = _generate(model, prompt, n_long)
@@ -112,5 +115,8 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
             reset_compile()
     lines = [clip(condense(m, 1), 200) for m in msgs if any(f in m.lower() for f in LOG_FLAGS)]
     lines.sort(key=lambda l: not any(k in l.lower() for k in ("skipping", "overwritten")))  # the reasons first
+    graphs = static_input_report(msgs)
+    if graphs:  # which inputs torch did not take as static, in the last graph it compiled (the decode step)
+        lines.insert(1, f"inputs not static: {describe_sources(graphs[-1]['non_static'])}")
     row["log"] = clip(" | ".join(dict.fromkeys(lines)), 600)
     return row

@@ -1,0 +1,194 @@
+"""Lab 4.5's check: the learner's own capture of the batch-1 decode loop (gpt-fast's ``decode_one_token``).
+
+:func:`check_hand_capture` builds the learner's class on a :class:`~course.lessons.real_model.decode.StaticDecoder`
+of the tiny Llama (float32), decodes 64 greedy tokens, then a second sequence of 16, and compares them with eager
+decoding. It runs the same way on the GPU (``torch.cuda``'s graphs) and on the simulator (``course.graphs()``), so
+its verdict is the GPU's on both. What it sees, besides the tokens:
+
+- a forward pre-hook on the model (:class:`CallSpy`) records every forward that ran in Python: on which stream,
+  inside a capture or not, with which KV cache. Replays run no Python, so it sees the warm-up (there must be
+  one, on a side stream), the capture, and any forward that ``generate`` ran eagerly instead of replaying;
+- the learner's tensor attributes before and after ``generate``: one rebound instead of copied into is named;
+- the KV cache's own counter after a sequence: a cache left to advance it writes where it counts, not at the
+  position.
+
+Wrong tokens are diagnosed by the outcome each usual slip gives: every token the last one (the next token kept
+without a clone), every step at position 0 (a position frozen at capture), the first token never fed back, the
+second sequence wrong (buffers not reset).
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from course.core.capture import collector_paused
+from course.core.checks import exercise
+from course.core.simcheck import phrase
+from course.lessons.real_model.decode import StaticDecoder
+from course.lessons.real_model.generate import greedy
+from course.lessons.real_model.lab import lab_model
+
+NAME = "lab 4.5 the token loop, captured by hand"
+RUNS = ((3, 64), (11, 16))  # (first token, greedy tokens): a sequence, then a second one on the same graph
+MAX_LEN = 128  # room for both runs even when the position is never reset (no write past the cache)
+HINT = ["a replay reads and writes only the tensors the capture saw: the token, the position, the KV cache and "
+        "the next token must all be tensors made before the capture, and stay the same tensors",
+        "make ids [1, 1] and pos [1] on the device and the cache (decoder.cache_for(1)); warm one_token() up on a "
+        "side stream; capture it in cg.graph(g); then per token: replay, clone the next token, copy it into ids, "
+        "advance pos",
+        "with cg.graph(self.graph): self.next = self.one_token()  ...  for each token: self.graph.replay(); "
+        "out.append(self.next.clone()); self.ids.copy_(self.next); self.pos.add_(1)"]
+HOST_READ = ("a host read or a wait inside the capture (.item(), int(), .tolist(), print of a tensor, a "
+             "synchronize): the capture records GPU work and cannot stop to hand a value to Python. Keep the next "
+             "token on the device: argmax(-1, keepdim=True)")
+HOST_COPY = ("a copy between host and device inside the capture (torch.tensor(...), .cpu(), .to() of a host "
+             "tensor): make every buffer before the capture, on the device")
+
+
+class CallSpy:
+    """A forward pre-hook: one entry per forward run in Python, ``(where, cache)``.
+
+    ``where`` is "capture" (inside a capture), "side" (a side stream) or "default" (the default stream);
+    ``cache`` is the class name of the ``past_key_values`` passed ("none" when absent).
+    """
+
+    def __init__(self, cg):
+        self.cg, self.calls = cg, []
+
+    def __call__(self, module, args, kwargs) -> None:
+        """Record one forward (the hook's signature: ``with_kwargs=True``)."""
+        cg = self.cg
+        if cg.is_current_stream_capturing():
+            where = "capture"
+        else:
+            where = "default" if cg.current_stream() == cg.default_stream() else "side"
+        cache = kwargs.get("past_key_values")
+        self.calls.append((where, "none" if cache is None else type(cache).__name__))
+
+    def problem(self) -> str:
+        """What the recorded forwards say is wrong before any token is compared ('' when nothing)."""
+        where = [w for w, _ in self.calls]
+        no_cache = sorted({c for _, c in self.calls if c != "StaticCache"})
+        if no_cache:
+            return (f"the model ran with past_key_values={no_cache[0]}, not a static KV cache: without one "
+                    "transformers makes a DynamicCache that grows by concatenation, which a capture freezes at one "
+                    "length. Pass the StaticCache made before the capture (past_key_values=self.cache)")
+        if "capture" not in where:
+            return ("the model's forward never ran inside a capture: call one_token() inside `with cg.graph(g):` "
+                    "and keep what it returns (the static output)")
+        before = where[:where.index("capture")]
+        if "side" not in before:
+            what = "the warm-up ran on the default stream" if before else "no warm-up ran"
+            return (f"{what} before the capture: run one_token() once or twice on a side stream first "
+                    "(s = cg.Stream(); s.wait_stream(cg.current_stream()); with cg.stream(s): ...; "
+                    "cg.current_stream().wait_stream(s)). Lazy set-up (cuBLAS handles, first-use allocations) must "
+                    "not happen inside a capture, and torch's rule is a side stream")
+        return ""
+
+
+def _tensors(obj) -> dict:
+    return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
+def _static_caches(obj, dec) -> list:
+    from transformers import StaticCache
+
+    found = [v for v in vars(obj).values() if isinstance(v, StaticCache)] + list(dec.caches.values())
+    return [c for c in dict((id(c), c) for c in found).values() if c.layers and c.layers[0].is_initialized]
+
+
+def _build(cls, dec, spy, cg):
+    """``cls(dec)``, the collector paused; a failed capture becomes an AssertionError that names it."""
+    before = cg.current_stream()
+    gc.collect()  # a graph freed by the collector in the middle of a capture would invalidate it (GPU)
+    try:
+        with collector_paused():
+            return cls(dec)
+    except NotImplementedError:
+        cg.set_stream(before)
+        raise
+    except Exception as e:
+        cg.set_stream(before)  # a failed capture leaves its own stream current, as torch's does
+        if cg is torch.cuda:
+            from course.core.capture import recover
+            recover()
+        why, captured = spy.problem(), any(w == "capture" for w, _ in spy.calls)
+        if why and (captured or "past_key_values" in why):
+            raise AssertionError(why) from None
+        if not captured:
+            raise  # the learner's code broke before any capture: a crash, with its own line
+        key = phrase(e)
+        advice = HOST_READ if "not permitted when stream is capturing" in key else (
+            HOST_COPY if "Cannot copy between CPU and CUDA" in key else "look at the line the capture reached")
+        raise AssertionError(f"the capture failed ({key}): {advice}") from None
+
+
+def _diagnose(loop, dec, got, want, first, n, run, attrs) -> str:
+    """Why ``got`` differs from ``want``: the usual slip whose outcome it matches, else where they part."""
+    rebound = sorted(k for k, t in attrs.items() if getattr(loop, k, None) is not t)
+    if rebound:
+        return (f"generate rebound self.{rebound[0]} to a new tensor: the graph still reads the tensor it saw at "
+                f"capture. Copy into it instead (self.{rebound[0]}.copy_(...), .fill_(), .add_(1))")
+    if n > 1 and torch.equal(got, want[:, -1:].expand_as(want)):
+        return ("every token you returned is the last one: the graph writes its next token into the same tensor "
+                "at every replay, so keep a copy (self.next.clone()) before the next replay")
+    ref = StaticDecoder(dec.model, dec.max_len)
+    zero = torch.zeros(1, dtype=torch.long, device=got.device)
+    if torch.equal(got, greedy(lambda ids, p: ref.step(ids, zero), first, n)):
+        return ("every replay decoded at position 0: the position was frozen at capture (a Python number, or a "
+                "tensor made inside the capture). Keep it in a static device buffer and advance that buffer "
+                "before each replay (self.pos.add_(1))")
+    with torch.no_grad():
+        same = torch.cat([ref.step(first.view(1, 1), torch.full((1,), t, dtype=torch.long, device=got.device))
+                          .argmax(-1, keepdim=True) for t in range(n)], dim=1)
+    if torch.equal(got, same):
+        return ("every replay decoded the first token again: the next token never reached the buffer the graph "
+                "reads. Copy it in before the next replay (self.ids.copy_(self.next))")
+    if run > 0:
+        return ("the first sequence decoded right and the second did not: generate must start a new sequence "
+                "from its first token at position 0 (copy first_ids into the token buffer, zero the position)")
+    for cache in _static_caches(loop, dec):
+        counter = int(cache.layers[0].cumulative_length)
+        if counter != n:
+            return (f"the KV cache wrote where its own counter points, not at the position: after positions "
+                    f"0..{n - 1} its cumulative_length is {counter}, not {n}. transformers' StaticCache advances "
+                    "it at every run (warm-ups included) and the graph replays that add_: set it from the position "
+                    "buffer before the model runs (layer.cumulative_length.copy_(pos[0]))")
+    step = int((got != want).any(0).nonzero()[0])
+    if step == 0:
+        return ("the first token is already wrong: copy first_ids into the static token buffer before the first "
+                "replay")
+    return f"{n} greedy tokens differ from eager decoding from step {step}: check the position and the mask"
+
+
+def check_hand_capture(cls, max_len: int = MAX_LEN) -> None:
+    """Step 5: ``cls(decoder)`` captures one decode step by hand; ``.generate(first_ids, n)`` replays it per token."""
+    import course
+
+    with exercise(NAME, hint=HINT):
+        model = lab_model()
+        cg = course.graphs()
+        dec = StaticDecoder(model, max_len)
+        spy = CallSpy(cg)
+        handle = model.register_forward_pre_hook(spy, with_kwargs=True)
+        try:
+            loop = _build(cls, dec, spy, cg)
+            why = spy.problem()
+            assert not why, why
+            for run, (token, n) in enumerate(RUNS):
+                first = torch.tensor([token], device=model.device)
+                attrs, seen = _tensors(loop), len(spy.calls)
+                with torch.no_grad():
+                    got = loop.generate(first, n)
+                eager = len(spy.calls) - seen
+                assert eager == 0, (f"generate ran the model's forward in Python {eager} times: replay the graph "
+                                    "instead (self.graph.replay()); a replay runs the recorded kernels, no Python")
+                assert isinstance(got, torch.Tensor), f"generate() should return a tensor, got {type(got).__name__}"
+                assert tuple(got.shape) == (1, n), (f"generate(first_ids, {n}) returned shape {tuple(got.shape)}: "
+                                                    f"expected [1, {n}] (torch.cat of the [1, 1] tokens, dim=1)")
+                want = greedy(StaticDecoder(model, max_len).step, first, n)
+                if not torch.equal(got.long(), want):
+                    raise AssertionError(_diagnose(loop, dec, got.long(), want, first, n, run, attrs))
+        finally:
+            handle.remove()
