@@ -25,6 +25,7 @@ ENV_FULL = "COURSE_FULL"  # COURSE_FULL=1: notebooks run their heavy variants li
 EXPERIMENT_MODULES = (
     "course.lessons.launch_overhead",
     "course.lessons.capture_replay",
+    "course.lessons.replay_launch",
     "course.lessons.capture_more",
     "course.lessons.reduce_overhead",
     "course.lessons.what_breaks.experiments",
@@ -125,6 +126,17 @@ def run(name: str, **params) -> Result:
     if not isinstance(res, Result):
         raise TypeError(f"experiment {name!r} returned {type(res).__name__}, not a Result")
     return res
+
+
+def available(name: str) -> bool:
+    """True when :func:`run` gives a result for ``name`` here: it runs live on this machine, or a GPU recorded it.
+
+    False for a GPU experiment that awaits its first recording on a simulator-path machine; a notebook then says
+    so instead of showing a result.
+    """
+    exp = get(name)
+    live = not exp.gpu_only or (runtime().on_gpu and gpu_count() >= exp.gpus)
+    return live or reference_path(name).exists()
 
 
 def full_run() -> bool:
