@@ -1,7 +1,7 @@
 """Lesson 02, capture and replay: the experiments behind notebook 02.
 
 - :func:`kernel_sweep`: eager vs replay time against the number of kernels in the graph.
-- :func:`seed_step_experiment`: the CUDA Graph lesson's exercise from the seeds (a Linear layer,
+- :func:`seed_step_experiment`: a CUDA Graph lesson's exercise (a Linear layer,
   loss, backward and an SGD step captured whole and replayed 1000 times) against eager.
 - :func:`new_shape_experiment`: what a new input shape costs (a new capture), and the private
   memory pool each graph keeps (separate pools vs one shared pool).
@@ -89,10 +89,10 @@ def kernel_sweep(counts=SWEEP_COUNTS, size: int = 1024, repeats: int = 15) -> Re
 
 
 # =====================================================================================
-# 2. the seeds' exercise: Linear + loss + backward + SGD, captured whole
+# 2. a CUDA Graph lesson's exercise: Linear + loss + backward + SGD, captured whole
 # =====================================================================================
 def seed_setup(N: int = 64, D_in: int = 1024, D_out: int = 1024, seed: int = 0):
-    """The seeds' static inputs, model and optimizer: (x, y, model, optimizer) on the GPU."""
+    """The exercise's static inputs, model and optimizer: (x, y, model, optimizer) on the GPU."""
     import torch
 
     torch.manual_seed(seed)
@@ -104,7 +104,7 @@ def seed_setup(N: int = 64, D_in: int = 1024, D_out: int = 1024, seed: int = 0):
 
 
 def seed_step(model, optimizer, x, y):
-    """One eager training step, as in the seeds: zero grads, forward, loss, backward, SGD step."""
+    """One eager training step, as in that lesson: zero grads, forward, loss, backward, SGD step."""
     optimizer.zero_grad(set_to_none=True)
     loss = (model(x) - y).pow(2).sum()
     loss.backward()
@@ -113,7 +113,7 @@ def seed_step(model, optimizer, x, y):
 
 
 def capture_seed_step(model, optimizer, x, y, warmup: int = 3):
-    """The seeds' recipe: warm up on a side stream, then capture forward+backward+step whole.
+    """That lesson's recipe: warm up on a side stream, then capture forward+backward+step whole.
 
     Returns (graph, static_loss). Gradients are set to None before capture, so backward
     allocates them from the graph's private pool and every replay overwrites them.
@@ -153,8 +153,8 @@ def gpu_ops_per_call(fn) -> int | None:
 @experiment("graphs_seed_step", gpu_only=True, quick={"iters": 100, "repeats": 3})
 def seed_step_experiment(N: int = 64, D_in: int = 1024, D_out: int = 1024, iters: int = 1000,
                          repeats: int = 7) -> Result:
-    """The seeds' Linear+loss+backward+SGD step: eager vs graph replay, per step and for ``iters`` steps."""
-    require_gpu("the seeds' training-step exercise")
+    """A CUDA Graph lesson's Linear+loss+backward+SGD step: eager vs graph replay, per step and for ``iters`` steps."""
+    require_gpu("the training-step exercise")
     import copy
 
     import torch
@@ -179,7 +179,8 @@ def seed_step_experiment(N: int = 64, D_in: int = 1024, D_out: int = 1024, iters
     ops = gpu_ops_per_call(eager_fn)
     rows = [{"mode": "eager", "per_step_us": eager.us, "loop_ms": eager_loop.median * iters * 1e3},
             {"mode": "graph replay", "per_step_us": replay.us, "loop_ms": replay_loop.median * iters * 1e3}]
-    res = Result("graphs_seed_step", f"The seeds' training step (Linear {D_in}->{D_out}, batch {N}): eager vs replay",
+    res = Result("graphs_seed_step",
+                 f"A CUDA Graph lesson's training step (Linear {D_in}->{D_out}, batch {N}): eager vs replay",
                  {"mode": "", "per_step_us": "us", "loop_ms": "ms"}, rows,
                  params={"N": N, "D_in": D_in, "D_out": D_out, "iters": iters, "repeats": repeats})
     res.add_summary("speedup per step (CUDA events)", eager.us / replay.us, "x")

@@ -23,7 +23,7 @@ CATALOG = (
     Entry("notebooks/01_launch_overhead.ipynb", "Launch overhead", "lesson",
           "why small kernels make the GPU wait for the CPU: measured, swept, profiled"),
     Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
-          "torch.cuda.CUDAGraph: warm-up, static inputs, replay, what freezes at capture"),
+          "CUDA graphs by hand: warm-up, static inputs, replay, what freezes, shared pools; your own captures"),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
           "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder"),
     Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
