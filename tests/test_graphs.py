@@ -10,14 +10,14 @@ from course.core import reference
 from course.core.compiled import torch_log_messages
 from course.core.profiling import launch_counts
 from course.core.text import condense
-from course.lessons import capture_replay, reduce_overhead
+from course.lessons import capture_replay, reduce_overhead, replay_launch
 from course.core.results import Result
 from course.core.runtime import runtime
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
 NAMES = ("graphs_kernel_sweep", "graphs_seed_step", "graphs_new_shape", "graphs_frozen",
-         "compile_skip_reasons", "compile_new_shapes")
+         "compile_skip_reasons", "compile_new_shapes", "graphs_replay_launch")
 
 
 def _sweep(eager, replay, ks=(1, 16, 32, 64)):
@@ -197,3 +197,48 @@ def test_launch_counts_sees_a_graph_launch():
     assert launch_counts(g.replay)["graph_launches"] == 1
     eager = launch_counts(lambda: x.add_(1))
     assert eager["graph_launches"] == 0 and eager["kernel_launches"] >= 1
+
+
+# ----------------------------------------------------------------------------- what a replay's host time depends on
+def test_replay_launch_slope_fits_microseconds_per_node():
+    rows = [{"nodes": n, "a": 5.0 + 0.5 * n, "b": None} for n in (4, 16, 64)]
+    assert replay_launch.slope(rows, "a") == pytest.approx(0.5)
+    assert replay_launch.slope(rows, "b") != replay_launch.slope(rows, "b")  # nan: no values to fit
+
+
+def test_replay_launch_driver_is_found_or_says_why():
+    lib, why = replay_launch.driver()
+    assert (lib is not None and why == "") or (lib is None and why)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
+def test_replay_launch_needs_a_gpu_and_awaits_its_recording_here():
+    from course.core.runtime import CourseEnvironmentError
+
+    with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
+        replay_launch.launch_experiment(counts=(4,))
+    assert reference.available("graphs_replay_launch") == reference.reference_path("graphs_replay_launch").exists()
+    assert reference.available("graphs_kernel_sweep")
+
+
+@gpu
+def test_replay_launch_quick_measures_every_variant():
+    import torch
+
+    with pytest.raises(ValueError, match="multiples of"):
+        replay_launch.launch_experiment(counts=(6,))
+    res = _quick("graphs_replay_launch")
+    assert {r["shape"] for r in res.rows} == {"chain", "fork"} and res.value("every replay ran every node") is True
+    for r in res.rows:
+        assert r["first_us"] > 0 and r["repeat_us"] > 0 and r["repeat_capture_stream_us"] > 0
+    if res.params["notes"] == "":  # the driver and torch's raw graph handles were there
+        assert all(r["first_after_upload_us"] and r["driver_flags0_repeat_us"] for r in res.rows)
+    bufs = [torch.zeros(8, device="cuda") for _ in range(replay_launch.BRANCHES)]
+    g = replay_launch.capture("fork", 8, bufs, torch.cuda.Stream(), keep_graph=False)
+    for b in bufs:
+        b.zero_()
+    assert replay_launch.host_us(g.replay) > 0
+    torch.cuda.synchronize()
+    assert sum(float(b[0]) for b in bufs) == 8
+    row = replay_launch.measure("chain", 4, 3, None)
+    assert row["replay_correct"] and row["first_after_upload_us"] is None

@@ -124,6 +124,17 @@ def run(name: str, **params) -> Result:
     return res
 
 
+def available(name: str) -> bool:
+    """True when :func:`run` gives a result for ``name`` here: it runs live on this machine, or a GPU recorded it.
+
+    False for a GPU experiment that awaits its first recording on a simulator-path machine; a notebook then says
+    so instead of showing a result.
+    """
+    exp = get(name)
+    live = not exp.gpu_only or (runtime().on_gpu and gpu_count() >= exp.gpus)
+    return live or reference_path(name).exists()
+
+
 def full_run() -> bool:
     """True when ``COURSE_FULL=1`` (or "true"/"yes"): a notebook then runs its heavy experiments live on a GPU.
 

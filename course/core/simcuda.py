@@ -4,11 +4,15 @@
 and replays on both: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``make_graphed_callables``, ``Stream``,
 ``Event``, ``stream``, ``current_stream``, ``default_stream``, ``set_stream``, ``synchronize`` and
 ``is_current_stream_capturing``. What the stand-in models, and what not: :mod:`course.core.simgraph`.
+Importing it also lets ``capturable=True`` optimizers run on the CPU and be captured (:mod:`course.core.simoptim`).
 """
+from course.core import simoptim
 from course.core.simcallables import make_graphed_callables
 from course.core.simgraph import CUDAGraph, graph, graph_pool_handle
 from course.core.simstream import (Event, Stream, StreamContext, current_stream, default_stream,
                                    is_current_stream_capturing, set_stream, stream, synchronize)
+
+simoptim.install()
 
 SIMULATED = True  # torch.cuda has no such attribute: ``getattr(cg, "SIMULATED", False)`` tells the two apart
 

@@ -20,7 +20,9 @@ the next capture into that pool fails with ``beginAllocateToPool: already record
 capture on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves the
 capture stream current when ``capture_end`` fails; streams fork into a capture and must be joined; random ops draw
 fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
-registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory.
+registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory; autograd's
+backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.core.simoptim`
+lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU).
 
 Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation a GPU cannot do inside a
 capture (cuBLAS handles; the course's own embedding error flag is refused, as on a GPU); a host-to-device copy of a

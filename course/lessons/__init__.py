@@ -1,8 +1,10 @@
 """One module (or small package) per lesson, named for the lesson's idea.
 
 - 01 :mod:`~course.lessons.launch_overhead`: launch cost vs kernel time, the size sweep, the timeline.
-- 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``.
-- 02 :mod:`~course.lessons.capture_more`: part of a model graphed, two streams in one graph, capture error modes.
+- 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``;
+  :mod:`~course.lessons.capture_more`: partial graphs, two streams, error modes;
+  :mod:`~course.lessons.replay_launch`: what a replay's host time depends on;
+  :mod:`~course.lessons.capture_checks`: the checks of the exercises where the learner writes the capture.
 - 02/03 :mod:`~course.lessons.reduce_overhead`: the graphs ``torch.compile(mode="reduce-overhead")`` makes.
 - 03 :mod:`~course.lessons.what_breaks`: the capture-hazard finder, its zoo and its experiments.
 - 04 and lab 3 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.

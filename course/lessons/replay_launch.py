@@ -1,0 +1,183 @@
+"""Lesson 02, section 5: what the host time of ``g.replay()`` depends on (a GPU experiment).
+
+The kernel sweep (:func:`course.lessons.capture_replay.kernel_sweep`) recorded the host time of one ``g.replay()``
+of a chain of ``buf.add_(1)`` growing with its node count. NVIDIA documents constant-time launch for
+*straight-line* graphs (every node depends on the one before, nothing else) since CUDA 12.6 ("Constant Time Launch
+for Straight-Line Graphs and Other Performance Enhancements", NVIDIA Technical Blog); a single-stream capture like
+the sweep's is one. :func:`launch_experiment` separates what could make the difference, for graphs of ``n`` tiny
+kernels, timing the host (``time.perf_counter`` around one launch, the GPU idle before each):
+
+- the graph's shape: a straight line (one stream) against the same ``n`` nodes in four independent branches
+  (forked from the capture stream and joined back), which is not a straight line;
+- the first launch after instantiation (which uploads the graph to the device) against later ones, and a first
+  launch after an explicit upload (``cuGraphUpload``: torch exposes no upload, so the driver is called directly);
+- the stream: replay on the default stream (what ``g.replay()`` does in a notebook) against the capture stream;
+- torch's instantiation flags (``AutoFreeOnLaunch | UseNodePriority``) against the driver's defaults: the same
+  graph (``keep_graph=True``) instantiated by ``cuGraphInstantiateWithFlags(..., 0)``, launched by ``cuGraphLaunch``.
+
+Driver calls go through ``ctypes`` (one call costs a little host time of its own: ``ctypes call`` in the summary).
+Where this torch or driver lacks a call, the columns it feeds are None and ``notes`` says why. GPU only.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+from course.core.capture import require_gpu
+from course.core.reference import experiment
+from course.core.results import Result
+from course.core.timing import time_enqueue
+
+BRANCHES = 4
+COUNTS = (4, 16, 64, 256, 1024)
+
+
+def driver():
+    """The CUDA driver library with the graph calls this experiment uses, or None (with why) when it lacks one."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return None, f"libcuda.so.1 not loadable: {e}"
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    sig = {"cuGraphUpload": [vp, vp], "cuGraphLaunch": [vp, vp], "cuGraphExecDestroy": [vp],
+           "cuGraphInstantiateWithFlags": [ctypes.POINTER(vp), vp, ctypes.c_ulonglong],
+           "cuCtxGetDevice": [ctypes.POINTER(i)]}
+    for name, args in sig.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None, f"the driver has no {name}"
+        fn.argtypes, fn.restype = args, i
+    return lib, ""
+
+
+def capture(shape: str, n: int, bufs, cap_stream, keep_graph: bool):
+    """A graph of ``n`` adds: ``"chain"`` on the capture stream, or ``"fork"`` over :data:`BRANCHES` side streams."""
+    import torch
+
+    side = [torch.cuda.Stream() for _ in range(BRANCHES)]
+
+    def work():
+        if shape == "chain":
+            for _ in range(n):
+                bufs[0].add_(1.0)
+            return
+        here = torch.cuda.current_stream()
+        for b, s in enumerate(side):
+            s.wait_stream(here)
+            with torch.cuda.stream(s):
+                for _ in range(n // BRANCHES):
+                    bufs[b].add_(1.0)
+        for s in side:
+            here.wait_stream(s)
+
+    with torch.cuda.stream(cap_stream):
+        work()  # warm-up, on the side stream the capture uses
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=cap_stream):
+        work()
+    if keep_graph:
+        g.instantiate()
+    torch.cuda.synchronize()
+    return g
+
+
+def host_us(fn) -> float:
+    """Host microseconds of one call of ``fn``, the GPU idle before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e6
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} returned CUresult {rc}")
+
+
+def measure(shape: str, n: int, repeats: int, lib) -> dict:
+    """One row: first and repeat launch host times of an ``n``-node graph of ``shape``, by stream, upload, flags."""
+    import torch
+
+    bufs = [torch.zeros(1024, device="cuda") for _ in range(BRANCHES)]
+    cap = torch.cuda.Stream()
+    keep = lib is not None
+    g = capture(shape, n, bufs, cap, keep_graph=keep)
+    for b in bufs:
+        b.zero_()
+    first = host_us(g.replay)
+    torch.cuda.synchronize()
+    correct = sum(float(b[0]) for b in bufs) == n  # one replay ran every node once
+    rep = time_enqueue(g.replay, warmup=3, repeats=repeats, inner=1)
+    with torch.cuda.stream(cap):
+        rep_cap = time_enqueue(g.replay, warmup=3, repeats=repeats, inner=1)
+    row = {"shape": shape, "nodes": n, "replay_correct": correct, "first_us": first, "repeat_us": rep.us,
+           "repeat_q1_us": rep.q1 * 1e6, "repeat_q3_us": rep.q3 * 1e6, "repeat_capture_stream_us": rep_cap.us,
+           "first_after_upload_us": None, "driver_flags0_first_us": None, "driver_flags0_repeat_us": None}
+    if lib is None:
+        return row
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    g2 = capture(shape, n, bufs, cap, keep_graph=True)  # a fresh instantiation, uploaded before its first launch
+    _check(lib.cuGraphUpload(ctypes.c_void_p(g2.raw_cuda_graph_exec()), stream), "cuGraphUpload")
+    row["first_after_upload_us"] = host_us(g2.replay)
+    exe = ctypes.c_void_p()
+    _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), ctypes.c_void_p(g.raw_cuda_graph()), 0),
+           "cuGraphInstantiateWithFlags")
+    try:
+        launch = lambda: _check(lib.cuGraphLaunch(exe, stream), "cuGraphLaunch")  # noqa: E731
+        row["driver_flags0_first_us"] = host_us(launch)
+        row["driver_flags0_repeat_us"] = time_enqueue(launch, warmup=3, repeats=repeats, inner=1).us
+    finally:
+        torch.cuda.synchronize()
+        lib.cuGraphExecDestroy(exe)
+    del g, g2
+    return row
+
+
+def slope(rows, column: str) -> float:
+    """Least-squares microseconds per node of ``column`` against ``nodes`` (rows with a value)."""
+    pts = [(r["nodes"], r[column]) for r in rows if r[column] is not None]
+    if len(pts) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+
+
+@experiment("graphs_replay_launch", gpu_only=True, quick={"counts": (4, 64), "repeats": 5})
+def launch_experiment(counts=COUNTS, repeats: int = 25) -> Result:
+    """Host time of a graph launch by node count: straight line vs four branches, first vs repeat, upload, stream,
+    torch's instantiation flags vs the driver's defaults."""
+    require_gpu("the replay launch experiment")
+    import torch
+
+    if any(n % BRANCHES for n in counts):
+        raise ValueError(f"counts must be multiples of {BRANCHES} (the forked graph splits them over its branches)")
+    lib, why = driver()
+    notes = why
+    if lib is not None and not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        lib, notes = None, "this torch has no CUDAGraph.raw_cuda_graph_exec (keep_graph): no upload, no flags"
+    rows = [measure(shape, n, repeats, lib) for shape in ("chain", "fork") for n in counts]
+    res = Result("graphs_replay_launch", "Host time of one graph launch: shape, first launch, upload, stream, flags",
+                 {"shape": "", "nodes": "count", "replay_correct": "", "first_us": "us", "repeat_us": "us",
+                  "repeat_q1_us": "us", "repeat_q3_us": "us", "repeat_capture_stream_us": "us",
+                  "first_after_upload_us": "us", "driver_flags0_first_us": "us", "driver_flags0_repeat_us": "us"},
+                 rows, params={"counts": list(counts), "repeats": repeats, "branches": BRANCHES, "notes": notes})
+    for shape in ("chain", "fork"):
+        mine = [r for r in rows if r["shape"] == shape]
+        res.add_summary(f"{shape}: repeat launch, per node (fit)", slope(mine, "repeat_us"), "us")
+        res.add_summary(f"{shape}: first launch, per node (fit)", slope(mine, "first_us"), "us")
+        if lib is not None:
+            res.add_summary(f"{shape}: driver flags 0 repeat launch, per node (fit)",
+                            slope(mine, "driver_flags0_repeat_us"), "us")
+    if lib is not None:
+        dev = ctypes.c_int()
+        res.add_summary("ctypes call", time_enqueue(lambda: lib.cuCtxGetDevice(ctypes.byref(dev)), warmup=3,
+                                                    repeats=repeats, inner=10).us, "us")
+    res.add_summary("every replay ran every node", all(r["replay_correct"] for r in rows))
+    return res

@@ -1,0 +1,273 @@
+"""Lesson 02's capture exercises (02.6-02.8): the answers pass, and every wrong variant fails a check that names it.
+
+Each mutant is the answer version's own code (the solution notebook's answer cell, read from disk) with textual
+edits from a table: (name, exercise, [(find, replace)...], words the ✗ must contain). The cells run as the notebook
+runs them, in one namespace: the import cells, the 02.7 setup cell, then the answer and its check cell. A find-string
+that does not occur exactly once fails its test (the table must follow the answers).
+
+The same tests run on the simulator path and on a GPU (``cg = course.graphs()`` is torch.cuda there), with the
+same verdict on both: every mutant below fails on both paths, for the same named reason. Per exercise: 02.6 seven
+mutants, 02.7 eight, 02.8 six.
+"""
+import contextlib
+import io
+import json
+import linecache
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from course.core import checks
+from course.core.runtime import runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "solutions" / "02_capture_and_replay.ipynb"
+ON_GPU = runtime().on_gpu
+A, B, C = "02.6 capture a forward by hand", "02.7 capture a training step", "02.8 two graphs, one pool"
+ANSWER = {A: "def capture_forward(", B: "def capture_train_step(", C: "def capture_buckets("}
+CHECK = {A: "check_capture_forward(", B: "check_train_step(", C: "check_shared_pool("}
+SETUP = ("course.header()", "cg = course.graphs()", "AMP_DEVICE, AMP_DTYPE = capture_checks.amp()")
+
+
+def _cells() -> list:
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def _one(marker: str) -> str:
+    hits = [s for s in _cells() if marker in s]
+    assert len(hits) == 1, f"{len(hits)} code cells of {NOTEBOOK.name} contain {marker!r} (expected one)"
+    return hits[0]
+
+
+def run_exercise(exercise: str, edits=(), log_dir=None) -> dict:
+    """Run the setup cells, ``exercise``'s answer cell with ``edits`` applied, and its check: the check's log entry."""
+    answer = _one(ANSWER[exercise])
+    for find, replace in edits:
+        hits = answer.count(find)
+        if hits != 1:
+            pytest.fail(f"a mutation's find-string occurs {hits} times in the {exercise} answer (it must occur "
+                        f"once): update the mutant table to the answer\n{find}")
+        answer = answer.replace(find, replace)
+    cells = [_one(m) for m in SETUP] + [answer, _one(CHECK[exercise])]
+    log = Path(log_dir) / "checks.jsonl"
+    if log.exists():
+        log.unlink()
+    ns = {"__name__": "__lab__"}
+    old = {k: os.environ.get(k) for k in (checks.ENV_LOG, checks.ENV_GATE, checks.ENV_NBGRADER)}
+    os.environ[checks.ENV_LOG] = str(log)
+    os.environ.pop(checks.ENV_GATE, None)
+    os.environ.pop(checks.ENV_NBGRADER, None)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            for i, src in enumerate(cells):
+                name = f"<02 {exercise} cell {i}>"
+                linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+                exec(compile(src, name, "exec"), ns)  # noqa: S102 - the course's own notebook
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    entries = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()] if log.exists() else []
+    got = [e for e in entries if e["name"] == exercise]
+    assert got, f"the {exercise} check never reported: {entries}"
+    return got[-1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checks():
+    checks.reset()
+    yield
+    checks.reset()
+    import course
+
+    cg = course.graphs()
+    assert not cg.is_current_stream_capturing(), "a check left a capture under way"
+    assert cg.current_stream() == cg.default_stream(), "a check left another stream current"
+
+
+def _edit(find, replace):
+    return [(find, replace)]
+
+
+_WARM_A = """    with cg.stream(side):
+        for _ in range(3):
+            model(static_x)
+    cg.current_stream().wait_stream(side)
+    graph = cg.CUDAGraph()
+    with cg.graph(graph):
+        static_y = model(static_x)
+    return graph, static_y"""
+_WARM_B = """    with cg.stream(side):
+        for _ in range(3):
+            train_step(model, optimizer, static_x, static_y)"""
+_AUTOCAST = """        with torch.autocast(AMP_DEVICE, AMP_DTYPE, cache_enabled=False):
+            static_loss = train_loss(model, static_x, static_y)"""
+_SERVE = """    static_x.copy_(x)
+    graph.replay()
+    return static_y.clone()"""
+
+# (name, exercise, edits, words the ✗ must contain)
+MUTANTS = [
+    # 02.6: a forward captured by hand
+    ("no warm-up", A, _edit(_WARM_A, _WARM_A.split("\n", 3)[3]), ["never ran before its capture"]),
+    ("warm-up on the default stream", A, _edit(_WARM_A, _WARM_A.replace(
+        "    with cg.stream(side):\n        for _ in range(3):\n            model(static_x)",
+        "    for _ in range(3):\n        model(static_x)")), ["default stream"]),
+    ("a clone of the output taken at capture", A, _edit("    return graph, static_y\n",
+                                                        "    return graph, static_y.clone()\n"),
+     ["copy taken at capture"]),
+    ("captured reading a copy of the static input", A, _edit(
+        "    with cg.graph(graph):\n        static_y = model(static_x)",
+        "    x = static_x.clone()\n    with cg.graph(graph):\n        static_y = model(x)"),
+     ["does not read static_x"]),
+    ("rebinds the static input instead of copy_", A, _edit("    static_x.copy_(new_x)\n", "    static_x = new_x\n"),
+     ["never reached static_x", "copy_"]),
+    ("reads a device value on the host during capture", A, _edit(
+        "        static_y = model(static_x)\n    return",
+        "        static_y = model(static_x)\n        print(float(static_y.sum()))\n    return"),
+     ["not permitted"]),
+    ("captures on the default stream (capture_begin/capture_end)", A, _edit(
+        "    with cg.graph(graph):\n        static_y = model(static_x)",
+        "    graph.capture_begin()\n    static_y = model(static_x)\n    graph.capture_end()"),
+     ["non-default stream"]),
+    # 02.7: a whole training step
+    ("no warm-up step", B, _edit(_WARM_B, "    with cg.stream(side):\n        pass"),
+     ["never ran before its capture"]),
+    ("warm-up on the default stream", B, _edit(_WARM_B, "    for _ in range(3):\n"
+                                                     "        train_step(model, optimizer, static_x, static_y)"),
+     ["default stream"]),
+    ("warm-up without optimizer steps", B, _edit(
+        "            train_step(model, optimizer, static_x, static_y)",
+        "            train_loss(model, static_x, static_y).backward()"), ["no optimizer.step() before the capture"]),
+    ("gradients not set to None before capture", B, _edit("    optimizer.zero_grad(set_to_none=True)\n", ""),
+     ["not None", "zero_grad(set_to_none=True)"]),
+    ("no autocast in the capture", B, _edit(_AUTOCAST, "        static_loss = train_loss(model, static_x, static_y)"),
+     ["float32", "autocast"]),
+    ("Adam without capturable=True", B, _edit("lr=LR, capturable=True", "lr=LR"), ["capturable is False"]),
+    ("keeps the static loss tensor, not a copy", B, _edit("losses.append(static_loss.detach().clone())",
+                                                          "losses.append(static_loss)"), ["last replay"]),
+    ("copies x but not y", B, _edit("        static_y.copy_(y)\n", ""), ["static_y"]),
+    # 02.8: two graphs, one pool
+    ("a private pool per graph", C, _edit("with cg.graph(graph, pool=pool):", "with cg.graph(graph):"),
+     ["do not share one pool"]),
+    ("a new pool handle per graph", C, _edit("with cg.graph(graph, pool=pool):",
+                                             "with cg.graph(graph, pool=cg.graph_pool_handle()):"),
+     ["do not share one pool"]),
+    ("serves the static output itself", C, _edit(_SERVE, _SERVE.replace("static_y.clone()", "static_y")),
+     ["overwrote", "clone"]),
+    ("captures the smallest first", C, _edit("sorted(sizes, reverse=True)", "sorted(sizes)"), ["largest first"]),
+    ("no warm-up", C, _edit("            for _ in range(3):\n                model(static_x)",
+                            "            pass"), ["never ran before its capture"]),
+    ("rebinds the static input instead of copy_", C, _edit(_SERVE, _SERVE.replace("static_x.copy_(x)",
+                                                                                  "static_x = x")),
+     ["is not model(x)"]),
+]
+
+
+@pytest.mark.parametrize("exercise", [A, B, C])
+def test_answer_passes(exercise, tmp_path):
+    entry = run_exercise(exercise, (), tmp_path)
+    assert entry["status"] == "pass", entry
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[f"{m[1][:4]} {m[0]}" for m in MUTANTS])
+def test_mutant_is_named(mutant, tmp_path):
+    name, exercise, edits, words = mutant
+    entry = run_exercise(exercise, edits, tmp_path)
+    assert entry["status"] in ("fail", "crash"), f"{exercise} passed the mutant {name!r}: {entry}"
+    missing = [w for w in words if w.lower() not in entry["message"].lower()]
+    assert not missing, f"{exercise}'s ✗ for {name!r} does not say {missing}: {entry['message']!r}"
+
+
+def test_every_exercise_has_at_least_four_mutants():
+    for exercise in (A, B, C):
+        assert sum(m[1] == exercise for m in MUTANTS) >= 4, exercise
+
+
+def test_learner_version_says_not_done_yet(tmp_path):
+    """An answer left as its TODO is "not done yet", never a ✗ that blames a missing warm-up."""
+    begin = "    ### BEGIN SOLUTION\n"
+    for exercise in (A, B, C):
+        answer = _one(ANSWER[exercise])
+        head = answer[:answer.index(begin) + len(begin)]
+        edits = [(head, head + "    raise NotImplementedError('your code goes here')\n")]
+        assert run_exercise(exercise, edits, tmp_path)["status"] == "todo"
+
+
+def test_rules_name_the_stack_the_sweep_was_recorded_on():
+    """The lesson's rules say which software the recorded replay host times hold for: the sweep's provenance."""
+    from course.core import reference
+
+    prov = reference.load_reference("graphs_kernel_sweep").provenance
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    rules = next("".join(c["source"]) for c in nb["cells"]
+                 if c["cell_type"] == "markdown" and "Rules this lesson established" in "".join(c["source"]))
+    torch_minor = re.match(r"(\d+\.\d+)", prov["torch"]).group(1)
+    driver_major = prov["driver"].split(".")[0]
+    for want in (f"torch {torch_minor}", f"CUDA {prov['cuda_runtime']}", f"driver {driver_major}"):
+        assert want in rules, f"the rules cell must name {want!r} (the sweep's provenance); it says: {rules[-300:]}"
+
+
+# ----------------------------------------------------------------------------- the checks' own tools
+def test_train_step_trains_with_autocast_and_capturable_adam():
+    import torch
+
+    import course
+    from course.lessons import capture_checks as cc
+
+    course.graphs()  # on the simulator: capturable optimizers may then run on the CPU (course.core.simoptim)
+    model = cc.mlp(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=cc.LR, capturable=True)
+    x, y = torch.randn(8, 16, device=model[0].weight.device), torch.randn(8, 4, device=model[0].weight.device)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = cc.train_step(model, opt, x, y)
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+    assert float(cc.train_loss(model, x, y).detach()) >= 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    device_type, dtype = cc.amp()
+    assert device_type == ("cuda" if ON_GPU else "cpu") and dtype == torch.bfloat16
+    assert torch.equal(cc.mlp(seed=3)[0].weight, cc.mlp(seed=3)[0].weight)
+
+
+def test_watch_sees_streams_captures_and_steps():
+    import torch
+
+    import course
+    from course.lessons import capture_checks as cc
+
+    cg = course.graphs()
+    model = cc.mlp(seed=4)
+    x = torch.zeros(8, 16, device=course.device())
+    watch = cc.Watch(model, optimizers=True)
+    try:
+        assert watch.recipe_problem() is not None  # never ran during a capture
+        model(x)  # on the default stream
+        with torch.no_grad():
+            g = cg.CUDAGraph()
+            with cg.graph(g):
+                model(x)
+        assert "default stream" in watch.recipe_problem()
+    finally:
+        watch.close()
+    model(x)
+    assert len(watch.calls) == 2, "close() removes the hooks"
+    assert [c["capturing"] for c in watch.calls] == [False, True]
+    assert watch.calls[0]["default"] and not watch.calls[1]["default"] and watch.calls[0]["batch"] == 8
+
+
+def test_restored_puts_the_stream_back_after_an_error():
+    import course
+    from course.lessons import capture_checks as cc
+
+    cg = course.graphs()
+    side = cg.Stream()
+    with pytest.raises(ZeroDivisionError):
+        with cc.restored():
+            cg.set_stream(side)
+            1 / 0
+    assert cg.current_stream() == cg.default_stream()
