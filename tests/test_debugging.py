@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import course
-from course.core import checks, simgraph, simstream
+from course.core import capturecheck, checks, simgraph, simstream
 from course.core.runtime import runtime
 from course.lessons.what_breaks import debugging as D, find_static, suspects as S
 
@@ -47,7 +47,7 @@ def test_the_course_capture_gives_the_gpu_verdict(suspect):
     verdict, error = D.reference_capture(suspect.fn, suspect.args)
     assert verdict == suspect.verdict, (verdict, error)
     if error is not None:
-        cause = D.root_cause(error)
+        cause = capturecheck.root_cause(error)
         assert suspect.error in str(cause)
         frames = [f for f in __import__("traceback").extract_tb(cause.__traceback__) if f.filename == S.__file__]
         assert (frames[-1].name, frames[-1].lineno) == suspect.hazard_line()
@@ -61,7 +61,36 @@ def test_suspects_hide_from_the_static_finder_and_their_inputs_change():
     assert S.get("sharpened").hazard_line() == ("_temperature", S._temperature.__code__.co_firstlineno + 2)
     with pytest.raises(KeyError, match="no suspect"):
         S.get("nope")
-    assert D.first_line(RuntimeError("a\nb")) == "RuntimeError: a"
+    assert capturecheck.first_line(RuntimeError("a\nb")) == "RuntimeError: a"
+
+
+def test_watched_sees_each_slip_of_a_capture():
+    cg = course.graphs()
+    x = torch.ones(3, device=course.device())
+    w = capturecheck.Watched(lambda t: t * 2)
+    with pytest.raises(AssertionError, match="never ran inside a capture"):
+        capturecheck.assert_captured_well(w)
+    g = cg.CUDAGraph()
+    with cg.graph(g):
+        out = w(x)
+    assert w.captured() and w.static == (x,) and w.output is out
+    with pytest.raises(AssertionError, match="without a warm-up"):
+        capturecheck.assert_captured_well(w)
+    w.calls.insert(0, {"default": True, "capturing": False, "gc": True})
+    with pytest.raises(AssertionError, match="default stream"):
+        capturecheck.assert_captured_well(w)
+    w.calls[0]["default"] = False
+    with pytest.raises(AssertionError, match="garbage collector"):
+        capturecheck.assert_captured_well(w)
+    w.calls[-1]["gc"] = False
+    capturecheck.assert_captured_well(w)
+    try:
+        try:
+            raise ValueError("first")
+        except ValueError:
+            raise RuntimeError("second")  # noqa: B904 - a chain, as capture_end makes one
+    except RuntimeError as e:
+        assert str(capturecheck.root_cause(e)) == "first"
 
 
 def test_probe_records_how_it_was_called():

@@ -4,18 +4,18 @@ The learner debugs code they did not write with torch's own tools first: the syn
 they write with ``cg = course.graphs()`` and the error it raises (03.4), then fixes the one that replays wrong
 (03.5). Every check runs on both paths: ``cg`` is ``torch.cuda`` on a GPU and the simulator's graphs otherwise, and
 the suspects' verdicts are the GPU's on both. A :class:`Probe` (a function with no hazard that records how it was
-called) lets 03.4's check see whether the learner's capture warmed up on a side stream, kept the collector off,
-copied the new inputs in and replayed. Hints are staged: a nudge, the idea, the line.
+called, :mod:`course.core.capturecheck`) lets 03.4's check see whether the learner's capture warmed up on a side
+stream, kept the collector off, copied the new inputs in and replayed. Hints are staged: a nudge, the idea, the line.
 """
 from __future__ import annotations
 
-import gc
 import traceback
 import warnings
 
 import torch
 
 from course.core.capture import collector_paused, recover
+from course.core.capturecheck import Watched, assert_captured_well, first_line, root_cause
 from course.core.checks import exercise, passed
 from course.core.runtime import graphs, torch_device
 from course.core.text import clip
@@ -30,18 +30,6 @@ def legacy_softmax(x):
     """A softmax that warns it is deprecated: a warning, but no synchronizing call."""
     warnings.warn("legacy_softmax is deprecated: use torch.softmax(x, dim=-1)", UserWarning, stacklevel=2)
     return torch.softmax(x, dim=-1)
-
-
-def root_cause(error: BaseException) -> BaseException:
-    """The first error of a chain: the one raised while capturing, not the one ending the capture raised after it."""
-    while error.__context__ is not None and error.__context__ is not error:
-        error = error.__context__
-    return error
-
-
-def first_line(error: BaseException) -> str:
-    """``Type: first line of the message``."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 # --------------------------------------------------------------------------- 03.3 the sync debug mode
@@ -102,24 +90,12 @@ def _mode_off(cg) -> None:
 
 # --------------------------------------------------------------------------- 03.4 the learner's capture
 
-class Probe:
-    """A function with no hazard, ``relu(x @ w) + 1``, that records every call: the stream it ran on, whether it
-    was being captured, whether the garbage collector was on; and, from its capture, the static inputs and output."""
+class Probe(Watched):
+    """A function with no hazard, ``relu(x @ w) + 1``, watched (:class:`course.core.capturecheck.Watched`)."""
 
     def __init__(self):
-        self.calls, self.static, self.output = [], None, None
-        self.__name__ = "probe"
         self.w = torch.randn(4, 3, generator=torch.Generator().manual_seed(7)).to(torch_device())
-
-    def __call__(self, x, w):
-        cg = graphs()
-        capturing = bool(cg.is_current_stream_capturing())
-        self.calls.append({"default": cg.current_stream() == cg.default_stream(), "capturing": capturing,
-                           "gc": gc.isenabled()})
-        out = torch.relu(x @ w) + 1
-        if capturing:
-            self.static, self.output = (x, w), out
-        return out
+        super().__init__(lambda x, w: torch.relu(x @ w) + 1, "probe")
 
     def args(self, seed: int = 0) -> tuple:
         """The probe's inputs: new x for each seed, the same weight."""
@@ -156,18 +132,7 @@ def _check_probe(capture_and_replay) -> None:
     off, the new inputs copied in, replayed, and judged right."""
     probe = Probe()
     verdict, error = capture_and_replay(probe, probe.args)
-    captured = [i for i, c in enumerate(probe.calls) if c["capturing"]]
-    assert captured, ("fn never ran inside a capture: call it inside `with cg.graph(g):` (cg = course.graphs()), "
-                      "then replay g")
-    warm = [c for c in probe.calls[:captured[0]] if not c["capturing"]]
-    assert warm, ("fn was captured without a warm-up: run it once before capturing (lazy initialisation, cuBLAS "
-                  "handles and the allocator's first blocks must not happen inside the capture)")
-    assert not any(c["default"] for c in warm), (
-        "the warm-up ran on the default stream: run it on a side stream (s = cg.Stream(); "
-        "s.wait_stream(cg.current_stream()); with cg.stream(s): fn(*static)), then cg.current_stream().wait_stream(s)")
-    assert not any(probe.calls[i]["gc"] for i in captured), (
-        "the garbage collector was on during your capture: a graph it frees in the middle of a capture breaks that "
-        "capture (lesson 03, 'A graph freed during another capture'). Capture inside collector_paused()")
+    assert_captured_well(probe)
     if verdict == "fails":
         raise AssertionError(f"your capture of a function with no hazard (relu(x @ w) + 1) failed: "
                              f"{first_line(root_cause(error)) if isinstance(error, BaseException) else error}")
