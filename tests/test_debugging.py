@@ -228,3 +228,43 @@ def test_mutant_fails_a_check_that_names_it(mutant):
 def test_a_stale_find_string_fails_loudly():
     with pytest.raises(pytest.fail.Exception, match="occurs 0 times"):
         run_exercises([("this line is in no answer", "")])
+
+
+def test_the_checks_called_directly(capsys):
+    """The three checks on the course's own answers, and on one wrong answer each (function level)."""
+    cg = course.graphs()
+
+    def synchronizes(fn, *args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cg.set_sync_debug_mode("warn")
+            try:
+                fn(*args)
+            finally:
+                cg.set_sync_debug_mode("default")
+        return any(D.SYNC_WARNING in str(w.message) for w in caught)
+
+    def failing_line(error):
+        cause = capturecheck.root_cause(error)
+        frames = [f for f in __import__("traceback").extract_tb(cause.__traceback__) if f.filename == S.__file__]
+        return frames[-1].name, frames[-1].lineno
+
+    def fixed(x, step):
+        angle = 0.1 * step
+        return torch.stack((torch.cos(angle) * x[:, 0] - torch.sin(angle) * x[:, 1],
+                            torch.sin(angle) * x[:, 0] + torch.cos(angle) * x[:, 1]), dim=1)
+
+    def fixed_args(seed):
+        x, step = S.get("rotated").args(seed)
+        return x, torch.tensor(step, device=course.device())
+
+    D.check_synchronizes(synchronizes)
+    D.check_captures(D.reference_capture, failing_line)
+    D.check_frozen_step_fix(fixed, fixed_args, D.reference_capture)
+    assert capsys.readouterr().out.count(": passed") == 3
+    D.check_synchronizes(lambda fn, *args: False)
+    D.check_captures(D.reference_capture, lambda error: ("sharpened", 0))
+    D.check_frozen_step_fix(S.rotated, lambda seed: S.get("rotated").args(seed))
+    out = capsys.readouterr().out
+    assert out.count("FAILED") == 3 and "active_rows_mean" not in out.split("✗ 03.3")[0], out
+    assert isinstance(S.SUSPECTS[0], S.Suspect) and S.active_rows_mean(torch.ones(2, 3)).tolist() == [1.0] * 3

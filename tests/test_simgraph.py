@@ -423,6 +423,15 @@ def test_sync_debug_mode_reports_once_at_the_callers_line_and_is_undone():
     cg.set_sync_debug_mode(5)
     assert cg.get_sync_debug_mode() == 2, "as torch: above 2 is 'error'"
     cg.set_sync_debug_mode(0)
+    simstream.set_sync_debug_level(1)  # the level alone, without the patches: nothing but on_sync sees it
+    try:
+        with pytest.warns(UserWarning, match="synchronizing"):
+            simstream.on_sync("a test")
+        with simstream.sync_reported(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            simstream.on_sync("inside a call already reported: silent")
+    finally:
+        simstream.set_sync_debug_level(0)
 
 
 @sim_only
