@@ -131,3 +131,20 @@ def test_failed_capture_leaves_the_cuda_rng_usable():
     first = s.clone()
     g.replay()
     assert not torch.equal(first, s), "a captured RNG op should draw new numbers on each replay"
+
+
+def test_recover_puts_the_stream_back_on_either_path():
+    """A failed cg.graph leaves its capture stream current (on a GPU as on the simulator); recover() puts it back
+    and, on a GPU, leaves the random generator usable."""
+    import course
+
+    cg = course.graphs()
+    before, g = cg.current_stream(), cg.CUDAGraph()
+    x = torch.ones(4, device=course.device())
+    with pytest.raises(Exception, match="previous error during capture|not permitted"):
+        with cg.graph(g):
+            x * float(x.sum())
+    left = not cg.current_stream() == before
+    capture.recover(stream=before, graph=g)
+    assert left and cg.current_stream() == before and not cg.is_current_stream_capturing()
+    assert torch.randn(2, device=course.device()).shape == (2,)

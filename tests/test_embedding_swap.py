@@ -178,3 +178,27 @@ def test_gpu_only_the_device_lookup_is_asynchronous():
     assert host_blocking(lambda: emb(ids), sleep_ms=30).blocked is True
     emb.impl = "device"
     assert host_blocking(lambda: emb(ids), sleep_ms=30).blocked is False
+
+
+# ----------------------------------------------------------------------------- lab 2's captures (both paths)
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")
+def test_course_capture_passes_lab2s_checks_and_a_wrong_record_does_not(capsys):
+    from course.embedding import lookup_capture as LC
+
+    LC.check_capture(LC.capture, S.device_lookup)
+    assert "3 replays with new ids equal F.embedding" in capsys.readouterr().out
+    ids = torch.randint(0, 50, (2, 8), device=DEV)
+    w = torch.randn(50, 4, device=DEV)
+    try:
+        LC.capture(S.cpu_copy_lookup, ids, w)
+    except RuntimeError as e:
+        refused = e
+    LC.check_cpu_copy_error(refused, S.cpu_copy_lookup)
+    assert "the capture refused the copy at your line" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="returned None: nothing failed"):
+        LC.check_cpu_copy_error(None, S.cpu_copy_lookup)
+    with pytest.raises(AssertionError, match="not raised in your cpu_copy_lookup"):
+        LC.check_cpu_copy_error(refused, S.device_lookup)
+    with pytest.raises(AssertionError, match="must raise its error"):
+        LC.check_capture(lambda fn, *static: (LC.capture(fn, *static) if fn is not LC._host_read else (None, None)),
+                         S.device_lookup)

@@ -14,7 +14,9 @@ from course.core.runtime import runtime
 from course.lessons.graph_cache import (PRESETS, CaptureFailed, CudaGraphBackend, GraphCache, RecordingBackend,
                                         bucket_sizes, decode_trace, default_backend, key_str, next_bucket,
                                         padding_report)
-from course.lessons.graph_cache.backends import Recorded, diagnose, host_read_watch
+from course.core.capture import collector_paused
+from course.lessons.graph_cache.backends import Recorded, diagnose, failure_reason, host_read_watch
+from course.lessons.graph_cache.counting import CountingBackend
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder, numba_embedding
 
 ON_GPU = runtime().on_gpu
@@ -417,7 +419,7 @@ def _copy_out(out, n, bucket, copy=True):
 
 
 class _LabCache:
-    """The lab's answer, with switches that break it the classic ways."""
+    """The lab's answer (its own captures, through course.graphs()), with switches that break it the classic ways."""
 
     def __init__(self, fn, buckets=(), pad_value=0, backend=None, bug=None):
         self.fn, self.sizes, self.pad_value, self.backend, self.bug = fn, sorted(buckets), pad_value, backend, bug
@@ -427,6 +429,23 @@ class _LabCache:
 
     def pads(self, args):
         return self.pad_value if isinstance(self.pad_value, tuple) else (self.pad_value,) * len(args)
+
+    def _record(self, key, static):
+        cg = course.graphs()
+        side = cg.Stream()
+        side.wait_stream(cg.current_stream())
+        with cg.stream(side):
+            self.fn(*static)
+        cg.current_stream().wait_stream(side)
+        g, before = cg.CUDAGraph(), cg.current_stream()
+        try:
+            with collector_paused(), cg.graph(g, pool=self.backend.pool()):
+                out = self.fn(*static)
+        except Exception as err:  # noqa: BLE001 - the fallback
+            self.stats["fallbacks"][key] = self.backend.capture_failed(err, graph=g, stream=before)
+            return {"eager": True}
+        self.stats["recordings"] += 1
+        return {"eager": False, "static": static, "graph": g, "output": out}
 
     def __call__(self, *args):
         n = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
@@ -440,13 +459,7 @@ class _LabCache:
             self.stats["cache_misses"] += 1
             static = _make_static(args, bucket)
             _copy_in(static, args, n, self.pads(args))
-            try:
-                e = {"eager": False, "static": static, "rec": self.backend.capture(self.fn, static)}
-                self.stats["recordings"] += 1
-            except CaptureFailed as err:
-                e = {"eager": True}
-                self.stats["fallbacks"][key] = err.reason
-            self.entries[key] = e
+            e = self.entries[key] = self._record(key, static)
         elif not e["eager"]:
             self.stats["cache_hits"] += 1
             if self.bug == "eager_hit":
@@ -456,9 +469,9 @@ class _LabCache:
         if e["eager"]:
             self.stats["eager_calls"] += 1
             return self.fn(*args)
-        e["rec"].replay()
+        e["graph"].replay()
         self.stats["padded_rows"] += bucket - n
-        return _copy_out(e["rec"].output, n, bucket, copy=self.bug != "no_clone")
+        return _copy_out(e["output"], n, bucket, copy=self.bug != "no_clone")
 
     def set_enabled(self, flag):
         self.enabled = flag
@@ -472,12 +485,14 @@ def _bugged(bug):
     return lambda fn, **kw: _LabCache(fn, bug=bug, **kw)
 
 
-def test_lab_checks_pass_the_answer():
+def test_lab_checks_pass_the_answer(capsys):
     lab.check_key(_key)
     lab.check_static(_make_static, _copy_in)
     lab.check_copy_out(_copy_out)
     for check in (lab.check_miss_and_hit, lab.check_buckets, lab.check_fallback, lab.check_enable_clear):
         check(_LabCache)
+    out = capsys.readouterr().out
+    assert out.count(": passed") == 7 and "FAILED" not in out and "CRASHED" not in out, out
 
 
 @pytest.mark.parametrize("check,args,message", [
@@ -505,23 +520,46 @@ def test_lab_check_says_not_done_yet(capsys):
     assert "not done yet" in capsys.readouterr().out
 
 
-def test_counting_backend_counts():
-    b = lab.CountingBackend(RecordingBackend())
-    static = [torch.ones(2), "tag"]
-    rec = b.capture(lambda x, tag: x + 1, static)
-    assert b.replayed_inputs() == ()
-    rec.replay()
-    # the recording holds its static input and output (2 + 2 float32), and gives them back when freed
-    assert (b.captures, b.replays, b.memory_reserved(), b.name) == (1, 1, 16, "recording")
+def test_counting_backend_counts_the_graph_api_and_undoes_its_wrappers():
+    cg = course.graphs()
+    originals = [cg.CUDAGraph.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay")]
+    b = CountingBackend(default_backend())
+    fn = b.watch(lambda x, tag: x + 1)
+    static = [torch.ones(2, device=DEV), "tag"]
+    fn(*static)  # a warm-up: not a capture
+    with b.counting():
+        g = cg.CUDAGraph()
+        with collector_paused(), cg.graph(g, pool=b.pool()):
+            out = fn(*static)
+        assert b.replayed_inputs() == ()
+        g.replay()
+    assert [cg.CUDAGraph.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay")] == originals
+    assert (b.captures, b.replays, b.foreign, b.replaced) == (1, 1, 0, 0) and b.pools == [b.pool()]
+    assert b.forward.calls[-1]["capturing"] and not b.forward.calls[-1]["gc"] and b.forward.output is None
     got = b.replayed_inputs()
-    assert got[0] is static[0] and got[1] is None and b.replaced == 0
-    static[0] = torch.zeros(2)  # a new buffer in the captured list: a real graph would still read the old one
-    rec.replay()
-    assert b.replaced == 1 and b.replayed_inputs()[0] is not static[0]
-    del rec, got
-    assert lab.reserved_now(b) == 0 and b.replayed_inputs()[0] is None, "it keeps no static input alive"
+    assert got[0] is static[0] and got[1] is None and b.live_graphs() == 1
+    if not ON_GPU:
+        assert b.memory_reserved() == 16, "the live graph's static input and output, 8 bytes each"
+    del g, got, out
+    assert b.live_graphs() == 0 and b.replayed_inputs()[0] is static[0]
+    if not ON_GPU:
+        assert lab.reserved_now(b) == 0, "a freed graph gives its bytes back"
     b.reset_pool()
     assert b.pool_resets == 1
+
+
+def test_a_failed_capture_into_the_backends_pool_retires_it():
+    cg = course.graphs()
+    backend = default_backend()
+    pool, before, g = backend.pool(), cg.current_stream(), cg.CUDAGraph()
+    try:
+        with collector_paused(), cg.graph(g, pool=pool):
+            hazardous_forward(torch.ones(2, device=DEV))
+    except Exception as e:  # noqa: BLE001 - expected: the host read
+        reason = backend.capture_failed(e, graph=g, stream=before)
+    assert cg.current_stream() == before and "item" in reason, reason
+    assert backend.pool() != pool, "a pool a failed capture used is never captured into again"
+    assert failure_reason(backend, RuntimeError("boom"), stream=before).startswith("RuntimeError: boom")
 
 
 def test_recording_backend_counts_what_live_recordings_hold():

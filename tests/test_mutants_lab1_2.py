@@ -44,7 +44,8 @@ def M(lab, exercise, name, edits, words, gpu_only="", sim_only=""):
 
 
 NAIVE, PREDICT, ERRORS, FAST = "1. naive kernel", "1b. predict the coalescing score", "2. clear errors", "3. fast kernel"
-CPU_COPY, DEVICE, SWAP, REPLAY = "1. cpu-copy lookup", "2. device lookup", "3. swap", "4. replay with new ids"
+CPU_COPY, DEVICE, SWAP, REPLAY = "1. cpu-copy lookup", "2. device lookup", "3. swap", "5. replay with new ids"
+CAPTURE, CPU_FAILS = "4. capture the device lookup", "6. the cpu-copy capture fails"
 I16, I20 = " " * 16, " " * 20  # indentation inside the fast kernel's loops
 NO_SIM_DEVICES = "the simulator runs everything on the CPU: ids and weight cannot be on different devices"
 
@@ -151,7 +152,36 @@ MUTANTS = [
       ["swap() must keep the weights"]),
     M(2, SWAP, "does not return the model", [("    return model\n", "    return None\n")],
       ["swap() must return the model"]),
-    # lab 2, exercise 4: replay with new ids
+    # lab 2, exercise 4: the learner's capture
+    M(2, CAPTURE, "no warm-up", [("        fn(*static)  # the warm-up, on a side stream\n", "        pass\n")],
+      ["without a warm-up"]),
+    M(2, CAPTURE, "warm-up on the default stream", [("    with cg.stream(side):\n", "    if True:\n")],
+      ["warm-up ran on the default stream", "side stream"]),
+    M(2, CAPTURE, "collector on during the capture", [("with collector_paused(), cg.graph(g):", "with cg.graph(g):")],
+      ["garbage collector", "collector_paused()"]),
+    M(2, CAPTURE, "returns an eager call's output", [("    return g, out\n", "    return g, fn(*static)\n")],
+      ["output of the captured call itself"]),
+    M(2, CAPTURE, "returns a copy of the output", [("    return g, out\n", "    return g, out.clone()\n")],
+      ["output of the captured call itself"]),
+    M(2, CAPTURE, "a failed capture swallowed", [("        raise\n", "        return None, None\n")],
+      ["must raise its error"]),
+    M(2, CAPTURE, "no recover after a failure", [("        recover(stream=before, graph=g)\n", "")],
+      ["capture stream is still current", "recover(stream=before, graph=g)"]),
+    # lab 2, exercise 6: the cpu-copy capture, refused
+    M(2, CPU_FAILS, "captures the device lookup", [("capture(cpu_copy_lookup, static_ids, weight)",
+                                                    "capture(device_lookup, static_ids, weight)")],
+      ["returned None: nothing failed", "cpu_copy_lookup"]),
+    M(2, CPU_FAILS, "runs it without a capture", [("capture(cpu_copy_lookup, static_ids, weight)",
+                                                   "cpu_copy_lookup(static_ids, weight)")],
+      ["returned None: nothing failed"]),
+    M(2, CPU_FAILS, "returns the message, not the error", [("        return caught\n", "        return str(caught)\n")],
+      ["not the error", "exception object"]),
+    M(2, CPU_FAILS, "bad static ids: the warm-up's error", [("capture(cpu_copy_lookup, static_ids, weight)",
+                                                            "capture(cpu_copy_lookup, static_ids + 1000, weight)")],
+      ["not the capture's refusal of the host copy", "IndexError"]),
+    M(2, CPU_FAILS, "the error escapes", [("except Exception as caught:", "except (TypeError, ValueError) as caught:")],
+      ["let the capture's error escape"]),
+    # lab 2, exercise 5: replay with new ids
     M(2, REPLAY, "renames instead of copying", [("static_ids.copy_(new_ids)", "static_ids = new_ids")],
       ["static_ids does not hold the new ids", "static_ids.copy_(new_ids)"]),
     M(2, REPLAY, "no replay", [("    graph.replay()\n", "")], ["replay the graph (graph.replay())"]),

@@ -48,6 +48,10 @@ EXPECTED = {
     "numba_default_stream": "replay follows the input False, empty-graph warning True",
     "numba_alloc": "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
     "graphed_module": "forward matches eager True, gradients match True",
+    "sync_debug_warns": "warn: item, if, mask, cpu, tolist, tensor(device=), stream sync; "
+                        "quiet: synchronize, embedding, matmul",
+    "sync_debug_error": "called a synchronizing CUDA operation; mode after 'default': 0",
+    "graph_freed_during_capture": "operation failed due to a previous error during capture",
 }
 
 
@@ -85,6 +89,8 @@ def test_parity_program_gives_the_gpu_verdict(name):
     ("no host-read refusal", "cpu_copy"),
     ("no pool reuse", "pool_freed_memory_reused"),
     ("kernels run at capture", "numba_kernel"),
+    ("no sync debug mode", "sync_debug_warns"),
+    ("a freed graph breaks nothing", "graph_freed_during_capture"),
 ])
 def test_the_programs_catch_a_wrong_stand_in(monkeypatch, sabotage, caught_by):
     warnings.simplefilter("ignore")  # a sabotaged stand-in records nothing: "the CUDA Graph is empty"
@@ -94,6 +100,10 @@ def test_the_programs_catch_a_wrong_stand_in(monkeypatch, sabotage, caught_by):
         monkeypatch.setattr(simrecord, "run", lambda steps, launch: None)
     elif sabotage == "no host-read refusal":
         monkeypatch.setattr(simpatch, "_tensor_patches", lambda torch: [])
+    elif sabotage == "no sync debug mode":
+        monkeypatch.setattr(simstream, "on_sync", lambda what: None)
+    elif sabotage == "a freed graph breaks nothing":
+        monkeypatch.setattr(simstream, "graph_freed", lambda: None)
     elif sabotage == "no pool reuse":
         monkeypatch.setattr(simrecord.Block, "free", lambda self: False)
     else:
@@ -398,3 +408,73 @@ def test_parity_tools():
     g, out = simcheck.capture(cg, lambda: torch.ones(2) * 3)
     g.replay()
     assert out.tolist() == [3.0, 3.0]
+
+
+@sim_only
+def test_sync_debug_mode_reports_once_at_the_callers_line_and_is_undone():
+    x = torch.randn(8)
+    assert cg.get_sync_debug_mode() == 0 and not simpatch._saved
+    with pytest.raises(RuntimeError, match="expected one of `default`, `warn`, `error`"):
+        cg.set_sync_debug_mode("loud")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cg.set_sync_debug_mode("warn")
+        try:
+            str(x)  # one call: printing reads every value, but torch reports the call, here once
+            line = __import__("inspect").currentframe().f_lineno - 1
+        finally:
+            cg.set_sync_debug_mode("default")
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)], [str(w.message) for w in caught]
+    assert simstream.SYNC_DEBUG in str(caught[0].message) and "printing" in str(caught[0].message)
+    assert not simpatch._saved and not simdispatch._mode, "the patches and the dispatch mode are gone with the mode"
+    cg.set_sync_debug_mode(5)
+    assert cg.get_sync_debug_mode() == 2, "as torch: above 2 is 'error'"
+    cg.set_sync_debug_mode(0)
+    simstream.set_sync_debug_level(1)  # the level alone, without the patches: nothing but on_sync sees it
+    try:
+        with pytest.warns(UserWarning, match="synchronizing"):
+            simstream.on_sync("a test")
+        with simstream.sync_reported(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            simstream.on_sync("inside a call already reported: silent")
+    finally:
+        simstream.set_sync_debug_level(0)
+
+
+@sim_only
+def test_sync_debug_mode_in_a_capture_speaks_before_the_refusal():
+    x = torch.randn(8)
+    cg.set_sync_debug_mode("error")
+    try:
+        g = cg.CUDAGraph()
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            with cg.graph(g):
+                x * x.sum().item()  # the mode raises first: torch checks it before calling CUDA
+        assert g._steps is not None, "the capture was not invalidated by the mode's error"
+        g2 = cg.CUDAGraph()
+        with pytest.raises(RuntimeError, match="Cannot copy between CPU and CUDA"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nothing was recorded: "the CUDA Graph is empty"
+            with cg.graph(g2):
+                x.cpu()  # a copy: refused by torch before the mode is asked
+    finally:
+        cg.set_sync_debug_mode(0)
+        simgraph.end_all_captures()
+
+
+@sim_only
+def test_a_graph_freed_or_reset_in_a_capture_breaks_it_unless_relaxed():
+    x = torch.ones(4)
+    done, _ = simcheck.capture(cg, lambda: x + 1)
+    g = cg.CUDAGraph()
+    before = cg.current_stream()
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        with cg.graph(g):
+            x * 2
+            done.reset()
+    cg.set_stream(before)
+    again, _ = simcheck.capture(cg, lambda: x + 1)
+    g = cg.CUDAGraph()
+    with cg.graph(g, capture_error_mode="relaxed"):
+        x * 2
+        del again  # relaxed mode permits the destructor's CUDA call
+    assert g.recorded_ops() == ["aten.mul.Tensor"]

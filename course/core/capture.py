@@ -75,13 +75,34 @@ def require_gpu(what: str) -> None:
                                      "so the course shows reference results recorded on a GPU instead.")
 
 
-def recover() -> None:
-    """Leave CUDA usable after a failed capture: no capture in progress, queue drained, ops run."""
-    import torch
+def recover(stream=None, graph=None, pool=None) -> None:
+    """Leave CUDA usable after a failed capture, on either path: no capture in progress, queue drained, ops run.
 
-    if torch.cuda.is_current_stream_capturing():
+    For a capture written with ``cg.graph`` itself (``cg = course.graphs()``), in its ``except``:
+    ``recover(stream=before, graph=g, pool=pool)``. ``stream``: the stream current before the capture, made current
+    again (a failed ``cg.graph`` leaves its capture stream current, on a GPU as on the simulator). ``graph``: the
+    ``CUDAGraph`` whose capture failed, kept alive (torch's allocators may still hold callbacks into it). ``pool``:
+    the pool it captured into; on a GPU, with ``graph``, the device allocator's recording into it is ended
+    (:func:`release_pool`) unless the capture ended (torch refused a copy before CUDA saw it), but never capture
+    into it again (the pinned-host allocator's recording cannot be ended). On a GPU the queue is
+    then drained, the random generators taken out of capture mode and a fresh op run; the simulator needs no more.
+    """
+    from course.core.runtime import graphs
+
+    cg = graphs()
+    if stream is not None:
+        cg.set_stream(stream)
+    if cg.is_current_stream_capturing():
         raise RuntimeError("a CUDA graph capture is still in progress on the current stream; "
                            "end it (leave the `with torch.cuda.graph(...)` block) before recovering.")
+    if not runtime().on_gpu:
+        return
+    import torch
+
+    if graph is not None:
+        _FAILED.append(graph)
+        if pool is not None and not _ended(graph):  # a capture that ended owns its pool: releasing it would
+            release_pool(pool)                      # free memory the pool's other graphs still use
     try:
         torch.cuda.synchronize()
     except RuntimeError:
@@ -91,6 +112,15 @@ def recover() -> None:
     probe = torch.ones(4, device="cuda") * 2
     assert float(probe.sum()) == 8.0, "CUDA did not recover after the failed capture"
     torch.randn(1, device="cuda")  # the RNG works again (see reset_rng_capture_state)
+
+
+def _ended(graph) -> bool:
+    """True when ``graph``'s capture ended (it then holds its pool, and releases it itself)."""
+    try:
+        graph.pool()
+    except RuntimeError:  # "without a preceding successful capture"
+        return False
+    return True
 
 
 def reset_rng_capture_state() -> None:

@@ -18,7 +18,8 @@ PHRASES = ("operation not permitted when stream is capturing",
            "beginAllocateToPool: already recording to mempool_id",
            "Called CUDAGraph::replay without a preceding successful capture",
            "This CUDAGraph instance already owns a captured graph",
-           "Attempt to increase offset for a CUDA generator not in capture mode")
+           "Attempt to increase offset for a CUDA generator not in capture mode",
+           "operation failed due to a previous error during capture")
 
 
 def _root(e: BaseException) -> BaseException:

@@ -2,13 +2,15 @@
 
 ``cg = course.graphs()`` is ``torch.cuda`` on a GPU and this module on the simulator, so the same code captures
 and replays on both: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``make_graphed_callables``, ``Stream``,
-``Event``, ``stream``, ``current_stream``, ``default_stream``, ``set_stream``, ``synchronize`` and
-``is_current_stream_capturing``. What the stand-in models, and what not: :mod:`course.core.simgraph`.
+``Event``, ``stream``, ``current_stream``, ``default_stream``, ``set_stream``, ``synchronize``,
+``is_current_stream_capturing``, and ``set_sync_debug_mode`` / ``get_sync_debug_mode`` (torch's sync debug
+mode). What the stand-in models, and what not: :mod:`course.core.simgraph`.
 Importing it also lets ``capturable=True`` optimizers run on the CPU and be captured (:mod:`course.core.simoptim`).
 """
 from course.core import simoptim
 from course.core.simcallables import make_graphed_callables
 from course.core.simgraph import CUDAGraph, graph, graph_pool_handle
+from course.core.simpatch import get_sync_debug_mode, set_sync_debug_mode
 from course.core.simstream import (Event, Stream, StreamContext, current_stream, default_stream,
                                    is_current_stream_capturing, set_stream, stream, synchronize)
 
@@ -22,6 +24,6 @@ def is_available() -> bool:
     return False
 
 
-__all__ = ["CUDAGraph", "Event", "SIMULATED", "Stream", "StreamContext", "current_stream", "default_stream", "graph",
-           "graph_pool_handle", "is_available", "is_current_stream_capturing", "make_graphed_callables",
-           "set_stream", "stream", "synchronize"]
+__all__ = ["CUDAGraph", "Event", "SIMULATED", "Stream", "StreamContext", "current_stream", "default_stream",
+           "get_sync_debug_mode", "graph", "graph_pool_handle", "is_available", "is_current_stream_capturing",
+           "make_graphed_callables", "set_sync_debug_mode", "set_stream", "stream", "synchronize"]

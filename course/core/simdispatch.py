@@ -92,6 +92,7 @@ def record_op(cap, func, args, kwargs):
     name = schema.name.split("::")[-1]
     why = _host_read(func, name, args, kwargs)
     if why:
+        ss.on_sync(why)  # the sync debug mode speaks first, as torch's does (it checks before calling CUDA)
         ss.refuse_sync(why, cap)
     if func.is_view or torch.Tag.inplace_view in func.tags or name in HOST_SIDE:
         return func(*args, **kwargs)
@@ -139,9 +140,12 @@ def _recorder_class():
             kwargs = kwargs or {}
             cap = ss.capturing()
             if cap is None:
-                why = _watch[0] and _host_read(func, func._schema.name.split("::")[-1], args, kwargs)
+                watch = _watch[0] or ss.sync_debug_mode()
+                why = watch and _host_read(func, func._schema.name.split("::")[-1], args, kwargs)
                 if why:
-                    raise ss._accelerator_error(f"{ss.SYNC} ({why})")
+                    ss.on_sync(why)  # torch's sync debug mode ("warn" or "error"), when it is on
+                    if _watch[0]:
+                        raise ss._accelerator_error(f"{ss.SYNC} ({why})")
                 return func(*args, **kwargs)
             return record_op(cap, func, args, kwargs)
 
@@ -160,8 +164,8 @@ def begin() -> None:
 
 
 def end() -> None:
-    """Stop routing when no capture (and no watch) is under way any more."""
-    if _mode and not ss._ACTIVE and not _watch[0]:
+    """Stop routing when no capture, no watch and no sync debug mode is under way any more."""
+    if _mode and not ss._ACTIVE and not _watch[0] and not ss.sync_debug_mode():
         _mode.pop().__exit__(None, None, None)
 
 

@@ -24,13 +24,19 @@ registered with ``register_generator_state``; graphs sharing a pool reuse each o
 backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.core.simoptim`
 lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU).
 
-Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation a GPU cannot do inside a
-capture (cuBLAS handles; the course's own embedding error flag is refused, as on a GPU); a host-to-device copy of a
-tensor the simulator cannot tell from a device tensor (``host_tensor.to(course.device())``, ``static.copy_(host)``);
-``Event`` timing inside captures; the random generator left in capture mode after a failed capture; freeing a
-graph's static input (the graph keeps it alive, where a GPU would read freed memory: ``check_input_liveness`` is
-accepted and ignored); the allocator's block splitting (a freed block is reused whole); more than one thread;
-``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions other than the graph and stream API.
+A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local" mode is under way
+invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in a dead reference cycle, freed by the
+garbage collector in the middle of another capture: ``course.core.capture.collector_paused``). Torch's sync debug
+mode (``set_sync_debug_mode``) reports the host reads and copies a capture refuses, outside captures too
+(:mod:`course.core.simpatch`).
+
+Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation that a GPU cannot do inside
+a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
+device tensor (``host_tensor.to(course.device())``, pinned host memory: for the sync debug mode too); ``Event`` timing
+inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
+keeps it alive, where a GPU would read freed memory); the allocator's block splitting (a freed block is reused
+whole); more than one thread; ``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions
+other than the graph and stream API and the sync debug mode.
 """
 from __future__ import annotations
 
@@ -47,6 +53,12 @@ DEFAULT = ("CUDA graphs must be captured on a non-default stream. (However, afte
            "on the default stream.)")
 EMPTY = ("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device "
          "or stream.")
+
+
+def _destroyed(held) -> None:
+    """A captured graph is gone (freed, or reset): its memory is released, and a strict capture under way breaks."""
+    sr.release(held)
+    ss.graph_freed()
 
 
 def graph_pool_handle():
@@ -107,7 +119,7 @@ class CUDAGraph:
             raise ss._accelerator_error(ss.UNJOINED)
         cap.pool.recording = False
         self._steps, held = cap.program.finish()
-        self._release = weakref.finalize(self, sr.release, held)
+        self._release = weakref.finalize(self, _destroyed, held)
         if not self._steps:
             warnings.warn(EMPTY, UserWarning, stacklevel=2)
 

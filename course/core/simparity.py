@@ -4,7 +4,8 @@ The simulator's graphs (:mod:`course.core.simgraph`) must give every program the
 GPU: a laptop ✓ then means a GPU ✓. ``tests/test_simgraph.py`` runs them on the path the machine has (the
 simulator in CI; torch.cuda on a GPU). :func:`run` runs one and returns its verdict; :data:`PROGRAMS` lists them
 (these: what a replay reads and writes, and what a capture refuses; :mod:`course.core.simparity_streams`: streams,
-pools, Numba launches and ``make_graphed_callables``).
+pools, Numba launches and ``make_graphed_callables``; :mod:`course.core.simparity_sync`: torch's sync debug mode and
+a graph freed during a capture).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 import torch
 
 import course.core.simparity_streams as streams
+import course.core.simparity_sync as sync
 from course.core.simcheck import PHRASES, capture, capture_error, clean_up, close, phrase, x8
 
 
@@ -234,6 +236,7 @@ def failed_capture_claims_pool(cg, dev):
     return verdict
 
 
+SYNC_WARNS = "warn: item, if, mask, cpu, tolist, tensor(device=), stream sync; quiet: synchronize, embedding, matmul"
 PROGRAMS = tuple(Program(*p) for p in (
     ("copy_in", copy_in, "follows the copied data"),
     ("rebound_input", rebound_input, "reads the captured tensor"),
@@ -258,6 +261,9 @@ PROGRAMS = tuple(Program(*p) for p in (
     ("numba_default_stream", streams.numba_default_stream, "replay follows the input False, empty-graph warning True"),
     ("numba_alloc", streams.numba_alloc, PHRASES[4]),
     ("graphed_module", streams.graphed_module, "forward matches eager True, gradients match True"),
+    ("sync_debug_warns", sync.sync_debug_warns, SYNC_WARNS),
+    ("sync_debug_error", sync.sync_debug_error, "called a synchronizing CUDA operation; mode after 'default': 0"),
+    ("graph_freed_during_capture", sync.graph_freed_during_capture, PHRASES[10]),
 ))
 
 

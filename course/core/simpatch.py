@@ -10,6 +10,11 @@ refusal outside any capture (the graph cache's ``host_read_watch``).
 The simulator cannot tell a host tensor from a device tensor (both are CPU tensors), so: ``.to("cpu")`` written
 as a string is a copy to the host, ``.to(device)`` with a ``torch.device`` equal to the tensor's is a no-op (as
 ``t.to(x.device)`` is on a GPU), and ``torch.tensor(data, device=...)`` is a host-to-device copy.
+
+:func:`set_sync_debug_mode` is torch.cuda's: while it is "warn" or "error", the same patches (and the aten host
+reads of :mod:`course.core.simdispatch`) report every synchronizing call outside a capture too
+(:func:`course.core.simstream.on_sync`). In a capture, a host read is reported first and then refused (torch checks
+the mode before it calls CUDA); a copy is refused first (torch refuses it before it copies).
 """
 from __future__ import annotations
 
@@ -42,19 +47,30 @@ def _tensor_patches(torch):
 
     def reader(name, what):
         def method(self, *a, **k):
-            return _sync(what) if _on() else orig[name](self, *a, **k)
+            ss.on_sync(what)
+            if _on():
+                return _sync(what)
+            with ss.sync_reported():
+                return orig[name](self, *a, **k)
         return method
 
     def copier(name, what):
         def method(self, *a, **k):
-            return ss.refuse_copy(what) if _on() else orig[name](self, *a, **k)
+            if _on():
+                return ss.refuse_copy(what)
+            ss.on_sync(what)
+            with ss.sync_reported():
+                return orig[name](self, *a, **k)
         return method
 
     def to(self, *a, **k):
         dev = k.get("device", a[0] if a else None)
-        if _on() and isinstance(dev, str) and torch.device(dev).type == "cpu":
-            ss.refuse_copy(f'.to("{dev}") copies the tensor to the host')
-        return orig["to"](self, *a, **k)
+        if isinstance(dev, str) and torch.device(dev).type == "cpu":
+            if _on():
+                ss.refuse_copy(f'.to("{dev}") copies the tensor to the host')
+            ss.on_sync(f'.to("{dev}") copies the tensor to the host')
+        with ss.sync_reported():
+            return orig["to"](self, *a, **k)
 
     def numpy(self, *a, **k):
         caller = sys._getframe(1).f_code
@@ -78,9 +94,13 @@ def _tensor_patches(torch):
 def _torch_patches(torch):
     def ctor(orig, name):
         def make(data, *a, **k):
-            if _on() and k.get("device") is not None and not isinstance(data, torch.Tensor):
-                ss.refuse_copy(f"torch.{name}(..., device=...) builds the tensor on the host and copies it")
-            return orig(data, *a, **k)
+            if k.get("device") is not None and not isinstance(data, torch.Tensor):
+                what = f"torch.{name}(..., device=...) builds the tensor on the host and copies it"
+                if _on():
+                    ss.refuse_copy(what)
+                ss.on_sync(what)
+            with ss.sync_reported():
+                return orig(data, *a, **k)
         return make
 
     def seeding(orig):
@@ -175,6 +195,33 @@ def uninstall() -> None:
     _depth[0] -= 1
     if _depth[0] == 0:
         _restore()
+
+
+_MODES = {"default": 0, "warn": 1, "error": 2}
+
+
+def set_sync_debug_mode(debug_mode) -> None:
+    """torch.cuda.set_sync_debug_mode on the simulator: "default"/0 off, "warn"/1 warn, "error"/2 raise at every
+    synchronizing call (the calls a capture refuses as host reads or copies, and ``Stream.synchronize()``)."""
+    from course.core import simdispatch
+
+    mode = _MODES.get(debug_mode, debug_mode) if isinstance(debug_mode, str) else debug_mode
+    if isinstance(debug_mode, str) and debug_mode not in _MODES:
+        raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
+    mode = min(max(int(mode), 0), 2)  # as torch: below 0 is off, above 2 is "error"
+    was = ss.sync_debug_mode()
+    ss.set_sync_debug_level(mode)
+    if mode and not was:
+        install()
+        simdispatch.begin()
+    elif was and not mode:
+        uninstall()
+        simdispatch.end()
+
+
+def get_sync_debug_mode() -> int:
+    """The sync debug mode in force: 0 ("default"), 1 ("warn") or 2 ("error")."""
+    return ss.sync_debug_mode()
 
 
 @contextlib.contextmanager

@@ -19,9 +19,12 @@ and the capturing stream must wait on ``s`` again (join) before the capture ends
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import sys
 import time
+import warnings
 
 SYNC = "CUDA error: operation not permitted when stream is capturing"
 INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
@@ -34,6 +37,9 @@ SEED = ("CUDAGeneratorImpl::set_current_seed can be called during stream capture
 NUMBA_ALLOC = ("[<CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: 900>] Call to {} results in "
                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
 MODES = ("global", "thread_local", "relaxed")
+SYNC_DEBUG = "called a synchronizing CUDA operation"
+FREED = ("a CUDAGraph was freed during the capture: its destructor calls CUDA, which a capturing stream does not "
+         "permit")
 
 
 class Capture:
@@ -90,7 +96,8 @@ class Stream:
         return True
 
     def synchronize(self) -> None:
-        """Wait for this stream (refused while it captures)."""
+        """Wait for this stream (refused while it captures; reported by the sync debug mode, as torch does)."""
+        on_sync("Stream.synchronize() waits for the stream")
         if self.capture is not None:
             refuse_sync("Stream.synchronize() waits for a capturing stream", self.capture)
 
@@ -208,6 +215,55 @@ def synchronize(device=None) -> None:
         refuse_sync("synchronize() waits for the whole device", *_ACTIVE)
 
 
+# --------------------------------------------------------------------------- torch's sync debug mode
+
+_sync_debug = [0, 0]  # [mode: 0 default, 1 warn, 2 error; depth of calls inside a sync already reported]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sync_debug_mode() -> int:
+    """The sync debug mode in force: 0 ("default"), 1 ("warn") or 2 ("error")."""
+    return _sync_debug[0]
+
+
+def set_sync_debug_level(mode: int) -> None:
+    """Put sync debug mode ``mode`` (0, 1 or 2) in force (:func:`course.core.simpatch.set_sync_debug_mode`)."""
+    _sync_debug[0] = mode
+
+
+def _user_stacklevel() -> int:
+    import torch
+
+    skip = (_HERE + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def on_sync(what: str) -> None:
+    """A synchronizing call: under the sync debug mode, torch's warning ("warn") or RuntimeError ("error").
+
+    Once per call: what the call does inside (``repr`` reads values with ``.item()``) is not reported again.
+    """
+    mode = _sync_debug[0]
+    if not mode or _sync_debug[1]:
+        return
+    if mode == 2:
+        raise RuntimeError(f"{SYNC_DEBUG} ({what})")
+    warnings.warn(f"{SYNC_DEBUG} ({what})", UserWarning, stacklevel=_user_stacklevel())
+
+
+@contextlib.contextmanager
+def sync_reported():
+    """The block is one synchronizing call already reported by :func:`on_sync`."""
+    _sync_debug[1] += 1
+    try:
+        yield
+    finally:
+        _sync_debug[1] -= 1
+
+
 # --------------------------------------------------------------------------- refusals
 
 def _accelerator_error(msg: str):
@@ -221,6 +277,13 @@ def refuse_sync(what: str, *captures) -> None:
     for cap in captures or [c for c in (capturing(),) if c is not None]:
         cap.invalid = cap.invalid or what
     raise _accelerator_error(f"{SYNC} ({what})")
+
+
+def graph_freed() -> None:
+    """A captured graph was destroyed: a capture under way in "global" or "thread_local" mode is invalidated."""
+    cap = strict_capture()
+    if cap is not None:
+        cap.invalid = cap.invalid or FREED
 
 
 def refuse_copy(what: str) -> None:

@@ -13,7 +13,10 @@
   cache that "clears" but keeps its recordings referenced elsewhere frees nothing here either.
 
 Both return a :class:`Recorded` (the replay callable and the static output) or raise
-:class:`CaptureFailed` with a one-line reason.
+:class:`CaptureFailed` with a one-line reason. A cache that captures with the graph API itself (lab 3's) uses a
+backend for the rest: ``pool()`` (the pool to capture into), ``capture_failed(error, graph, stream)`` (the one-line
+reason, with CUDA left clean and the pool retired: :func:`failure_reason`), ``reset_pool()`` and
+``memory_reserved()``.
 """
 from __future__ import annotations
 
@@ -76,6 +79,25 @@ def diagnose(error_type: str, message: str, frames) -> str:
     return f"{error_type}: {message}{where}"
 
 
+def failure_reason(backend, error, graph=None, stream=None) -> str:
+    """After a capture into ``backend``'s pool failed with ``error``: CUDA left clean, the pool retired, the reason.
+
+    ``stream`` (the stream current before the capture) is made current again and, on a GPU, ``graph`` kept alive,
+    the device allocator's recording into the pool ended, the queue drained and the random generators reset
+    (:func:`course.core.capture.recover`). The shared pool is never captured into again (a failed capture can leave
+    it claimed): the next ``pool()`` is a fresh one. Returns ``diagnose``'s one line: the first error of the chain
+    and the user line that raised it.
+    """
+    from course.core.capture import exception_frames, recover
+    from course.core.capturecheck import root_cause
+
+    pool, backend._pool = backend._pool, None
+    recover(stream=stream, graph=graph, pool=pool)
+    cause = root_cause(error)
+    msg = (str(cause).strip().splitlines() or [repr(cause)])[0]
+    return diagnose(type(cause).__name__, msg, exception_frames(cause))
+
+
 def tensor_bytes(obj) -> int:
     """Bytes of the tensors in ``obj`` (a tensor, or nested tuples/lists/dicts of them); other values count 0."""
     import torch
@@ -113,7 +135,7 @@ class RecordingBackend:
         and a pool the failed capture claimed is not used again (as :func:`course.core.capture.graph` does).
         """
         from course.core import simcuda as cg
-        from course.core.capture import _root_cause, exception_frames
+        from course.core.capture import _root_cause, collector_paused, exception_frames
 
         t0 = time.perf_counter()
         for _ in range(warmup):
@@ -122,7 +144,7 @@ class RecordingBackend:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with cg.graph(g, pool=self.new_pool()):
+                with collector_paused(), cg.graph(g, pool=self.new_pool()):
                     out = fn(*static_args)
         except Exception as e:  # noqa: BLE001 - every capture failure becomes a fallback (its warnings are noise)
             cause = _root_cause(e)
@@ -149,6 +171,14 @@ class RecordingBackend:
         if self._pool is None:
             self._pool = cg.graph_pool_handle()
         return self._pool
+
+    def pool(self):
+        """The pool the next capture goes into (the cache's shared one; None: a private pool per graph)."""
+        return self.new_pool()
+
+    def capture_failed(self, error, graph=None, stream=None) -> str:
+        """A capture into :meth:`pool` failed: the reason, with the stream put back and the pool retired."""
+        return failure_reason(self, error, graph, stream)
 
     def memory_reserved(self) -> int:
         """Bytes of the static inputs and outputs of this backend's recordings that are still alive.
@@ -183,6 +213,14 @@ class CudaGraphBackend:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
+
+    def pool(self):
+        """The pool the next capture goes into (the cache's shared one; None: a private pool per graph)."""
+        return self.new_pool()
+
+    def capture_failed(self, error, graph=None, stream=None) -> str:
+        """A capture into :meth:`pool` failed: the reason, with CUDA left clean and the pool retired."""
+        return failure_reason(self, error, graph, stream)
 
     def memory_reserved(self) -> int:
         """Bytes the CUDA caching allocator holds (graph pools included)."""

@@ -1,67 +1,30 @@
 """Lab 3's checks: each runs the learner's own code (a key function, static buffers, outputs, a cache class).
 
-Every check uses the default backend of this machine (a real CUDA graph on the GPU path, the
-recording backend on the simulator path), wrapped in :class:`CountingBackend` so it can tell whether
-the learner's cache really records and replays, which static inputs a replay read, and whether the
-pool was reset. The messages diagnose the classic wrong caches: keys (or lookups) that ignore the
-dtype, inputs not copied into the static buffers, outputs overwritten by the next replay, padding
-rows that hold anything but ``pad_value``, eager keys counted as hits, a clear that keeps the graphs.
-Hints are staged: a nudge, then the idea, then the line.
+The learner's cache captures with the graph API itself (``cg = course.graphs()``: ``torch.cuda`` on the GPU path,
+the simulator's graphs otherwise) and uses the machine's default backend for its pool, its memory and the reason of
+a failed capture. The checks hand it a :class:`~course.lessons.graph_cache.counting.CountingBackend` and count, while
+they run, the graph API calls it makes: captures, replays, the pool each capture named, the static inputs each
+replay read, pool resets, and the graphs still alive. The messages diagnose the classic wrong caches: keys (or
+lookups) that ignore the dtype, a capture without a warm-up on a side stream or with the collector on, graphs not in
+the cache's pool, inputs not copied into the static buffers, outputs overwritten by the next replay, padding rows
+that hold anything but ``pad_value``, eager keys counted as hits, a failed capture that escapes or leaves its stream
+current, a clear that keeps the graphs (or leaves them to the garbage collector). Hints are staged: a nudge, then
+the idea, then the line.
 """
 from __future__ import annotations
 
-import weakref
+import contextlib
+import gc
 
 import torch
 
+from course.core.capture import recover
+from course.core.capturecheck import assert_captured_well, first_line, root_cause
 from course.core.checks import exercise
-from course.core.runtime import torch_device
-from course.lessons.graph_cache.backends import CaptureFailed, Recorded, default_backend
+from course.core.runtime import graphs, torch_device
+from course.core.text import clip
+from course.lessons.graph_cache.counting import CountingBackend
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
-
-
-class CountingBackend:
-    """Wraps a backend and counts captures, replays and pool resets (so a check sees what the cache did).
-
-    It also remembers, without keeping them alive, the static inputs each recording was captured on:
-    :meth:`replayed_inputs` gives those of the latest replay (the memory that graph reads), and
-    ``replaced`` counts the replays whose static-input list no longer held those tensors (a cache that put
-    new buffers in it: a real graph would still read the old ones).
-    """
-
-    def __init__(self, inner=None):
-        self.inner = inner or default_backend()
-        self.name = self.inner.name
-        self.captures = self.replays = self.pool_resets = self.replaced = 0
-        self._replayed = ()
-
-    def capture(self, fn, static_args, warmup: int = 1) -> Recorded:
-        """Capture through the wrapped backend and count it (failed attempts count too)."""
-        self.captures += 1
-        refs = tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else None for a in static_args)
-        rec = self.inner.capture(fn, static_args, warmup=warmup)
-        inner_replay = rec.replay
-
-        def replay():
-            self.replays += 1
-            self._replayed = refs
-            self.replaced += any(r is not None and r() is not a for r, a in zip(refs, static_args))
-            inner_replay()
-        rec.replay = replay
-        return rec
-
-    def replayed_inputs(self) -> tuple:
-        """The static inputs the latest replay read, one per argument (None: not a tensor, or freed)."""
-        return tuple(r() if r is not None else None for r in self._replayed)
-
-    def memory_reserved(self) -> int:
-        """The wrapped backend's reserved memory (what its live recordings hold, on either path)."""
-        return self.inner.memory_reserved()
-
-    def reset_pool(self) -> None:
-        """Forget the wrapped backend's shared pool (and count the call)."""
-        self.pool_resets += 1
-        self.inner.reset_pool()
 
 
 def _dev():
@@ -159,9 +122,23 @@ def check_copy_out(copy_out) -> None:
         assert float(view.min()) == 5.0, "copy=False returns views of the static output (zero-copy)"
 
 
-def _counted(cls, fn, **kw):
-    backend = CountingBackend()
-    return cls(fn, backend=backend, **kw), backend
+@contextlib.contextmanager
+def counting():
+    """``counted(cls, fn, **kw)`` for the block: a cache of class ``cls`` around ``fn`` on a CountingBackend that
+    counts until the block ends; ``(cache, backend)``."""
+    with contextlib.ExitStack() as stack:
+        def counted(cls, fn, **kw):
+            backend = CountingBackend()
+            cache = cls(backend.watch(fn), backend=backend, **kw)
+            backend.serve(cache)
+            stack.enter_context(backend.counting())
+            return cache, backend
+        yield counted
+
+
+_SHARED_POOL = ("your captures did not all go into the cache's pool: capture with "
+                "cg.graph(g, pool=self.backend.pool()) so that the graphs of one cache share one memory pool "
+                "(notebook 04: what sharing saves)")
 
 
 def check_miss_and_hit(cls) -> None:
@@ -169,11 +146,12 @@ def check_miss_and_hit(cls) -> None:
     with exercise("lab 3.4 capture on miss, replay on hit", hint=[
             "a new key is recorded once, a known key reuses its recording: either way the call ends in a replay of "
             "the graph, on the caller's inputs, and a different dtype is a different key",
-            "look the entry up by cache_key(args, bucket); miss: make_static, copy_in, self.backend.capture(self.fn, "
-            "static), count a recording; hit: copy_in into that entry's static buffers; then replay and copy_out",
+            "look the entry up by cache_key(args, bucket); miss: make_static, copy_in, warm self.fn up on a side "
+            "stream, capture it with collector_paused() and cg.graph(g, pool=self.backend.pool()), count a "
+            "recording; hit: copy_in into that entry's static buffers; then replay and copy_out",
             "entry = self.entries.get(key); if entry is None: entry = self.entries[key] = self.record(...); else: "
-            "copy_in(entry['static'], ...); entry['recorded'].replay(); return copy_out(entry['recorded'].output, "
-            "n, bucket)"]):
+            "copy_in(entry['static'], ...); entry['graph'].replay(); return copy_out(entry['output'], n, bucket)"]), \
+            counting() as _counted:
         d = _dev()
         w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(d)
         fn = lambda x: torch.relu(x @ w) + 1  # noqa: E731
@@ -191,7 +169,13 @@ def check_miss_and_hit(cls) -> None:
                 "output holds nothing yet), so replay the new recording before returning" if first else
                 f"call {i} (a hit) ended in {backend.replays - replays} replays, expected 1: does a hit call the "
                 "forward eagerly?")
-        assert backend.captures == 2, f"2 shapes should be recorded once each; the backend captured {backend.captures}x"
+        assert backend.captures == 2, f"2 shapes should be recorded once each; your cache captured {backend.captures}x"
+        assert_captured_well(backend.forward, "the forward")
+        assert None not in backend.pools and len(set(backend.pools)) == 1, _SHARED_POOL
+        assert not backend.foreign, (
+            "your graph was captured on other tensors than the entry's static buffers (the caller's?): a hit copies "
+            "the new inputs into the static buffers, which the graph never reads, so it returns the same as the "
+            "previous call. Capture self.fn(*static)")
         assert not backend.replaced, (
             "after the capture, your cache put new tensors into the static input list it was captured with: the "
             "graph reads the buffers it was captured on, whatever the list holds now. Write into them with copy_()")
@@ -205,12 +189,12 @@ def check_miss_and_hit(cls) -> None:
         s = cache.stats
         assert (s["cache_misses"], s["cache_hits"], s["recordings"]) == (2, 2, 2), \
             f"stats: misses {s['cache_misses']}, hits {s['cache_hits']}, recordings {s['recordings']}; expected 2, 2, 2"
-        _check_dtypes(cls, d)
+        _check_dtypes(cls, d, _counted)
 
 
-def _check_dtypes(cls, d) -> None:
+def _check_dtypes(cls, d, counted) -> None:
     """One shape in two dtypes: two keys, two recordings, each call answered in its own dtype."""
-    cache, backend = _counted(cls, lambda x: x * 2 + 1)
+    cache, backend = counted(cls, lambda x: x * 2 + 1)
     calls = [torch.randn(4, 8, device=d), torch.randn(4, 8, device=d).half(), torch.randn(4, 8, device=d)]
     for i, x in enumerate(calls):
         got = cache(x)
@@ -222,7 +206,7 @@ def _check_dtypes(cls, d) -> None:
         assert torch.allclose(got.float(), (x * 2 + 1).float(), atol=1e-2), \
             f"call {i} ({_dt(x.dtype)}, after a call of the other dtype with the same shape) returned a wrong result"
     assert backend.captures == 2, (f"one shape in float32 and float16 should be recorded once per dtype (2 "
-                                   f"captures); the backend captured {backend.captures}x")
+                                   f"captures); your cache captured {backend.captures}x")
 
 
 def _dt(dtype) -> str:
@@ -237,7 +221,8 @@ def check_buckets(cls) -> None:
             "bucket = next_bucket(n, self.sizes) (None, above the largest: run self.fn eagerly, an eager call); "
             "copy_in fills rows [n:] of argument i with its own pad_value[i] on every call; padded_rows += bucket - n",
             "if not self.enabled or bucket is None: self.stats['eager_calls'] += 1; return self.fn(*args); "
-            "copy_in(static, args, n, self.pads(args)); self.stats['padded_rows'] += bucket - n"]):
+            "copy_in(static, args, n, self.pads(args)); self.stats['padded_rows'] += bucket - n"]), \
+            counting() as _counted:
         cfg = DecoderConfig(layers=1, max_seq=8, slots=10)
         eager, cached = TinyDecoder(cfg), TinyDecoder(cfg)
         cache, backend = _counted(cls, cached.step, buckets=[2, 4, 8], pad_value=cached.pad_values())
@@ -269,6 +254,7 @@ def check_buckets(cls) -> None:
         got = {k: s.get(k) for k in want}
         assert got == want, f"stats {got}, expected {want} (batch 9 is above the largest bucket: eager)"
         assert backend.captures == 3, f"buckets 4, 8 and 2 should be captured once each, not {backend.captures} times"
+        assert None not in backend.pools and len(set(backend.pools)) == 1, _SHARED_POOL
 
 
 def _check_padding(i: int, b: int, static, pads) -> None:
@@ -295,20 +281,36 @@ def check_fallback(cls) -> None:
     with exercise("lab 3.6 fallback", hint=[
             "a key that cannot be captured must not be an outage, nor a capture attempted on every call: remember "
             "what happened to it, and why",
-            "catch CaptureFailed around backend.capture; store an eager entry with e.reason and put the reason in "
-            "stats['fallbacks'][key]; every call of that key runs self.fn and counts an eager call, never a hit",
-            "except CaptureFailed as e: self.stats['fallbacks'][key] = e.reason; return {'eager': True, "
-            "'reason': e.reason}; and count cache_hits only for an entry that is not eager"]):
+            "catch the capture's error; reason = self.backend.capture_failed(e, graph=g, stream=before) (the stream "
+            "put back, the pool retired); store an eager entry with the reason and put it in stats['fallbacks'][key]; "
+            "every call of that key runs self.fn and counts an eager call, never a hit",
+            "except Exception as e: reason = self.backend.capture_failed(e, graph=g, stream=before); "
+            "self.stats['fallbacks'][key] = reason; return {'eager': True, 'reason': reason}; and count cache_hits "
+            "only for an entry that is not eager"]), counting() as _counted:
         d = _dev()
         fn = lambda x, hazard: _hazard(x) if hazard else x * 2  # noqa: E731
         cache, backend = _counted(cls, fn)
         x = torch.randn(4, 3, device=d)
+        cg = graphs()
+        before = cg.current_stream()
         for _ in range(2):
             try:
                 got = cache(x, True)
-            except CaptureFailed as e:
-                raise AssertionError(f"your cache let CaptureFailed escape ({e.reason}): catch it around "
-                                     "backend.capture and run that key eagerly") from e
+            except (AssertionError, NotImplementedError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the capture's error, escaped from the learner's cache
+                if not cg.current_stream() == before:
+                    recover(stream=before)
+                why = clip(first_line(root_cause(e)), 120)
+                raise AssertionError(f"your cache let the capture's error escape ({why}): "
+                                     "catch it around the capture, take the reason from self.backend.capture_failed("
+                                     "e, graph=g, stream=before), and run that key eagerly") from None
+            if not cg.current_stream() == before:
+                recover(stream=before)
+                raise AssertionError(
+                    "after the failed capture, the capture stream is still current (a failed cg.graph leaves it so): "
+                    "every later op would run on it. In your except: reason = self.backend.capture_failed(e, "
+                    "graph=g, stream=before), which puts your stream back and retires the pool")
             assert torch.allclose(got, _hazard(x)), "a key that cannot be captured must still return the right answer"
         assert backend.captures == 1, (f"the failing key was captured {backend.captures} times: remember that it "
                                        "runs eager instead of trying again on every call")
@@ -320,8 +322,9 @@ def check_fallback(cls) -> None:
         assert torch.allclose(cache(x, False), x * 2) and backend.captures == 2 and backend.replays >= 1, \
             "after a failed capture, other keys must still be recorded and replayed"
         reasons = list(cache.stats["fallbacks"].values())
-        assert len(reasons) == 1 and "item" in reasons[0], \
-            f"stats['fallbacks'] should map the failing key to its reason (CaptureFailed.reason); got {reasons}"
+        assert len(reasons) == 1 and "item" in reasons[0], (
+            f"stats['fallbacks'] should map the failing key to its reason (from self.backend.capture_failed); "
+            f"got {reasons}")
         assert cache.stats["eager_calls"] == 2, f"eager_calls: {cache.stats['eager_calls']}, expected 2"
 
 
@@ -331,8 +334,6 @@ def reserved_now(backend) -> int:
     What a cache's recordings hold shows up here only while something references them, so the difference
     before and after ``clear_cache()`` is the memory that clearing gave back.
     """
-    import gc
-
     gc.collect()
     if backend.name != "recording":
         torch.cuda.synchronize()
@@ -347,7 +348,8 @@ def check_enable_clear(cls) -> None:
             "the cache or in the backend's pool",
             "set_enabled stores the flag and __call__ runs self.fn eagerly while it is off; clear_cache empties "
             "self.entries, keeps no other reference to them, and calls self.backend.reset_pool()",
-            "self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"]):
+            "self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"]), \
+            counting() as _counted:
         d = _dev()
         cache, backend = _counted(cls, lambda x: x + 1)
         x = torch.ones(2, device=d)
@@ -364,6 +366,14 @@ def check_enable_clear(cls) -> None:
         assert backend.pool_resets >= 1, (
             "clear_cache() never called self.backend.reset_pool(): the backend keeps the dropped graphs' pool and "
             "would put the next captures into it. Call it after emptying self.entries, so they start a fresh pool")
+        live = backend.live_graphs()
+        if live:
+            gc.collect()
+            assert backend.live_graphs() == live, (
+                f"clear_cache() dropped the entries, but {live - backend.live_graphs()} graph(s) lived on until the "
+                "garbage collector ran: a reference cycle held them. The collector may run in the middle of a later "
+                "capture, and a graph freed there breaks it (lesson 03): keep no cycle (nothing that refers back to "
+                "the cache or the entry) around your entries, so that clearing frees the graphs at once")
         after = reserved_now(backend)
         assert after < before, (
             f"clear_cache() emptied self.entries, but the memory the graphs held did not come back ({before} bytes "
