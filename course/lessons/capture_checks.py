@@ -165,7 +165,12 @@ def _watching(model, optimizers: bool = False, batch=None):
 @contextlib.contextmanager
 def restored():
     """However the learner's code ends, the notebook goes on: the stream that was current is current again, no
-    simulated capture is left under way, and on a GPU the random generators leave capture mode after an error."""
+    simulated capture is left under way, and on a GPU the random generators leave capture mode after an error.
+    Garbage is collected first: a graph left in a reference cycle by an earlier run must not be freed in the middle
+    of the learner's capture (lesson 03: that invalidates the capture, and the ✗ would blame their code)."""
+    import gc
+
+    gc.collect()
     cg = course.graphs()
     before = cg.current_stream()
     try:
