@@ -148,3 +148,21 @@ def test_recover_puts_the_stream_back_on_either_path():
     capture.recover(stream=before, graph=g)
     assert left and cg.current_stream() == before and not cg.is_current_stream_capturing()
     assert torch.randn(2, device=course.device()).shape == (2,)
+
+
+def test_capture_once_captures_replays_and_leaves_the_stream_after_a_failure():
+    """course.core.capture.capture_once on this machine's graphs (the simulator's, or torch.cuda's)."""
+    import course
+    from course.core.capture import capture_once
+    from course.core.runtime import torch_device
+
+    cg = course.graphs()
+    x = torch.ones(4, device=torch_device())
+    g, out = capture_once(lambda t: t * 3, x)
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(out.cpu(), torch.full((4,), 6.0))
+    before = cg.current_stream()
+    with pytest.raises(Exception):
+        capture_once(lambda t: t * float(t.sum()), x)  # a host read: refused by the capture
+    assert cg.current_stream() == before and not cg.is_current_stream_capturing()

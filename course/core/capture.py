@@ -304,3 +304,28 @@ def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> Capt
     for w in caught:  # a successful capture keeps its warnings (e.g. "the CUDA Graph is empty": wrong stream?)
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return CaptureOutcome(True, graph=cuda_graph, output=out)
+
+
+def capture_once(fn, *static):
+    """Warm ``fn`` up once on a side stream, then capture ``fn(*static)`` into a new graph: ``(graph, output)``.
+
+    Written against ``course.graphs()`` (torch.cuda on a GPU, the simulator's graphs otherwise), with the garbage
+    collector paused during the capture. A failed capture raises its error after :func:`recover` (the stream that
+    was current made current again, the failed graph kept alive; on a GPU, CUDA left usable).
+    """
+    from course.core.runtime import graphs
+
+    cg = graphs()
+    side = cg.Stream()
+    side.wait_stream(cg.current_stream())
+    with cg.stream(side):
+        fn(*static)
+    cg.current_stream().wait_stream(side)
+    g, before = cg.CUDAGraph(), cg.current_stream()
+    try:
+        with collector_paused(), cg.graph(g):
+            out = fn(*static)
+    except Exception:
+        recover(stream=before, graph=g)
+        raise
+    return g, out

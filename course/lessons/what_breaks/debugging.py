@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from course.core.capture import collector_paused, recover
+from course.core.capture import capture_once, recover
 from course.core.capturecheck import Watched, assert_captured_well, first_line, root_cause
 from course.core.checks import exercise, passed
 from course.core.runtime import graphs, torch_device
@@ -105,19 +105,10 @@ class Probe(Watched):
 
 def reference_capture(fn, make_args):
     """The course's answer to 03.4: capture ``fn(*make_args(0))``, replay on ``make_args(1)``; (verdict, error)."""
-    cg = graphs()
     static = list(make_args(0))
-    side = cg.Stream()
-    side.wait_stream(cg.current_stream())
-    with cg.stream(side):
-        fn(*static)
-    cg.current_stream().wait_stream(side)
-    g, before = cg.CUDAGraph(), cg.current_stream()
     try:
-        with collector_paused(), cg.graph(g):
-            out = fn(*static)
+        g, out = capture_once(fn, *static)
     except Exception as e:  # noqa: BLE001 - the verdict is the error
-        recover(stream=before, graph=g)
         return "fails", e
     new = make_args(1)
     for s, n in zip(static, new):
