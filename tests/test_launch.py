@@ -116,3 +116,32 @@ def test_capture_calls_replays_every_call():
     g.replay()
     torch.cuda.synchronize()
     assert x.tolist() == [5.0] * 4
+
+
+def test_launch_costs_result_reads_the_cells_timings():
+    from course.core.timing import Timing
+    from course.lessons.launch_overhead import launch_costs_result
+
+    def t(us):
+        return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 20, "host-enqueue")
+
+    rows = [{"op": "torch", "enqueue": t(10.0), "gpu": t(11.0), "exec_s": 2e-6},
+            {"op": "numba empty", "enqueue": t(30.0), "gpu": t(31.0), "exec_s": 1e-6}]
+    res = launch_costs_result(rows, repeats=5)
+    assert res.column("op") == ["torch", "numba empty"]
+    assert res.value("torch_launch_us") == pytest.approx(10.0) and res.value("numba_empty_launch_us") == pytest.approx(30.0)
+    assert res.value("torch_launch_over_exec") == pytest.approx(5.0)
+    assert res.rows[0]["host_q1_us"] == pytest.approx(9.0) and res.params == {"repeats": 5}
+
+
+def test_tiny_kernels_compile_and_run_on_this_path():
+    import numpy as np
+
+    from course.core.runtime import cuda
+    from course.lessons.launch_overhead import tiny_kernels
+
+    empty, add_one = tiny_kernels()
+    a = cuda().to_device(np.zeros(4, dtype=np.float32))
+    add_one[1, 4](a)
+    empty[1, 1]()
+    assert a.copy_to_host().tolist() == [1.0, 1.0, 1.0, 1.0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import contextlib
 import os
 from pathlib import Path
 
@@ -38,6 +39,22 @@ class Experiment:
 
 
 _REGISTRY: dict = {}
+_KEEP = [False]  # True while cells are read out of an answer version: a registration already made wins
+_CELLS_LOADED: set = set()
+
+
+@contextlib.contextmanager
+def keeping_registered():
+    """While active, :func:`experiment` leaves a name that is already registered as it is.
+
+    :func:`course.core.cells.load` reads an answer version's experiment cells under it, so an experiment the
+    notebook (or a learner's edit of its cell) registered first is the one :func:`run` measures.
+    """
+    old, _KEEP[0] = _KEEP[0], True
+    try:
+        yield
+    finally:
+        _KEEP[0] = old
 
 
 def experiment(name: str, *, gpu_only: bool = True, quick: dict | None = None, gpus: int = 1):
@@ -50,6 +67,8 @@ def experiment(name: str, *, gpu_only: bool = True, quick: dict | None = None, g
     if gpus < 1 or (gpus > 1 and not gpu_only):
         raise ValueError(f"experiment {name!r}: gpus={gpus} needs gpu_only=True and gpus >= 1")
     def deco(fn):
+        if _KEEP[0] and name in _REGISTRY:
+            return fn
         if name in _REGISTRY and _REGISTRY[name].fn.__qualname__ != fn.__qualname__:
             raise ValueError(f"experiment {name!r} is registered twice")
         _REGISTRY[name] = Experiment(name, fn, gpu_only, dict(quick or {}), int(gpus))
@@ -62,8 +81,13 @@ def experiment_modules() -> tuple:
     return tuple(importlib.import_module(COURSE_MAP).experiment_modules())
 
 
+def experiment_notebooks() -> tuple:
+    """The answer versions whose cells hold experiments (tagged ``experiment``), as the course map lists them."""
+    return tuple(importlib.import_module(COURSE_MAP).experiment_notebooks())
+
+
 def load_all() -> dict:
-    """Import every experiment module the course map lists and return the registry.
+    """Import every experiment module the course map lists, read every experiment cell, return the registry.
 
     A listed module that does not exist is an error that names it and the map, never a silent skip: its
     experiments would otherwise vanish from ``course bench`` and the notebooks would find no reference for them.
@@ -78,6 +102,15 @@ def load_all() -> dict:
                 f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {mod!r} as a module with experiments, "
                 f"and there is no such module: correct the `experiments` of its entry there (or restore the module)",
                 name=mod) from e
+    from course.core import cells
+
+    for path in experiment_notebooks():
+        if str(path) not in _CELLS_LOADED:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {path} as holding "
+                                        "experiment cells, and there is no such notebook")
+            cells.load(path)
+            _CELLS_LOADED.add(str(path))
     return dict(_REGISTRY)
 
 

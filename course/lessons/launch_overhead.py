@@ -2,9 +2,10 @@
 
 Experiments (see :mod:`course.core.reference`):
 
-- ``launch_costs`` (GPU): host cost to issue one tiny op, for torch and for Numba kernels,
-  beside the GPU's own execution time of the same kernel (measured inside a CUDA graph,
-  where no launch gaps remain).
+- ``launch_costs`` (GPU; its code stands in lesson 01's cell, :mod:`course.core.cells`): host cost to issue one
+  tiny op, for torch and for Numba kernels, beside the GPU's own execution time of the same kernel (measured
+  inside a CUDA graph, where no launch gaps remain). This module keeps its bookkeeping
+  (:func:`launch_costs_result`) and kernels (:func:`tiny_kernels`).
 - ``launch_sweep`` (GPU): the same three times for ``x.add_(1)`` as the tensor grows from
   64 bytes to 1 GiB: a flat launch-bound region, a bandwidth-bound slope, and the crossover. The sizes are
   measured in turns (:func:`sweep_timings`), so a passing disturbance cannot make one size an outlier;
@@ -82,36 +83,28 @@ def _kernels():
     return empty, add_one
 
 
-@experiment("launch_costs", gpu_only=True, quick={"repeats": 5})
-def launch_costs(repeats: int = 25) -> Result:
-    """Per-call host launch cost and GPU execution time of tiny torch and Numba ops."""
-    import torch
+def tiny_kernels():
+    """The two Numba kernels lesson 01 launches: ``empty()`` and ``add_one(a)`` (``a[i] += 1``), compiled once."""
+    return _kernels()
 
-    dev = torch_device()
-    x = torch.zeros(1, device=dev)
-    empty, add_one = _kernels()
-    view = as_numba(x)
-    ops = {
-        "torch x.add_(1) (1 element)": lambda: x.add_(1.0),
-        "Numba empty kernel, no arguments": lambda: empty[1, 32, numba_stream()](),
-        "Numba kernel, 1 array (view made once)": lambda: add_one[1, 32, numba_stream()](view),
-        "Numba kernel, 1 array (as_numba each call)": lambda: add_one[1, 32, numba_stream()](as_numba(x)),
-    }
-    rows = []
-    for name, op in ops.items():
-        enq = time_enqueue(op, warmup=20, repeats=repeats, inner=20)
-        dev_t = time_device(op, warmup=20, repeats=repeats, inner=20)
-        exec_s, _ = graph_time_per_op(op, ops=20, repeats=repeats)
-        rows.append({"op": name, "host_enqueue_us": enq.us, "host_q1_us": enq.q1 * 1e6, "host_q3_us": enq.q3 * 1e6,
-                     "gpu_per_call_us": dev_t.us, "kernel_exec_us": exec_s * 1e6})
+
+def launch_costs_result(rows: list, repeats: int) -> Result:
+    """The ``launch_costs`` table from the cell's measurements: one row per op.
+
+    ``rows``: ``{"op": name, "enqueue": Timing, "gpu": Timing, "exec_s": seconds}`` per op, the first a torch op
+    and the second the empty Numba kernel (the summary reads them by position).
+    """
+    out = [{"op": r["op"], "host_enqueue_us": r["enqueue"].us, "host_q1_us": r["enqueue"].q1 * 1e6,
+            "host_q3_us": r["enqueue"].q3 * 1e6, "gpu_per_call_us": r["gpu"].us, "kernel_exec_us": r["exec_s"] * 1e6}
+           for r in rows]
     res = Result("launch_costs", "Launch cost vs execution time of one tiny op",
                  {"op": "", "host_enqueue_us": "us", "host_q1_us": "us", "host_q3_us": "us",
-                  "gpu_per_call_us": "us", "kernel_exec_us": "us"}, rows,
+                  "gpu_per_call_us": "us", "kernel_exec_us": "us"}, out,
                  params={"repeats": repeats})
-    res.add_summary("torch_launch_us", rows[0]["host_enqueue_us"], "us")
-    res.add_summary("torch_kernel_exec_us", rows[0]["kernel_exec_us"], "us")
-    res.add_summary("numba_empty_launch_us", rows[1]["host_enqueue_us"], "us")
-    res.add_summary("torch_launch_over_exec", rows[0]["host_enqueue_us"] / rows[0]["kernel_exec_us"], "x")
+    res.add_summary("torch_launch_us", out[0]["host_enqueue_us"], "us")
+    res.add_summary("torch_kernel_exec_us", out[0]["kernel_exec_us"], "us")
+    res.add_summary("numba_empty_launch_us", out[1]["host_enqueue_us"], "us")
+    res.add_summary("torch_launch_over_exec", out[0]["host_enqueue_us"] / out[0]["kernel_exec_us"], "x")
     return res
 
 

@@ -21,6 +21,12 @@ class Entry:
     kind: str  # "lesson", "lab" or "solution"
     summary: str
     experiments: tuple = ()  # modules that register the experiments this notebook shows first
+    experiment_cells: bool = False  # its answer version has cells tagged "experiment" (course.core.cells)
+
+    @property
+    def answer_version(self) -> str:
+        """The answer version this notebook is generated from (itself, for an entry in solutions/)."""
+        return f"solutions/{Path(self.path).name}"
 
 
 CATALOG = (
@@ -28,7 +34,7 @@ CATALOG = (
           "what the course is, the doctor's verdict, GPU path vs simulator path, the map"),
     Entry("notebooks/01_launch_overhead.ipynb", "Launch overhead", "lesson",
           "why small kernels make the GPU wait for the CPU: measured, swept, profiled",
-          ("course.lessons.launch_overhead",)),
+          ("course.lessons.launch_overhead",), experiment_cells=True),
     Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
           "CUDA graphs by hand: warm-up, static inputs, replay, what freezes, shared pools; your own captures",
           ("course.lessons.capture_replay", "course.lessons.replay_launch", "course.lessons.capture_more",
@@ -103,6 +109,11 @@ def all_notebooks_on_disk(root: Path = ROOT) -> list:
 def experiment_modules() -> tuple:
     """Every module the course map names as holding experiments, in teaching order, each once."""
     return tuple(dict.fromkeys(m for e in CATALOG for m in e.experiments))
+
+
+def experiment_notebooks(root: Path = ROOT) -> tuple:
+    """The answer versions whose cells define experiments (entries with ``experiment_cells``), in teaching order."""
+    return tuple(dict.fromkeys(root / e.answer_version for e in CATALOG if e.experiment_cells))
 
 
 def course_map() -> str:
