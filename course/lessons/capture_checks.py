@@ -217,6 +217,7 @@ def check_capture_forward(capture_fn, run_fn) -> None:
         g, static_y = out
         assert hasattr(g, "replay") and isinstance(static_y, torch.Tensor), \
             f"capture_forward must return (graph, static_y); got ({type(g).__name__}, {type(static_y).__name__})"
+        seen = [first_x]  # every input so far: a graph that reads another tensor replays one of them
         for k in range(3):
             x = torch.randn(8, 16, device=course.device())
             before = static_y.clone()
@@ -226,15 +227,18 @@ def check_capture_forward(capture_fn, run_fn) -> None:
                 raise AssertionError("static_y did not change when the graph replayed: it is not the graph's output "
                                      "but a copy taken at capture (which computed nothing yet); return the tensor "
                                      "the capture produced, static_y = model(static_x) inside cg.graph(g)")
-            if _close(static_y, model(first_x)) and not _close(static_y, want):
-                where = ("the graph does not read static_x: it was captured reading another tensor (a copy?)"
+            if not _close(static_y, want) and any(_close(static_y, model(s)) for s in seen):
+                where = ("the graph does not read static_x: it was captured reading another tensor (a copy?), "
+                         "and replays whatever that tensor's memory holds (on a GPU, once the copy is dropped, "
+                         "memory the allocator hands to other tensors)"
                          if _close(static_x, x) else "the new data never reached static_x: copy it in with "
                          "static_x.copy_(new_x) (rebinding the name changes nothing the graph reads)")
-                raise AssertionError(f"replay {k}: the output is still the model's output for the data the graph "
-                                     f"was captured with; {where}")
+                raise AssertionError(f"replay {k}: the output is the model's output for earlier data, not for the "
+                                     f"data just copied in; {where}")
             assert isinstance(got, torch.Tensor) and _close(got, want), \
                 f"replay {k}: run_forward's result is not model(new_x)"
             assert _close(static_y, want), f"replay {k}: static_y is not model(new_x) after the replay"
+            seen.append(x.clone())
 
 
 # ------------------------------------------------------------------------------------------------ 02.7
