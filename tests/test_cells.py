@@ -43,7 +43,7 @@ def test_a_cell_registers_its_experiment_and_getsource_shows_the_cell(tmp_path):
            '    return n * 21\n')
     p = tmp_path / "probe_a.ipynb"
     p.write_text(json.dumps(_nb([src], [["experiment"]])))
-    mod = cells.load(p)
+    mod = cells.load(p, guard=reference.keeping_registered)
     exp = reference.get("cells_probe_a")
     assert exp.fn(2) == 42 and exp.fn.__module__ == mod.__name__
     assert "return n * 21" in inspect.getsource(exp.fn)
@@ -59,8 +59,20 @@ def test_a_definition_made_first_wins_over_the_file(tmp_path):
     p.write_text(json.dumps(_nb(['from course.core.reference import experiment\n'
                                  '@experiment("cells_probe_b", gpu_only=False)\n'
                                  'def probe():\n    return "file"\n'], [["experiment"]])))
-    cells.load(p)
+    cells.load(p, guard=reference.keeping_registered)
     assert reference.get("cells_probe_b").fn() == "edited"
+
+
+def test_keeping_registered_keeps_a_name_only_while_active():
+    @reference.experiment("cells_probe_c", gpu_only=False)
+    def first():
+        return 1
+
+    with reference.keeping_registered():
+        @reference.experiment("cells_probe_c", gpu_only=False)
+        def first():  # noqa: F811 - the same name again, kept out by the guard
+            return 2
+    assert reference.get("cells_probe_c").fn() == 1
 
 
 def test_a_failing_cell_names_the_notebook_and_the_cell(tmp_path):

@@ -15,6 +15,7 @@ already registered, so ``reference.run`` in a notebook always measures the cell 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import linecache
 import sys
@@ -42,16 +43,15 @@ def module_name(path) -> str:
     return f"course_cells.nb_{stem}"
 
 
-def load(path) -> types.ModuleType:
+def load(path, guard=contextlib.nullcontext) -> types.ModuleType:
     """Run the tagged cells of the notebook at ``path`` in a fresh module; return it.
 
     Each cell's source is registered with :mod:`linecache` under ``<path>#cell<index>``, so tracebacks and
-    ``inspect.getsource`` show the cell's own lines. Experiments the cells define are registered (the
-    ``experiment`` decorator), except names already registered (a notebook's own definition wins). A cell
-    that fails names the notebook and the cell.
+    ``inspect.getsource`` show the cell's own lines. Each cell runs inside ``guard()``:
+    :func:`course.core.reference.load_all` passes its ``keeping_registered``, so the experiments the cells define
+    are registered except names already registered (a notebook's own definition wins). A cell that fails names
+    the notebook and the cell.
     """
-    from course.core import reference
-
     path = Path(path)
     mod = types.ModuleType(module_name(path))
     mod.__file__ = str(path)
@@ -61,7 +61,7 @@ def load(path) -> types.ModuleType:
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         try:
             code = compile(src, filename, "exec")
-            with reference.keeping_registered():
+            with guard():
                 exec(code, mod.__dict__)  # noqa: S102 - the course's own answer version, by design
         except Exception as e:
             raise RuntimeError(f"the experiment cell {index} of {path.name} failed to load: "

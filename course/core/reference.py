@@ -109,7 +109,7 @@ def load_all() -> dict:
             if not Path(path).exists():
                 raise FileNotFoundError(f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {path} as holding "
                                         "experiment cells, and there is no such notebook")
-            cells.load(path)
+            cells.load(path, guard=keeping_registered)
             _CELLS_LOADED.add(str(path))
     return dict(_REGISTRY)
 

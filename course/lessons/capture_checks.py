@@ -217,6 +217,7 @@ def check_capture_forward(capture_fn, run_fn) -> None:
         g, static_y = out
         assert hasattr(g, "replay") and isinstance(static_y, torch.Tensor), \
             f"capture_forward must return (graph, static_y); got ({type(g).__name__}, {type(static_y).__name__})"
+        _probe_forward_graph(g, static_x, static_y, first_x)
         seen = [first_x]  # every input so far: a graph that reads another tensor replays one of them
         for k in range(3):
             x = torch.randn(8, 16, device=course.device())
@@ -239,6 +240,32 @@ def check_capture_forward(capture_fn, run_fn) -> None:
                 f"replay {k}: run_forward's result is not model(new_x)"
             assert _close(static_y, want), f"replay {k}: static_y is not model(new_x) after the replay"
             seen.append(x.clone())
+
+
+def _probe_forward_graph(g, static_x, static_y, x0) -> None:
+    """Two replays with marked memory: does the graph write ``static_y``, and does it read ``static_x``?
+
+    NaN marks the memory: a replay that writes static_y replaces NaN put there, and a graph that reads static_x
+    turns NaN put there into NaN in its output (a linear layer propagates it). Values alone cannot tell on a GPU:
+    a graph captured reading a copy that was dropped afterwards reads whatever the allocator put in its memory.
+    """
+    import torch
+
+    static_y.fill_(float("nan"))
+    static_x.copy_(x0)
+    g.replay()
+    if bool(torch.isnan(static_y).all()):
+        raise AssertionError("static_y did not change when the graph replayed: it is not the graph's output but a "
+                             "copy taken at capture (which computed nothing yet); return the tensor the capture "
+                             "produced, static_y = model(static_x) inside cg.graph(g)")
+    static_x.fill_(float("nan"))
+    g.replay()
+    reads = bool(torch.isnan(static_y).any())
+    static_x.copy_(x0)
+    if not reads:
+        raise AssertionError("the graph does not read static_x: it was captured reading another tensor (a copy?), "
+                             "so a replay never sees what you copy into static_x (on a GPU it reads whatever that "
+                             "tensor's memory holds once the copy is dropped); capture static_y = model(static_x)")
 
 
 # ------------------------------------------------------------------------------------------------ 02.7

@@ -49,6 +49,7 @@ class CountingBackend:
         self.name = self.inner.name
         self.captures = self.replays = self.pool_resets = self.replaced = self.foreign = 0
         self.pools, self.graphs, self.forward = [], [], None
+        self.reasons = []  # what capture_failed returned, in order: the reasons a cache should store
         self._cache = lambda: None  # the cache under test, by weak reference (set by :meth:`serve`)
         self._replayed, self._capturing, self._pending = (), None, None
         self._held, self._ids = {}, itertools.count()
@@ -59,8 +60,10 @@ class CountingBackend:
         return self.inner.pool()
 
     def capture_failed(self, error, graph=None, stream=None) -> str:
-        """The wrapped backend's reason for a failed capture (CUDA left clean, its pool retired)."""
-        return self.inner.capture_failed(error, graph=graph, stream=stream)
+        """The wrapped backend's reason for a failed capture (CUDA left clean, its pool retired); remembered."""
+        reason = self.inner.capture_failed(error, graph=graph, stream=stream)
+        self.reasons.append(reason)
+        return reason
 
     def reset_pool(self) -> None:
         """Forget the wrapped backend's shared pool (and count the call)."""
