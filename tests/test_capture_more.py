@@ -3,8 +3,9 @@ import pytest
 import torch
 
 import course
-from course.lessons.capture_more import (capture_modes_experiment, data_dependent_loss, graphed_callables_experiment,
-                                         two_streams_experiment)
+from course.core import reference
+from course.lessons import capture_more
+from course.lessons.capture_more import data_dependent_loss
 
 gpu = pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 
@@ -16,13 +17,13 @@ def test_data_dependent_loss_keeps_rows_with_positive_sum():
 
 @gpu
 def test_graphed_callables_quick():
-    res = graphed_callables_experiment(repeats=5)
+    res = reference.get("graphs_make_graphed_callables").fn(repeats=5)
     assert res.value("largest gradient difference vs eager") < 1e-3
 
 
 @gpu
 def test_two_streams_quick():
-    res = two_streams_experiment(repeats=5)
+    res = reference.get("graphs_two_streams").fn(repeats=5)
     rows = {r["capture"]: r for r in res.rows}
     assert rows["one stream"]["replay_matches"] and rows["two streams, fork and join"]["replay_matches"]
     x = torch.ones(4, device="cuda")
@@ -31,7 +32,7 @@ def test_two_streams_quick():
 
 @gpu
 def test_capture_modes_quick():
-    res = capture_modes_experiment()
+    res = reference.get("graphs_capture_modes").fn()
     assert [r["mode"] for r in res.rows] == ["global", "thread_local", "relaxed"]
 
 
@@ -59,3 +60,47 @@ def test_forgotten_join_is_refused():
 
     out = run_isolated("course.lessons.capture_more", "forgotten_join", batch=8, width=64)
     assert not out["captured"] and "unjoined" in out["error"]
+
+
+# ----------------------------------------------------------------------------- the cells' bookkeeping, on recordings
+def _t(us, q1=None, q3=None):
+    from course.core.timing import Timing
+
+    q1, q3 = (us if q1 is None else q1), (us if q3 is None else q3)
+    return Timing(us * 1e-6, q1 * 1e-6, q3 * 1e-6, q1 * 1e-6, q3 * 1e-6, 15, 10, "cuda-events")
+
+
+def _same(got, want):
+    assert got.name == want.name and got.title == want.title and list(got.columns) == list(want.columns)
+    assert {k: v["value"] for k, v in got.summary.items()} == pytest.approx({k: v["value"] for k, v in want.summary.items()})
+    assert got.rows == [{k: (pytest.approx(v) if isinstance(v, float) else v) for k, v in r.items()} for r in want.rows]
+
+
+def test_graphed_callables_result_gives_the_recording_back():
+    want = reference.load_reference("graphs_make_graphed_callables")
+    times = {r["step"]: _t(r["us"], r["q1_us"], r["q3_us"]) for r in want.rows}
+    got = capture_more.graphed_callables_result(times, want.value("largest gradient difference vs eager"), 64, 1024,
+                                                4, 15)
+    _same(got, want)
+
+
+def test_two_streams_result_gives_the_recording_back():
+    want = reference.load_reference("graphs_two_streams")
+    rows = [capture_more.stream_row(r["capture"], r["captured"], r["error"], r["replay_matches"]) for r in want.rows]
+    assert all(r["replay_us"] is None for r in rows)
+    times = {r["capture"]: _t(r["replay_us"], r["q1_us"], r["q3_us"]) for r in want.rows if r["replay_us"]}
+    times["eager, one stream"] = _t(want.value("eager, one stream"))
+    _same(capture_more.two_streams_result(rows, times, 64, 2048, 15), want)
+
+
+def test_two_streams_result_compares_nothing_when_a_capture_failed():
+    rows = [capture_more.stream_row("one stream", True, "", True),
+            capture_more.stream_row("two streams, fork and join", False, "RuntimeError: x", False)]
+    res = capture_more.two_streams_result(rows, {"one stream": _t(80.0), "eager, one stream": _t(90.0)}, 8, 64, 3)
+    assert list(res.summary) == ["eager, one stream"] and res.rows[1]["replay_us"] is None
+    assert res.rows[0]["replay_us"] == pytest.approx(80.0)
+
+
+def test_capture_modes_result_gives_the_recording_back():
+    want = reference.load_reference("graphs_capture_modes")
+    _same(capture_more.capture_modes_result([dict(r) for r in want.rows]), want)

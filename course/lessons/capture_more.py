@@ -1,26 +1,26 @@
 """Beyond the basic recipe (lesson 02, section 8): capture part of a model, capture two streams, error modes.
 
-- :func:`graphed_callables_experiment`: ``torch.cuda.make_graphed_callables`` graphs one block of a training
-  step (forward and backward) while a data-dependent loss stays eager; time and gradients against eager.
-- :func:`two_streams_experiment`: two independent branches captured on two streams (fork with
-  ``wait_stream``, join before the capture ends) against the same work captured on one stream, and what
-  happens when the join is forgotten.
-- :func:`capture_modes_experiment`: the same unsafe call (Numba allocating device memory) captured under each
-  ``capture_error_mode``.
+The experiments' code stands in lesson 02's cells (tagged ``experiment``, :mod:`course.core.cells`); this module
+keeps their pieces and bookkeeping:
+
+- ``graphs_make_graphed_callables``: ``torch.cuda.make_graphed_callables`` graphs one block of a training step
+  (forward and backward) while a data-dependent loss (:func:`data_dependent_loss`) stays eager; time and gradients
+  against eager (:func:`graphed_callables_result`).
+- ``graphs_two_streams``: two independent branches (:func:`branch`) captured on two streams (:func:`fork_join`:
+  fork with ``wait_stream``, join before the capture ends) against the same work captured on one stream, and what
+  happens when the join is forgotten (:func:`forgotten_join`, run in its own process) (:func:`stream_row`,
+  :func:`two_streams_result`).
+- ``graphs_capture_modes``: the same unsafe call (Numba allocating device memory) captured under each
+  ``capture_error_mode`` (:func:`capture_modes_result`).
 
 GPU only; on the simulator path notebooks load the reference results.
 """
 from __future__ import annotations
 
-import copy
-
-import course.core.isolate as isolate
-from course.core.capture import require_gpu, try_capture, warm_up
-from course.core.reference import experiment
+from course.core.capture import try_capture, warm_up
 from course.core.results import Result
 from course.core.text import clip
-from course.core.timing import speedup, time_interleaved
-from course.lessons.capture_replay import mlp
+from course.core.timing import speedup
 
 
 def data_dependent_loss(y):
@@ -28,31 +28,12 @@ def data_dependent_loss(y):
     return y[y.sum(1) > 0].pow(2).mean()
 
 
-@experiment("graphs_make_graphed_callables", gpu_only=True, quick={"repeats": 5})
-def graphed_callables_experiment(batch: int = 64, width: int = 1024, depth: int = 4, repeats: int = 15) -> Result:
-    """A training step whose MLP block is graphed with make_graphed_callables and whose loss stays eager."""
-    require_gpu("make_graphed_callables")
-    import torch
-
-    torch.manual_seed(0)
-    eager_block = mlp(width, depth)
-    graphed_source = copy.deepcopy(eager_block)
-    x = torch.randn(batch, width, device="cuda", requires_grad=True)
-    graphed_block = torch.cuda.make_graphed_callables(graphed_source, (x,))
-
-    def step(block):
-        block.zero_grad(set_to_none=True)
-        data_dependent_loss(block(x)).backward()
-
-    step(eager_block)
-    step(graphed_block)
-    torch.cuda.synchronize()
-    max_diff = max((a.grad - b.grad).abs().max().item()
-                   for a, b in zip(eager_block.parameters(), graphed_source.parameters()))
-    t = time_interleaved({"eager": lambda: step(eager_block), "graphed block": lambda: step(graphed_block)},
-                         warmup=3, repeats=repeats, inner=5)
-    s = speedup("eager", t["eager"], "graphed block", t["graphed block"])
-    rows = [{"step": name, "us": t[name].us, "q1_us": t[name].q1 * 1e6, "q3_us": t[name].q3 * 1e6}
+def graphed_callables_result(times: dict, max_diff: float, batch: int, width: int, depth: int,
+                            repeats: int) -> Result:
+    """The ``graphs_make_graphed_callables`` table from the cell's interleaved ``{"eager": Timing, "graphed block":
+    Timing}`` and the largest gradient difference between the graphed and the eager block."""
+    s = speedup("eager", times["eager"], "graphed block", times["graphed block"])
+    rows = [{"step": name, "us": times[name].us, "q1_us": times[name].q1 * 1e6, "q3_us": times[name].q3 * 1e6}
             for name in ("eager", "graphed block")]
     res = Result("graphs_make_graphed_callables",
                  f"A training step: MLP {depth}x{width} (batch {batch}) graphed, data-dependent loss eager",
@@ -103,66 +84,32 @@ def forgotten_join(batch: int = 64, width: int = 2048) -> dict:
     return {"captured": out.ok, "error": "" if out.ok else clip(f"{out.error_type}: {out.error}", 240)}
 
 
-@experiment("graphs_two_streams", gpu_only=True, quick={"repeats": 5})
-def two_streams_experiment(batch: int = 64, width: int = 2048, repeats: int = 15) -> Result:
-    """Two independent matmul branches: captured on one stream vs forked onto two streams and joined."""
-    require_gpu("capturing two streams")
-    import torch
+def stream_row(capture: str, captured: bool, error: str, replay_matches) -> dict:
+    """One ``graphs_two_streams`` row before timing: how ``capture`` went (``replay_matches`` None: not replayed)."""
+    return {"capture": capture, "captured": captured, "error": error, "replay_matches": replay_matches,
+            "replay_us": None, "q1_us": None, "q3_us": None}
 
-    torch.manual_seed(0)
-    x = torch.randn(batch, width, device="cuda")
-    w1, w2 = (torch.randn(width, width, device="cuda") / width ** 0.5 for _ in range(2))
-    side = torch.cuda.Stream()
 
-    def one_stream():
-        return branch(x, w1) + branch(x, w2)
-
-    def two_streams():
-        return fork_join(x, w1, w2, side)
-
-    want = one_stream()
-    rows, graphs = [], {}
-    for name, fn in (("one stream", one_stream), ("two streams, fork and join", two_streams)):
-        out = try_capture(fn)
-        graphs[name] = out
-        ok = out.ok
-        if ok:
-            out.graph.replay()
-            torch.cuda.synchronize()
-        rows.append({"capture": name, "captured": ok, "error": "" if ok else f"{out.error_type}: {out.error}",
-                     "replay_matches": bool(ok and torch.allclose(out.output, want, atol=1e-3, rtol=1e-3)),
-                     "replay_us": None, "q1_us": None, "q3_us": None})
-    bad = isolate.run_isolated("course.lessons.capture_more", "forgotten_join", batch=batch, width=width)
-    rows.append({"capture": "two streams, join forgotten", **bad, "replay_matches": None,
-                 "replay_us": None, "q1_us": None, "q3_us": None})
-    t = time_interleaved({k: v.graph.replay for k, v in graphs.items() if v.ok} | {"eager, one stream": one_stream},
-                         warmup=3, repeats=repeats, inner=10)
+def two_streams_result(rows: list, times: dict, batch: int, width: int, repeats: int) -> Result:
+    """The ``graphs_two_streams`` table: :func:`stream_row` rows with their replay times from ``times`` (the
+    interleaved timings: a key per captured graph and ``"eager, one stream"``) and the two-vs-one comparison."""
     for r in rows:
-        if r["capture"] in t:
-            r["replay_us"], r["q1_us"], r["q3_us"] = t[r["capture"]].us, t[r["capture"]].q1 * 1e6, t[r["capture"]].q3 * 1e6
+        if r["capture"] in times:
+            t = times[r["capture"]]
+            r["replay_us"], r["q1_us"], r["q3_us"] = t.us, t.q1 * 1e6, t.q3 * 1e6
     res = Result("graphs_two_streams", f"Two independent branches (batch {batch}, {width}x{width} matmuls)",
                  {"capture": "", "captured": "", "error": "", "replay_matches": "", "replay_us": "us",
                   "q1_us": "us", "q3_us": "us"}, rows, params={"batch": batch, "width": width, "repeats": repeats})
-    res.add_summary("eager, one stream", t["eager, one stream"].us, "us")
-    if all(v.ok for v in graphs.values()):
-        s = speedup("one stream", t["one stream"], "two streams", t["two streams, fork and join"])
+    res.add_summary("eager, one stream", times["eager, one stream"].us, "us")
+    if "one stream" in times and "two streams, fork and join" in times:  # both captured
+        s = speedup("one stream", times["one stream"], "two streams", times["two streams, fork and join"])
         res.add_summary("two streams vs one: speedup", s.ratio, "x")
         res.add_summary("two streams vs one: difference is noise", s.noise)
     return res
 
 
-@experiment("graphs_capture_modes", gpu_only=True, quick={})
-def capture_modes_experiment() -> Result:
-    """Capture a function that allocates with Numba (an unsafe call) under each capture_error_mode."""
-    require_gpu("capture error modes")
-    import torch
-
-    from course.lessons.what_breaks.numba_zoo import capture_and_replay, device_array_hazard
-
-    rows = []
-    for mode in ("global", "thread_local", "relaxed"):
-        x = torch.randn(1024, device="cuda")
-        rows.append({"mode": mode, **capture_and_replay(device_array_hazard, (x,), x, mode=mode)})
+def capture_modes_result(rows: list) -> Result:
+    """The ``graphs_capture_modes`` table: one row per capture_error_mode (``mode`` and what the capture did)."""
     return Result("graphs_capture_modes", "cuda.device_array inside a capture, under each capture_error_mode",
                   {"mode": "", "captured": "", "error": "", "empty_graph_warning": "", "replay_matches_eager": ""},
                   rows)

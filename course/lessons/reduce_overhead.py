@@ -3,7 +3,8 @@
 - :class:`CompileNet`: a small MLP whose forward carries one capture hazard (or none).
 - :func:`compile_skip_experiment`: compiled vs eager with each hazard, and the reason torch logs
   when it skips cudagraphs.
-- :func:`compile_shapes_experiment`: what a new input shape costs under reduce-overhead.
+- ``compile_new_shapes`` (its code stands in lesson 02's cell, :mod:`course.core.cells`): what a new input shape
+  costs under reduce-overhead; this module keeps its bookkeeping (:func:`shape_call_row`, :func:`new_shapes_result`).
 
 GPU only; on the simulator path notebooks load the reference results.
 """
@@ -129,45 +130,29 @@ def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth:
     return res
 
 
-@experiment("compile_new_shapes", gpu_only=True, quick={"batches": (8, 16), "calls_per_shape": 3})
-def compile_shapes_experiment(batches=(8, 16, 32, 8), calls_per_shape: int = 4, width: int = 256) -> Result:
-    """The CUDA Graph lesson's question ("what if the input shape changes?"), answered: a reduce-overhead compiled
-    model called at new input shapes."""
-    require_gpu("torch.compile with CUDA graphs")
+def shape_call_row(call: int, batch: int, new_shape: bool, seconds: float, before: dict, after: dict,
+                   messages: list) -> dict:
+    """One ``compile_new_shapes`` row: a call of the compiled model, its time, and what it compiled and recorded.
+
+    ``before``/``after``: :func:`course.core.compiled.compile_counters` around the call; ``messages``: what torch
+    logged during it (recompiles, cudagraphs).
+    """
+    log = [_recompile_reason(m) for m in messages if m.startswith("Recompiling")]
+    recorded = sum("Recording function" in m for m in messages)
+    compiled_now = after["unique_graphs"] - before["unique_graphs"]
+    if compiled_now and not log:
+        log.append("compiled")
+    if recorded:
+        log.append(f"recorded {recorded} CUDA graph(s)")
+    return {"call": call, "batch": batch, "new_shape": new_shape, "call_ms": seconds * 1e3,
+            "graphs_compiled": compiled_now, "graphs_recorded": recorded,
+            "log": clip(" | ".join(condense(l, 1) for l in log), 300)}
+
+
+def new_shapes_result(rows: list, batches, calls_per_shape: int, width: int) -> Result:
+    """The ``compile_new_shapes`` table from :func:`shape_call_row` rows: first calls, steady state, totals."""
     import torch
 
-    reset_compile()
-    torch.manual_seed(0)
-    net = CompileNet.build("none", width)
-    compiled = torch.compile(net, mode="reduce-overhead")
-    rows, seen = [], set()
-    call = 0
-    with torch.no_grad(), torch_log_messages(recompiles=True, cudagraphs=True, perf_hints=True) as msgs:
-        for b in batches:
-            x = torch.randn(b, width, device="cuda")
-            new_shape = b not in seen
-            seen.add(b)
-            for i in range(calls_per_shape):
-                before, n_msgs = compile_counters(), len(msgs)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                compiled(x)
-                torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                after = compile_counters()
-                new = msgs[n_msgs:]
-                log = [_recompile_reason(m) for m in new if m.startswith("Recompiling")]
-                recorded = sum("Recording function" in m for m in new)
-                compiled_now = after["unique_graphs"] - before["unique_graphs"]
-                if compiled_now and not log:
-                    log.append("compiled")
-                if recorded:
-                    log.append(f"recorded {recorded} CUDA graph(s)")
-                rows.append({"call": call, "batch": b, "new_shape": new_shape and i == 0, "call_ms": dt * 1e3,
-                             "graphs_compiled": compiled_now, "graphs_recorded": recorded,
-                             "log": clip(" | ".join(condense(l, 1) for l in log), 300)})
-                call += 1
-    reset_compile()
     res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new input shapes',
                  {"call": "count", "batch": "count", "new_shape": "", "call_ms": "ms", "graphs_compiled": "count",
                   "graphs_recorded": "count", "log": ""}, rows,

@@ -1,10 +1,10 @@
 """Lesson 02, section 5: what the host time of ``g.replay()`` depends on (a GPU experiment).
 
-The kernel sweep (:func:`course.lessons.capture_replay.kernel_sweep`) recorded the host time of one ``g.replay()``
+The kernel sweep (``graphs_kernel_sweep``) recorded the host time of one ``g.replay()``
 of a chain of ``buf.add_(1)`` growing with its node count. NVIDIA documents constant-time launch for
 *straight-line* graphs (every node depends on the one before, nothing else) since CUDA 12.6 ("Constant Time Launch
 for Straight-Line Graphs and Other Performance Enhancements", NVIDIA Technical Blog); a single-stream capture like
-the sweep's is one. :func:`launch_experiment` separates what could make the difference, for graphs of ``n`` tiny
+the sweep's is one. ``graphs_replay_launch`` separates what could make the difference, for graphs of ``n`` tiny
 kernels, timing the host (``time.perf_counter`` around one launch, the GPU idle before each):
 
 - the graph's shape: a straight line (one stream) against the same ``n`` nodes in four independent branches
@@ -15,6 +15,10 @@ kernels, timing the host (``time.perf_counter`` around one launch, the GPU idle 
 - torch's instantiation flags (``AutoFreeOnLaunch | UseNodePriority``) against the driver's defaults: the same
   graph (``keep_graph=True``) instantiated by ``cuGraphInstantiateWithFlags(..., 0)``, launched by ``cuGraphLaunch``.
 
+The experiment's code stands in lesson 02's cell (tagged ``experiment``, :mod:`course.core.cells`); this module
+keeps its pieces (:func:`capture`, :func:`host_us`, :func:`driver_launches`) and bookkeeping (:func:`launch_driver`,
+:func:`launch_row`, :func:`launch_result`).
+
 Driver calls go through ``ctypes`` (one call costs a little host time of its own: ``ctypes call`` in the summary).
 Where this torch or driver lacks a call, the columns it feeds are None and ``notes`` says why. GPU only.
 """
@@ -23,8 +27,6 @@ from __future__ import annotations
 import ctypes
 import time
 
-from course.core.capture import require_gpu
-from course.core.reference import experiment
 from course.core.results import Result
 from course.core.timing import time_enqueue
 
@@ -99,29 +101,23 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} returned CUresult {rc}")
 
 
-def measure(shape: str, n: int, repeats: int, lib) -> dict:
-    """One row: first and repeat launch host times of an ``n``-node graph of ``shape``, by stream, upload, flags."""
+def launch_row(shape: str, n: int, correct: bool, first_us: float, repeat, repeat_capture_stream) -> dict:
+    """One ``graphs_replay_launch`` row: the first launch (us) and the later ones (Timings, default stream and
+    capture stream); the driver's columns None until :func:`driver_launches` fills them."""
+    return {"shape": shape, "nodes": n, "replay_correct": correct, "first_us": first_us, "repeat_us": repeat.us,
+            "repeat_q1_us": repeat.q1 * 1e6, "repeat_q3_us": repeat.q3 * 1e6,
+            "repeat_capture_stream_us": repeat_capture_stream.us,
+            "first_after_upload_us": None, "driver_flags0_first_us": None, "driver_flags0_repeat_us": None}
+
+
+def driver_launches(lib, g, shape: str, n: int, bufs, cap_stream, repeats: int) -> dict:
+    """The driver's columns of a row: the first launch of a fresh instantiation uploaded first (``cuGraphUpload``),
+    and ``g``'s graph instantiated with flags 0 (``cuGraphInstantiateWithFlags``), launched by ``cuGraphLaunch``."""
     import torch
 
-    bufs = [torch.zeros(1024, device="cuda") for _ in range(BRANCHES)]
-    cap = torch.cuda.Stream()
-    keep = lib is not None
-    g = capture(shape, n, bufs, cap, keep_graph=keep)
-    for b in bufs:
-        b.zero_()
-    first = host_us(g.replay)
-    torch.cuda.synchronize()
-    correct = sum(float(b[0]) for b in bufs) == n  # one replay ran every node once
-    rep = time_enqueue(g.replay, warmup=3, repeats=repeats, inner=1)
-    with torch.cuda.stream(cap):
-        rep_cap = time_enqueue(g.replay, warmup=3, repeats=repeats, inner=1)
-    row = {"shape": shape, "nodes": n, "replay_correct": correct, "first_us": first, "repeat_us": rep.us,
-           "repeat_q1_us": rep.q1 * 1e6, "repeat_q3_us": rep.q3 * 1e6, "repeat_capture_stream_us": rep_cap.us,
-           "first_after_upload_us": None, "driver_flags0_first_us": None, "driver_flags0_repeat_us": None}
-    if lib is None:
-        return row
+    row = {}
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    g2 = capture(shape, n, bufs, cap, keep_graph=True)  # a fresh instantiation, uploaded before its first launch
+    g2 = capture(shape, n, bufs, cap_stream, keep_graph=True)  # a fresh instantiation, uploaded before its first launch
     _check(lib.cuGraphUpload(ctypes.c_void_p(g2.raw_cuda_graph_exec()), stream), "cuGraphUpload")
     row["first_after_upload_us"] = host_us(g2.replay)
     exe = ctypes.c_void_p()
@@ -134,7 +130,7 @@ def measure(shape: str, n: int, repeats: int, lib) -> dict:
     finally:
         torch.cuda.synchronize()
         lib.cuGraphExecDestroy(exe)
-    del g, g2
+    del g2
     return row
 
 
@@ -149,20 +145,30 @@ def slope(rows, column: str) -> float:
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
 
 
-@experiment("graphs_replay_launch", gpu_only=True, quick={"counts": (4, 64), "repeats": 5})
-def launch_experiment(counts=COUNTS, repeats: int = 25) -> Result:
-    """Host time of a graph launch by node count: straight line vs four branches, first vs repeat, upload, stream,
-    torch's instantiation flags vs the driver's defaults."""
-    require_gpu("the replay launch experiment")
+def launch_driver(counts):
+    """``(lib, notes)`` for the experiment: the driver (:func:`driver`) or None and why not. Counts that are not
+    multiples of :data:`BRANCHES` are refused (the forked graph splits them over its branches)."""
     import torch
 
     if any(n % BRANCHES for n in counts):
         raise ValueError(f"counts must be multiples of {BRANCHES} (the forked graph splits them over its branches)")
-    lib, why = driver()
-    notes = why
+    lib, notes = driver()
     if lib is not None and not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
         lib, notes = None, "this torch has no CUDAGraph.raw_cuda_graph_exec (keep_graph): no upload, no flags"
-    rows = [measure(shape, n, repeats, lib) for shape in ("chain", "fork") for n in counts]
+    return lib, notes
+
+
+def ctypes_call_us(lib, repeats: int):
+    """Host microseconds of one cheap driver call through ctypes (``cuCtxGetDevice``), or None without a driver."""
+    if lib is None:
+        return None
+    dev = ctypes.c_int()
+    return time_enqueue(lambda: lib.cuCtxGetDevice(ctypes.byref(dev)), warmup=3, repeats=repeats, inner=10).us
+
+
+def launch_result(rows: list, counts, repeats: int, notes: str, ctypes_us) -> Result:
+    """The ``graphs_replay_launch`` table: :func:`launch_row` rows and per-node fits; ``ctypes_us`` None means no
+    driver was used (no driver fits, no ctypes line)."""
     res = Result("graphs_replay_launch", "Host time of one graph launch: shape, first launch, upload, stream, flags",
                  {"shape": "", "nodes": "count", "replay_correct": "", "first_us": "us", "repeat_us": "us",
                   "repeat_q1_us": "us", "repeat_q3_us": "us", "repeat_capture_stream_us": "us",
@@ -172,12 +178,10 @@ def launch_experiment(counts=COUNTS, repeats: int = 25) -> Result:
         mine = [r for r in rows if r["shape"] == shape]
         res.add_summary(f"{shape}: repeat launch, per node (fit)", slope(mine, "repeat_us"), "us")
         res.add_summary(f"{shape}: first launch, per node (fit)", slope(mine, "first_us"), "us")
-        if lib is not None:
+        if ctypes_us is not None:
             res.add_summary(f"{shape}: driver flags 0 repeat launch, per node (fit)",
                             slope(mine, "driver_flags0_repeat_us"), "us")
-    if lib is not None:
-        dev = ctypes.c_int()
-        res.add_summary("ctypes call", time_enqueue(lambda: lib.cuCtxGetDevice(ctypes.byref(dev)), warmup=3,
-                                                    repeats=repeats, inner=10).us, "us")
+    if ctypes_us is not None:
+        res.add_summary("ctypes call", ctypes_us, "us")
     res.add_summary("every replay ran every node", all(r["replay_correct"] for r in rows))
     return res
