@@ -490,7 +490,7 @@ def test_lesson_03_experiments_are_its_cells():
     from course.core import cells
 
     nb = Path(__file__).resolve().parents[1] / "solutions" / "03_what_breaks_capture.ipynb"
-    for name in ("hazards_finder", "hazards_event_test", "hazards_numba"):
+    for name in ("hazards_finder", "hazards_event_test", "hazards_numba", "compile_skip_reasons"):
         assert reference.get(name).fn.__module__ == cells.module_name(nb), name
     assert reference.get("capture_recovery").fn.__module__ == "course.lessons.what_breaks.recovery"  # fresh processes
 
