@@ -175,6 +175,42 @@ def test_condense_cuts_machine_paths():
     assert "/work" not in out and '"graphs.py", line 3' in out
 
 
+def _timing(us):
+    from course.core.timing import Timing
+
+    return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 15, 10, "cuda-events")
+
+
+def test_compile_skip_row_reads_the_measurements_and_the_log():
+    from course.core.compiled import reset_compile
+
+    reset_compile()  # torch's counters at zero: the row reads them
+    msgs = ["skipping cudagraphs due to mutated inputs (1 instances)\nFound from File \"/w/net.py\", line 3",
+            "Graph break in user code at /w/net.py:9", "skipping cudagraphs due to something else"]
+    row = reduce_overhead.compile_skip_row("mutates_input", 1.5, {"graph_launches": 0, "kernel_launches": 12},
+                                           {"compiled": _timing(300.0), "eager": _timing(100.0)}, msgs)
+    assert row["hazard"] == "mutates_input" and row["first_call_s"] == 1.5
+    assert row["compiled_us"] == pytest.approx(300.0) and row["eager_q3_us"] == pytest.approx(110.0)
+    assert row["skip_reason"].startswith("skipping cudagraphs due to mutated inputs") and "/w/" not in row["skip_reason"]
+    assert row["graph_break_reason"].startswith("Graph break") and row["graph_breaks"] == 1  # one logged, none counted
+    assert row["cudagraph_skips"] == 0 and row["kernel_launches"] == 12 and row["partitions"] == ""
+    assert row["difference_is_noise"] is False and "no CUDA graph" in row["why_slower"]
+    same = reduce_overhead.compile_skip_row("none", 0.1, {"graph_launches": 1, "kernel_launches": 0},
+                                            {"compiled": _timing(100.0), "eager": _timing(101.0)}, [])
+    assert same["difference_is_noise"] is True and same["why_slower"] == "" and same["skip_reason"] == ""
+
+
+def test_compile_skip_result_keeps_params_and_the_clean_ratio():
+    def row(hazard):
+        return reduce_overhead.compile_skip_row(hazard, 0.1, {"graph_launches": 1, "kernel_launches": 0},
+                                                {"compiled": _timing(50.0), "eager": _timing(150.0)}, [])
+
+    res = reduce_overhead.compile_skip_result([row("item"), row("none")], ("item", "none"), 256, 6, 32, 15)
+    assert res.value("clean model: eager / compiled") == pytest.approx(3.0) and res.name == "compile_skip_reasons"
+    assert res.params["hazards"] == ["item", "none"] and res.params["repeats"] == 15 and "torch" in res.params
+    assert "clean model: eager / compiled" not in reduce_overhead.compile_skip_result([], ("item",), 256, 6, 32, 15).summary
+
+
 def test_why_slower_reads_the_row():
     row = {"compiled_us": 300.0, "eager_us": 200.0, "graph_launches": 0, "cudagraph_skips": 1, "graph_breaks": 0}
     assert "no CUDA graph" in reduce_overhead.why_slower(row)

@@ -479,3 +479,114 @@ def test_finder_reports_a_function_that_fails_without_capture():
     rep = hazards.find_hazards(lambda t: t + torch.ones(1, 3), x)  # a CUDA tensor plus a CPU tensor of shape [1, 3]
     assert rep.flagged and rep.dynamic.findings[0].rule == "fails"
     assert "without any capture" in str(rep)
+
+
+# ---------------------------------------------------------------------------------------
+# lesson 03's experiments stand in its cells; their bookkeeping here (CPU) and their checks (GPU)
+# ---------------------------------------------------------------------------------------
+def test_lesson_03_experiments_are_its_cells():
+    from pathlib import Path
+
+    from course.core import cells
+
+    nb = Path(__file__).resolve().parents[1] / "solutions" / "03_what_breaks_capture.ipynb"
+    for name in ("hazards_finder", "hazards_event_test", "hazards_numba", "compile_skip_reasons"):
+        assert reference.get(name).fn.__module__ == cells.module_name(nb), name
+    assert reference.get("capture_recovery").fn.__module__ == "course.lessons.what_breaks.recovery"  # fresh processes
+
+
+def test_finder_targets_are_each_hazard_and_fix_then_the_safe_functions():
+    targets = experiments.finder_targets(("item", "synchronize"))
+    kinds = [(t[1], t[2]) for t in targets]
+    assert kinds[:4] == [("item", "hazard"), ("item", "fix"), ("synchronize", "hazard"), ("synchronize", "fix")]
+    assert [t[2] for t in targets[4:]] == ["safe"] * len(zoo.SAFE) and all(t[1] == "-" for t in targets[4:])
+    assert targets[0][0] == zoo.get("item").hazard.__name__ and targets[0][3] is zoo.get("item").hazard
+    assert [t[:3] for t in experiments.finder_targets("item")] == [t[:3] for t in experiments.finder_targets(["item"])]
+    every = experiments.finder_targets()
+    assert len(every) == 2 * len(zoo.ENTRIES) + len(zoo.SAFE)
+    with pytest.raises(ValueError, match="no zoo entry called.*nope"):
+        experiments.finder_targets(("item", "nope"))
+
+
+def _finding(line, source, rule="item"):
+    from course.lessons.what_breaks.static import Finding
+
+    return Finding(rule, line, "/x/zoo.py", "y.item()", source)
+
+
+def _report(static, findings, *, captured, replay, blocked=True):
+    from types import SimpleNamespace
+
+    from course.core.capture import CaptureOutcome
+
+    cap = CaptureOutcome(True) if captured else CaptureOutcome(False, "RuntimeError", "not permitted")
+    d = hazards.DynamicReport(findings, BlockingReport(20.5, 21.0, blocked), cap, replay, 1)
+    return SimpleNamespace(static=static, dynamic=d, flagged=bool(static or findings))
+
+
+def test_finder_row_reads_each_check_of_the_report():
+    rep = _report([_finding(12, "static"), _finding(10, "static", "cpu"), _finding(12, "static")],
+                  [_finding(12, "sync-debug"), _finding(None, "sync-debug"), _finding(11, "capture"),
+                   _finding(12, "host-blocking")], captured=False, replay=None)
+    row = experiments.finder_row("item_hazard", "item", "hazard", rep, True, False)
+    assert row["static_lines"] == "10,12" and row["static_rules"] == "cpu,item"
+    assert row["sync_debug_lines"] == "12" and row["capture_line"] == "11" and row["blocking_line"] == "12"
+    assert row["capture"] == "RuntimeError: not permitted" and row["replay"] == "-" and row["capture_where"] == "zoo.py:11"
+    assert row["blocked"] is True and row["event_complete"] is True and row["next_capture_ok"] is False
+    assert row["host_return_ms"] == 20.5 and row["gpu_busy_ms"] == 21.0 and row["flagged"]
+    wrong = experiments.finder_row("f", "-", "safe", _report([], [], captured=True, replay=False, blocked=False),
+                                   None, True)
+    assert wrong["capture"] == "captured" and wrong["replay"] == "DIFFERS" and wrong["event_complete"] is False
+    assert wrong["capture_where"] == "" and not wrong["flagged"] and wrong["blocked"] is False
+    right = experiments.finder_row("f", "-", "safe", _report([], [], captured=True, replay=True), False, True)
+    assert right["replay"] == "matches eager"
+
+
+def test_finder_result_counts_flagged_hazards_and_safe_functions():
+    def row(kind, flagged, next_ok=True):
+        rep = _report([_finding(3, "static")] if flagged else [], [], captured=True, replay=True)
+        return experiments.finder_row("f", "-", kind, rep, False, next_ok)
+
+    rows = [row("hazard", True), row("hazard", False, False), row("fix", True), row("safe", False)]
+    res = experiments.finder_result(rows, ("item",), 20.0)
+    assert res.value("hazards flagged") == 1 and res.summary["hazards flagged"]["unit"] == "of 2"
+    assert res.value("safe functions flagged") == 1 and res.summary["safe functions flagged"]["unit"] == "of 2"
+    assert res.value("captures after a failure that still worked") == 3
+    assert res.params == {"names": ["item"], "sleep_ms": 20.0}
+    assert experiments.finder_result(rows, None, 5.0).params == {"names": None, "sleep_ms": 5.0}
+
+
+def test_event_test_result_reads_the_cells_measurements():
+    from course.core.timing import Timing
+
+    def host(us):
+        return Timing(us * 1e-6, us * 1e-6, us * 1e-6, us * 1e-6, us * 1e-6, 5, 1, "host-enqueue")
+
+    rows = [{"call": "numba", "host": host(30.0), "gpu_us": 2.0, "events": [True, True, True, False, False],
+             "blocking": BlockingReport(0.05, 20.0, False)},
+            {"call": "item", "host": host(40.0), "gpu_us": None, "events": [True, True, False, False, False],
+             "blocking": BlockingReport(20.1, 20.0, True)}]
+    res = experiments.event_test_result(rows, repeats=5, sleep_ms=20.0)
+    nb, item = res.rows
+    assert nb["event_complete"] is True and nb["event_complete_of_5"] == 3 and nb["blocked"] is False
+    assert item["event_complete"] is False and item["event_complete_of_5"] == 2 and item["blocked"] is True
+    assert nb["host_call_us"] == pytest.approx(30.0) and item["gpu_us"] is None and item["host_return_ms"] == 20.1
+    assert res.value("launch / kernel") == pytest.approx(15.0) and res.value("numba kernel, GPU time") == 2.0
+    assert res.params == {"repeats": 5, "sleep_ms": 20.0}
+
+
+@gpu
+def test_canary_and_gpu_time_per_call():
+    assert experiments.canary_ok() is True
+    x = torch.zeros(1, device="cuda")
+    us = experiments.gpu_us_per_call(lambda: x.add_(1.0), n=10, host_us=50.0)
+    assert 0 < us < 1000
+    assert x.item() == 10.0
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
+def test_lesson_03_cell_experiments_say_they_need_a_gpu():
+    for name in ("hazards_finder", "hazards_event_test"):
+        exp = reference.get(name)
+        with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
+            exp.fn(**exp.quick)

@@ -4,7 +4,8 @@ import torch
 
 import course
 from course.lessons.what_breaks import find_static, numba_zoo
-from course.lessons.what_breaks.numba_zoo import (ENTRIES, capture_and_replay, entry_args, kernels, numba_experiment,
+from course.core import reference
+from course.lessons.what_breaks.numba_zoo import (ENTRIES, capture_and_replay, entry_args, kernels, numba_result,
                                                   run_eagerly)
 
 NAMES = [e[0] for e in ENTRIES]
@@ -34,8 +35,32 @@ def test_kernels_are_compiled_once_and_args_match_entries():
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_numba_experiment_fixes_replay_right():
-    res = numba_experiment(n=256)
+    res = reference.get("hazards_numba").fn(n=256)  # the experiment as lesson 03's cell defines it
     assert res.value("fixes that capture and replay right") == len(ENTRIES)
+    assert [(r["entry"], r["kind"]) for r in res.rows] == [(e[0], k) for e in ENTRIES for k in ("hazard", "fix")]
+
+
+def test_numba_result_counts_fixes_that_replay_right_and_hazards_that_break():
+    def row(kind, captured, matches):
+        return {"entry": "e", "title": "t", "kind": kind, "function": "f", "static_rules": "", "captured": captured,
+                "error": "" if captured else "CUDAError: x", "empty_graph_warning": False,
+                "replay_matches_eager": matches}
+
+    rows = [row("hazard", False, None), row("fix", True, True), row("hazard", True, False), row("fix", True, False),
+            row("hazard", True, True), row("fix", False, None)]
+    res = numba_result(rows, n=64)
+    assert res.value("fixes that capture and replay right") == 1
+    assert res.value("hazards that fail to capture or replay wrong") == 2
+    assert res.summary["fixes that capture and replay right"]["unit"] == f"of {len(ENTRIES)}"
+    assert res.params == {"n": 64} and res.name == "hazards_numba" and len(res.rows) == 6
+
+
+@pytest.mark.skipif(course.runtime().on_gpu, reason="the CPU path's behaviour")
+def test_numba_experiment_says_it_needs_a_gpu():
+    from course.core.runtime import CourseEnvironmentError
+
+    with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
+        reference.get("hazards_numba").fn()
 
 
 def test_entries_name_their_functions():

@@ -1,8 +1,9 @@
 """torch.compile(mode="reduce-overhead"): the CUDA graphs torch.compile records for you (02 §7, 03 §5).
 
 - :class:`CompileNet`: a small MLP whose forward carries one capture hazard (or none).
-- :func:`compile_skip_experiment`: compiled vs eager with each hazard, and the reason torch logs
-  when it skips cudagraphs.
+- ``compile_skip_reasons`` (its code stands in lesson 03's cell, :mod:`course.core.cells`): compiled vs eager with
+  each hazard, and the reason torch logs when it skips cudagraphs. Here: a row (:func:`compile_skip_row`) and the
+  table (:func:`compile_skip_result`).
 - ``compile_new_shapes`` (its code stands in lesson 02's cell, :mod:`course.core.cells`): what a new input shape
   costs under reduce-overhead; this module keeps its bookkeeping (:func:`shape_call_row`, :func:`new_shapes_result`).
 
@@ -10,15 +11,10 @@ GPU only; on the simulator path notebooks load the reference results.
 """
 from __future__ import annotations
 
-import time
-
-from course.core.capture import require_gpu
-from course.core.compiled import compile_counters, reset_compile, torch_log_messages
-from course.core.profiling import launch_counts
-from course.core.reference import experiment
+from course.core.compiled import compile_counters
 from course.core.results import Result
 from course.core.text import clip, condense
-from course.core.timing import speedup, time_interleaved
+from course.core.timing import speedup
 
 
 class CompileNet:
@@ -75,47 +71,35 @@ def _recompile_reason(message: str) -> str:
     return "recompiled: " + "; ".join(reasons) if reasons else "recompiled"
 
 
-@experiment("compile_skip_reasons", gpu_only=True, quick={"hazards": ("none", "mutates_input"), "repeats": 5})
-def compile_skip_experiment(hazards=CompileNet.HAZARDS, width: int = 256, depth: int = 6, batch: int = 32,
-                            repeats: int = 15) -> Result:
-    """torch.compile(mode="reduce-overhead") on a small MLP with and without a hazard: logs, counters, time."""
-    require_gpu("torch.compile with CUDA graphs")
+def compile_skip_row(hazard: str, first_s: float, counts: dict, timings: dict, msgs: list) -> dict:
+    """One ``compile_skip_reasons`` row, from the cell's measurements of one hazard's model, and torch's compile
+    counters read now (:func:`course.core.compiled.compile_counters`, so call it right after the measurements).
+
+    ``first_s``: the first call's seconds; ``counts``: :func:`course.core.profiling.launch_counts` of a steady call;
+    ``timings``: ``{"compiled": Timing, "eager": Timing}`` (interleaved); ``msgs``: torch's log messages meanwhile.
+    """
+    c, e = timings["compiled"], timings["eager"]
+    k = compile_counters()
+    skips = [condense(m) for m in msgs if "skipping cudagraphs" in m]
+    breaks = [condense(m) for m in msgs if "graph break" in m.lower()]
+    parts = sorted({condense(m, 1) for m in msgs if "graph partitions" in m})
+    row = {"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us,
+           "compiled_q1_us": c.q1 * 1e6, "compiled_q3_us": c.q3 * 1e6, "eager_us": e.us,
+           "eager_q1_us": e.q1 * 1e6, "eager_q3_us": e.q3 * 1e6,
+           "graph_launches": int(counts["graph_launches"]), "kernel_launches": int(counts["kernel_launches"]),
+           "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
+           "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
+           "partitions": " | ".join(parts)}
+    row["difference_is_noise"] = speedup("eager", e, "compiled", c).noise
+    row["why_slower"] = "" if row["difference_is_noise"] else why_slower(row)
+    return row
+
+
+def compile_skip_result(rows: list, hazards, width: int, depth: int, batch: int, repeats: int) -> Result:
+    """The ``compile_skip_reasons`` table from its rows (:func:`compile_skip_row`), with the experiment's parameters
+    and torch's version; the clean model's eager / compiled ratio when the ``none`` row is there."""
     import torch
 
-    rows = []
-    for hazard in hazards:
-        reset_compile()
-        torch.manual_seed(0)
-        net = CompileNet.build(hazard, width, depth)
-        x = torch.randn(batch, width, device="cuda")
-        compiled = torch.compile(net, mode="reduce-overhead")
-        with torch.no_grad(), torch_log_messages(perf_hints=True, graph_breaks=True, cudagraphs=True) as msgs:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            compiled(x)
-            torch.cuda.synchronize()
-            first_s = time.perf_counter() - t0
-            for _ in range(3):
-                compiled(x)
-            counts = launch_counts(lambda: compiled(x))  # one steady-state call
-            t = time_interleaved({"compiled": lambda: compiled(x), "eager": lambda: net(x)}, warmup=3,
-                                 repeats=repeats, inner=10)
-        c, e = t["compiled"], t["eager"]
-        k = compile_counters()
-        skips = [condense(m) for m in msgs if "skipping cudagraphs" in m]
-        breaks = [condense(m) for m in msgs if "graph break" in m.lower()]
-        parts = sorted({condense(m, 1) for m in msgs if "graph partitions" in m})
-        row = {"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us,
-               "compiled_q1_us": c.q1 * 1e6, "compiled_q3_us": c.q3 * 1e6, "eager_us": e.us,
-               "eager_q1_us": e.q1 * 1e6, "eager_q3_us": e.q3 * 1e6,
-               "graph_launches": int(counts["graph_launches"]), "kernel_launches": int(counts["kernel_launches"]),
-               "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
-               "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
-               "partitions": " | ".join(parts)}
-        row["difference_is_noise"] = speedup("eager", e, "compiled", c).noise
-        row["why_slower"] = "" if row["difference_is_noise"] else why_slower(row)
-        rows.append(row)
-    reset_compile()
     res = Result("compile_skip_reasons", 'torch.compile(mode="reduce-overhead"): what a hazard does to cudagraphs',
                  {"hazard": "", "first_call_s": "s", "compiled_us": "us", "compiled_q1_us": "us",
                   "compiled_q3_us": "us", "eager_us": "us", "eager_q1_us": "us", "eager_q3_us": "us",

@@ -37,11 +37,10 @@ CATALOG = (
           ("course.lessons.launch_overhead",), experiment_cells=True),
     Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
           "CUDA graphs by hand: warm-up, static inputs, replay, what freezes, shared pools; your own captures",
-          ("course.lessons.reduce_overhead",), experiment_cells=True),
+          (), experiment_cells=True),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
           "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder",
-          ("course.lessons.what_breaks.experiments", "course.lessons.what_breaks.numba_zoo",
-           "course.lessons.what_breaks.recovery")),
+          ("course.lessons.what_breaks.recovery",), experiment_cells=True),
     Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
           "InfiniLM's fused inference engine, as a graph cache for a tiny decoder: keys, buckets, fallbacks, its FAQ, "
           "vs reduce-overhead",

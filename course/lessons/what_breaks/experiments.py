@@ -1,17 +1,20 @@
-"""Lesson 03's GPU experiments: the zoo under the finder, and the misleading event test.
+"""Lesson 03's GPU experiments, their bookkeeping: the zoo under the finder, and the misleading event test.
 
-- :func:`finder_experiment`: static + dynamic finder on every zoo hazard, fix and safe function.
-- :func:`event_test_experiment`: "the event is complete right after the call" vs the real
-  host-blocking test, for calls whose launch cost exceeds their kernel time.
+The experiments' code stands in lesson 03's cells (:mod:`course.core.cells`); this module keeps what they use:
+
+- ``hazards_finder``: static + dynamic finder on every zoo hazard, fix and safe function. Here: the functions it
+  runs (:func:`finder_targets`), the check after each one (:func:`canary_ok`), a row (:func:`finder_row`) and the
+  table (:func:`finder_result`).
+- ``hazards_event_test``: "the event is complete right after the call" vs the real host-blocking test, for calls
+  whose launch cost exceeds their kernel time. Here: the Numba kernel it launches (:func:`launch_tiny`), the GPU
+  time of a call (:func:`gpu_us_per_call`) and the table (:func:`event_test_result`).
 """
 from __future__ import annotations
 
-from course.core.reference import experiment
 from course.core.results import Result
-from course.lessons.what_breaks.dynamic import find_hazards
 
 
-def _canary_ok() -> bool:
+def canary_ok() -> bool:
     """After a capture attempt: does a fresh capture + replay of a safe function still work?"""
     import torch
     from course.core.capture import try_capture
@@ -30,12 +33,16 @@ def _lines(findings, source) -> str:
     return ",".join(str(l) for l in sorted({f.line for f in findings if f.source == source and f.line}))
 
 
-@experiment("hazards_finder", gpu_only=True, quick={"names": ("item", "synchronize", "pinned_frozen")})
-def finder_experiment(names=None, sleep_ms: float = 20.0) -> Result:
-    """Run the finder (static + dynamic) on every zoo hazard, every fix and the safe functions."""
+def finder_targets(names=None) -> list:
+    """``[(function name, entry, kind, fn, args), ...]``: each zoo entry's hazard and fix (only ``names``, when
+    given), then the safe functions; ``kind`` is "hazard", "fix" or "safe". Arguments are made here, in that order."""
     import course.lessons.what_breaks.zoo as zoo
-    from course.core.blocking import event_complete_right_after
 
+    if isinstance(names, str):
+        names = (names,)
+    unknown = sorted(set(names or ()) - set(zoo.names()))
+    if unknown:
+        raise ValueError(f"no zoo entry called {unknown}: choose from {zoo.names()}")
     targets = []
     for e in zoo.ENTRIES:
         if names is None or e.name in names:
@@ -43,26 +50,33 @@ def finder_experiment(names=None, sleep_ms: float = 20.0) -> Result:
             targets.append((e.fixed.__name__, e.name, "fix", e.fixed, e.fixed_args()))
     for name, fn, args in zoo.safe_functions()[:len(zoo.SAFE)]:
         targets.append((name, "-", "safe", fn, args))
-    rows = []
-    for fname, entry, kind, fn, args in targets:
-        rep = find_hazards(fn, *args, dynamic=True, sleep_ms=sleep_ms)
-        d = rep.dynamic
-        cap = [f for f in d.findings if f.source == "capture"]
-        event = event_complete_right_after(lambda: fn(*args))
-        rows.append({
-            "function": fname, "entry": entry, "kind": kind, "flagged": rep.flagged,
-            "static_lines": _lines(rep.static, "static"),
-            "static_rules": ",".join(sorted({f.rule for f in rep.static})),
-            "sync_debug_lines": _lines(d.findings, "sync-debug"),
-            "blocking_line": _lines(d.findings, "host-blocking"),
-            "capture_line": _lines(d.findings, "capture"),
-            "capture": "captured" if d.capture.ok else f"{d.capture.error_type}: {d.capture.error}",
-            "replay": "-" if d.replay_matches is None else ("matches eager" if d.replay_matches else "DIFFERS"),
-            "host_return_ms": d.blocking.host_return_ms, "gpu_busy_ms": d.blocking.gpu_busy_ms,
-            "blocked": bool(d.blocking.blocked), "event_complete": bool(event),
-            "next_capture_ok": _canary_ok(),
-            "capture_where": cap[0].where() if cap else "",
-        })
+    return targets
+
+
+def finder_row(function: str, entry: str, kind: str, report, event, next_ok: bool) -> dict:
+    """One ``hazards_finder`` row: the finder's ``report`` (static and dynamic) on ``function``, the event test's
+    verdict (``event``) and whether the next capture worked (``next_ok``), as the table's columns."""
+    d = report.dynamic
+    cap = [f for f in d.findings if f.source == "capture"]
+    return {
+        "function": function, "entry": entry, "kind": kind, "flagged": report.flagged,
+        "static_lines": _lines(report.static, "static"),
+        "static_rules": ",".join(sorted({f.rule for f in report.static})),
+        "sync_debug_lines": _lines(d.findings, "sync-debug"),
+        "blocking_line": _lines(d.findings, "host-blocking"),
+        "capture_line": _lines(d.findings, "capture"),
+        "capture": "captured" if d.capture.ok else f"{d.capture.error_type}: {d.capture.error}",
+        "replay": "-" if d.replay_matches is None else ("matches eager" if d.replay_matches else "DIFFERS"),
+        "host_return_ms": d.blocking.host_return_ms, "gpu_busy_ms": d.blocking.gpu_busy_ms,
+        "blocked": bool(d.blocking.blocked), "event_complete": bool(event),
+        "next_capture_ok": next_ok,
+        "capture_where": cap[0].where() if cap else "",
+    }
+
+
+def finder_result(rows: list, names, sleep_ms: float) -> Result:
+    """The ``hazards_finder`` table from its rows (:func:`finder_row`), with how many hazards and safe functions
+    were flagged and how many follow-up captures worked."""
     res = Result("hazards_finder", "The hazard finder on the zoo: static and dynamic findings per function",
                  {"function": "", "entry": "", "kind": "", "flagged": "", "static_lines": "", "static_rules": "",
                   "sync_debug_lines": "", "blocking_line": "", "capture_line": "", "capture": "", "replay": "",
@@ -108,8 +122,9 @@ def launch_tiny(t) -> None:
     tiny_kernel()[1, 32, numba_stream()](as_numba(t))
 
 
-def _gpu_us_per_call(fn, n: int = 20, host_us: float = 1000.0) -> float:
-    """GPU time per call of an asynchronous ``fn``: queue it behind a sleep so launch gaps vanish."""
+def gpu_us_per_call(fn, n: int = 20, host_us: float = 1000.0) -> float:
+    """GPU time per call of an asynchronous ``fn``: ``n`` calls queued behind a GPU sleep long enough to cover
+    their host time (``host_us`` each), so launch gaps vanish; CUDA events around them."""
     import torch
     from course.core.blocking import gpu_sleep
     from course.core.timing import one_sample
@@ -119,36 +134,21 @@ def _gpu_us_per_call(fn, n: int = 20, host_us: float = 1000.0) -> float:
     return one_sample(fn, n, "device") * 1e6 / n  # events around the n calls, queued behind the sleep
 
 
-@experiment("hazards_event_test", gpu_only=True, quick={"repeats": 5})
-def event_test_experiment(repeats: int = 25, sleep_ms: float = 20.0) -> Result:
-    """InfiniCore's 'event already complete, so it synchronized' test against the robust host-blocking test."""
-    import torch
-    from course.core.blocking import event_complete_right_after, host_blocking
-    from course.core.timing import time_enqueue
+def event_test_result(rows: list, repeats: int, sleep_ms: float) -> Result:
+    """The ``hazards_event_test`` table from the cell's measurements, one row per call; the first is the Numba launch.
 
-    t = torch.zeros(32, device="cuda")
-    x = torch.randn(1024, device="cuda")
-    calls = [
-        ("numba tiny kernel (launch_tiny)", lambda: launch_tiny(t), True),
-        ("torch x.add_(1)", lambda: x.add_(1.0), True),
-        ("x.sum().item()", lambda: x.sum().item(), False),
-        ("torch.cuda.synchronize()", torch.cuda.synchronize, False),
-    ]
-    rows = []
-    for name, fn, asynchronous in calls:
-        host = time_enqueue(fn, warmup=3, repeats=repeats, inner=1)
-        gpu_us = _gpu_us_per_call(fn, host_us=host.us) if asynchronous else None
-        events = [event_complete_right_after(fn) for _ in range(5)]
-        rep = host_blocking(fn, sleep_ms=sleep_ms)
-        rows.append({"call": name, "host_call_us": host.us, "gpu_us": gpu_us,
-                     "event_complete": sum(events) >= 3, "event_complete_of_5": sum(events),
-                     "blocked": bool(rep.blocked), "host_return_ms": rep.host_return_ms,
-                     "gpu_busy_ms": rep.gpu_busy_ms})
+    ``rows``: ``{"call": name, "host": Timing, "gpu_us": us or None, "events": [bool, ...] (five event tests),
+    "blocking": BlockingReport}`` per call. The event test says "synchronized" when 3 of the 5 say complete.
+    """
+    out = [{"call": r["call"], "host_call_us": r["host"].us, "gpu_us": r["gpu_us"],
+            "event_complete": sum(r["events"]) >= 3, "event_complete_of_5": sum(r["events"]),
+            "blocked": bool(r["blocking"].blocked), "host_return_ms": r["blocking"].host_return_ms,
+            "gpu_busy_ms": r["blocking"].gpu_busy_ms} for r in rows]
     res = Result("hazards_event_test", "Misleading event test vs the host-blocking test",
                  {"call": "", "host_call_us": "us", "gpu_us": "us", "event_complete": "",
                   "event_complete_of_5": "count", "blocked": "", "host_return_ms": "ms", "gpu_busy_ms": "ms"},
-                 rows, params={"repeats": repeats, "sleep_ms": sleep_ms})
-    nb = rows[0]
+                 out, params={"repeats": repeats, "sleep_ms": sleep_ms})
+    nb = out[0]
     res.add_summary("numba launch, host time", nb["host_call_us"], "us")
     res.add_summary("numba kernel, GPU time", nb["gpu_us"], "us")
     res.add_summary("launch / kernel", nb["host_call_us"] / nb["gpu_us"], "x")

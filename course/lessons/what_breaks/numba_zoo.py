@@ -1,4 +1,5 @@
-"""Capture hazards that Numba users hit, each with its fix (lesson 03, measured by :func:`numba_experiment`).
+"""Capture hazards that Numba users hit, each with its fix (lesson 03; ``hazards_numba``, whose code stands in
+lesson 03's cell, captures each with :func:`capture_and_replay` and tabulates them with :func:`numba_result`).
 
 1. a kernel launched on Numba's default stream instead of torch's (capturing) stream;
 2. ``cuda.device_array`` inside the captured function (Numba allocates with cuMemAlloc);
@@ -15,11 +16,9 @@ import warnings
 import numpy as np
 import torch
 
-from course.core.reference import experiment
 from course.core.results import Result
 from course.core.text import clip
 from course.core.runtime import as_numba, cuda, numba_stream, runtime
-from course.lessons.what_breaks.static import find_static
 
 _K: dict = {}
 ncuda = None  # numba.cuda, set by kernels(); a module global, so the simulator can swap it inside kernels
@@ -169,20 +168,10 @@ def capture_and_replay(fn, args, x, mode: str = "global") -> dict:
     return row
 
 
-@experiment("hazards_numba", gpu_only=True, quick={})
-def numba_experiment(n: int = 1024) -> Result:
-    """Capture each Numba hazard and its fix: the error or the wrong replay, and the fix replaying right."""
-    from course.core.capture import require_gpu
-
-    require_gpu("capturing Numba kernels")
-    rows = []
-    for name, title, hazard, fixed in ENTRIES:
-        for kind, fn in (("hazard", hazard), ("fix", fixed)):
-            x = torch.randn(n, device="cuda")
-            row = {"entry": name, "title": title, "kind": kind, "function": fn.__name__,
-                   "static_rules": ",".join(sorted({f.rule for f in find_static(fn)}))}
-            row.update(capture_and_replay(fn, entry_args(name, kind == "fix", x), x))
-            rows.append(row)
+def numba_result(rows: list, n: int) -> Result:
+    """The ``hazards_numba`` table from the cell's rows (one per hazard and per fix, each a
+    :func:`capture_and_replay` verdict with the entry's names and static rules), with how many fixes replayed right
+    and how many hazards failed to capture or replayed wrong."""
     res = Result("hazards_numba", "Numba inside a CUDA graph capture: four hazards and their fixes",
                  {"entry": "", "title": "", "kind": "", "function": "", "static_rules": "", "captured": "",
                   "error": "", "empty_graph_warning": "", "replay_matches_eager": ""}, rows, params={"n": n})
