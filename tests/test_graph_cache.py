@@ -767,3 +767,81 @@ def test_recipe_rows_and_speedup_read_old_and_new_recordings():
     assert faq.recipe_rows(new) == [{"mode": "a", "recipe_ms": 2.0}] and faq.recipe_speedup(new) == (3.0, 1.5)
     with pytest.raises(KeyError):
         faq.recipe_speedup(Result("x", "t", {}, []))
+
+
+# ----------------------------------------------------------------------------- the FAQ's experiments, in lesson 04's cells
+def _cell_fn(name, monkeypatch):
+    """The experiment ``name`` as lesson 04's cell defines it, with its GPU check lifted and shorter timings (a CPU
+    stand-in: the loop, the cache and the bookkeeping run as on a GPU)."""
+    fn = reference.get(name).fn
+    assert fn.__module__.startswith("course_cells."), f"{name} should be defined in lesson 04's cell"
+    monkeypatch.setitem(fn.__globals__, "require_gpu", lambda *a: None)
+    real = fn.__globals__["time_device"]
+    monkeypatch.setitem(fn.__globals__, "time_device", lambda f, **kw: real(f, warmup=1, repeats=2, inner=1))  # fast
+    return fn
+
+
+def test_memory_result_rebuilds_the_recording():
+    from course.lessons.graph_cache.faq import memory_result
+
+    rec = reference.load_reference("graph_cache_memory")
+    freed = {}
+    for r in rec.rows:
+        key = (r["pools"], r["order"])
+        gone = rec.value(f"{r['pools']} pool(s), {r['order']}: freed by clear_cache()") * 2**20
+        freed[key] = (r["cumulative_MB"] * 2**20, gone)  # the last row of each way holds the total
+    res = memory_result(rec.rows, freed, rec.params["max_batch"], rec.params["preset"], 11)
+    assert res.columns == rec.columns and res.name == rec.name and "11 vllm sizes up to 64" in res.title
+    assert res.summary.keys() == rec.summary.keys()
+    for k, v in rec.summary.items():
+        assert res.value(k) == pytest.approx(v["value"]), k
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU stand-in (recording backend); on a GPU the quick run above is the real one")
+def test_fallback_cell_runs_on_this_path(monkeypatch):
+    fn = _cell_fn("graph_cache_fallback", monkeypatch)
+    res = fn(steps=3, repeats=2)
+    rec = reference.load_reference("graph_cache_fallback")
+    assert res.columns == rec.columns and len(res.rows) == 4 and res.params["steps"] == 3
+    host = [r for r in res.rows if r["embedding_bounds"] == "host"]
+    assert all(r["eager_calls"] == 3 and r["recordings"] == 0 and "bounds='host'" in r["reason"] for r in host)
+    clean = [r for r in res.rows if r["embedding_bounds"] == "device"]
+    assert all(r["eager_calls"] == 0 and r["reason"] == "" and r["step_us"] > 0 for r in clean)
+    assert [r["fusion_fallbacks"] for r in host] == [0, host[1]["cache_misses"]]
+
+
+def test_fallback_row_reads_the_stats():
+    from course.core.timing import Timing
+    from course.lessons.graph_cache.faq import fallback_row
+
+    stats = {"cache_size": 1, "cache_hits": 2, "cache_misses": 3, "recordings": 4, "fusion_attempts": 5,
+             "fusion_successes": 6, "fusion_fallbacks": 7, "eager_calls": 8,
+             "fallback_reasons": {"k1": "b: later", "k2": "a: first", "k3": "b: later"}}
+    row = fallback_row("host", True, stats, Timing(5e-6, 4e-6, 6e-6, 3e-6, 7e-6, 3, 5, "cuda-events"))
+    assert row["reason"] == "a: first" and row["step_us"] == pytest.approx(5.0) and row["eager_calls"] == 8
+    assert (row["cache_misses"], row["fusion_fallbacks"], row["fusion"]) == (3, 7, True)
+    assert fallback_row("device", False, {**stats, "fallback_reasons": {}}, Timing(*[1e-6] * 5, 1, 1, "x"))["reason"] == ""
+
+
+def test_recipe_result_scales_one_call_to_the_recipes_calls():
+    from course.core.timing import Timing
+    from course.lessons.graph_cache import faq
+
+    def row(mode, recipe_s, one_call_s):
+        return {"mode": mode, "recipe_s": recipe_s, "pending_s": 0.5, "warm_s": recipe_s / 2,
+                "correct": Timing(one_call_s, one_call_s * 0.9, one_call_s * 1.1, 0, 1, 3, 10, "cuda-events")}
+    res = faq.recipe_result([row("eager", 0.2, 4e-3), row("replay", 0.1, 1e-3)], calls=100, batch=64, repeats=3)
+    assert res.rows[0]["correct_ms"] == pytest.approx(400.0) and res.rows[1]["correct_q3_ms"] == pytest.approx(110.0)
+    assert res.rows[0]["recipe_ms"] == pytest.approx(200.0) and res.rows[0]["gpu_still_busy_ms"] == pytest.approx(500)
+    assert faq.recipe_speedup(res) == (pytest.approx(2.0), pytest.approx(4.0))
+    rec = reference.load_reference("graph_cache_seed_timing")
+    assert list(res.rows[0]) == list(faq.recipe_rows(rec)[0]), "the recording's columns, under their current names"
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU stand-in (sync patched out); on a GPU the quick run above is the real one")
+def test_recipe_cell_runs_on_this_path(monkeypatch):
+    fn = _cell_fn("graph_cache_seed_timing", monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    res = fn(calls=2, batch=2, repeats=2)
+    assert [r["mode"] for r in res.rows] == ["cache disabled (eager)", "cache enabled (replay)"]
+    assert all(r["recipe_ms"] > 0 and r["correct_ms"] > 0 for r in res.rows) and res.params["calls"] == 2
