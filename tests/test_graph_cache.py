@@ -875,6 +875,11 @@ def test_fallback_row_reads_the_stats():
     assert row["reason"] == "a: first" and row["step_us"] == pytest.approx(5.0) and row["eager_calls"] == 8
     assert (row["cache_misses"], row["fusion_fallbacks"], row["fusion"]) == (3, 7, True)
     assert fallback_row("device", False, {**stats, "fallback_reasons": {}}, Timing(*[1e-6] * 5, 1, 1, "x"))["reason"] == ""
+    from course.lessons.graph_cache.faq import fallback_result
+
+    res = fallback_result([row], steps=40, repeats=3, trace=[1, 2])
+    assert res.columns == reference.load_reference("graph_cache_fallback").columns and res.rows == [row]
+    assert res.params["trace"] == [1, 2] and "40 decode steps" in res.title
 
 
 def test_recipe_result_scales_one_call_to_the_recipes_calls():
