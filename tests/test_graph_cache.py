@@ -644,11 +644,13 @@ def test_step_ratios_use_the_named_rows():
 
 @pytest.mark.skipif(ON_GPU, reason="CPU stand-in (sync patched out); on a GPU the test below runs it for real")
 def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch):
-    """The step experiment times every variant in ONE time_interleaved call; the table's times are that call's
-    Timings, the summary ratios are computed from the table, and the profiler runs only after all timing."""
-    import course.lessons.graph_cache.step as step
+    """The step experiment (lesson 04's cell) times every variant in ONE time_interleaved call; the table's times are
+    that call's Timings, the summary ratios are computed from the table, and the profiler runs only after all timing."""
     from course.core import timing
 
+    fn = reference.get("graph_cache_step").fn
+    assert fn.__module__.startswith("course_cells."), "graph_cache_step should be defined in lesson 04's cell"
+    cell = fn.__globals__
     events = []
     real = timing.time_interleaved
 
@@ -658,20 +660,58 @@ def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch
         spy.result = out
         return out
 
-    monkeypatch.setattr(step, "time_interleaved", spy)
-    monkeypatch.setattr(step, "require_gpu", lambda *a: None)
-    monkeypatch.setattr(step, "release_memory", lambda: None)
-    monkeypatch.setattr(step, "launch_counts", lambda fn, calls=1: events.append(("profile",)) or
+    monkeypatch.setitem(cell, "time_interleaved", spy)
+    monkeypatch.setitem(cell, "require_gpu", lambda *a: None)
+    monkeypatch.setitem(cell, "release_memory", lambda: None)
+    monkeypatch.setitem(cell, "launch_counts", lambda fn, calls=1: events.append(("profile",)) or
                         {"graph_launches": 1.0, "kernel_launches": 0.0})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    res = step.step_experiment(repeats=3, compile_variants=False, layers=1)
+    res = fn(repeats=3, compile_variants=False, layers=1)
     assert [e[0] for e in events] == ["time", "profile", "profile"], events
     assert events[0][1] == sorted(r["variant"] for r in res.rows)
     for r in res.rows:
-        assert r["us"] == spy.result[r["variant"]].us
+        assert r["us"] == spy.result[r["variant"]].us and r["matches_eager"] and r["first_3_calls_s"] > 0
     eager, replay = res.rows
     assert res.value("eager / cache graph_replay") == pytest.approx(eager["us"] / replay["us"])
     assert "one interleaved measurement" in res.params["timing"] and "one interleaved measurement" in res.title
+    assert res.columns == reference.load_reference("graph_cache_step").columns
+
+
+def test_step_builders_list_the_variants_in_order():
+    from course.lessons.graph_cache.step import KIND, VARIANTS, step_builders
+
+    m = TinyDecoder(DecoderConfig(layers=1, max_seq=4, slots=2))
+    assert list(step_builders(m, False)) == [v[0] for v in VARIANTS[:2]]
+    assert list(step_builders(m, True)) == [v[0] for v in VARIANTS] and KIND["eager"] == "eager"
+    assert step_builders(m, False)["eager"]() == m.step
+
+
+def test_cold_calls_keep_a_broken_compile_as_a_finding_and_raise_for_eager(monkeypatch):
+    from course.lessons.graph_cache.step import cold_calls, compiled_again
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    x = torch.ones(3)
+    fn, facts = cold_calls("eager", lambda: (lambda a: a * 2), (x,), x * 2)
+    assert fn is not None and facts["matches_eager"] and facts["skip_reason"] == ""
+    _, wrong = cold_calls("eager", lambda: (lambda a: a * 3), (x,), x * 2)
+    assert not wrong["matches_eager"]
+
+    def broken():
+        raise RuntimeError("no backend")
+    fn, facts = cold_calls("torch.compile default (no graphs)", broken, (x,), x)
+    assert fn is None and facts["skip_reason"].startswith("FAILED: RuntimeError: no backend")
+    assert facts["first_3_calls_s"] != facts["first_3_calls_s"]  # NaN
+    with pytest.raises(RuntimeError, match="no backend"):
+        cold_calls("eager", broken, (x,), x)
+    with pytest.raises(RuntimeError, match="no backend"):
+        cold_calls("cache: graph_replay (eager kernels captured)", broken, (x,), x)
+    ok = {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""}
+    facts = {"torch.compile default (no graphs)": dict(ok), "reduce-overhead, KV cache as module buffers": dict(ok)}
+    builders = {"eager": lambda: None, "torch.compile default (no graphs)": lambda: (lambda a: a),
+                "reduce-overhead, KV cache as module buffers": broken}
+    live = compiled_again(builders, {k: (x,) for k in builders}, facts)
+    assert list(live) == ["torch.compile default (no graphs)"]
+    assert facts["reduce-overhead, KV cache as module buffers"]["skip_reason"].startswith("FAILED")
 
 
 def test_step_reference_ratios_match_its_table():
@@ -724,6 +764,20 @@ def test_step_rows_take_times_only_from_the_one_measurement():
     assert rows[1]["us"] != rows[1]["us"] and rows[1]["graph_launches"] != rows[1]["graph_launches"]  # NaN
 
 
+def test_step_result_takes_its_ratios_from_its_own_rows():
+    from course.core.timing import Timing
+    from course.lessons.graph_cache.step import METHOD, step_result
+
+    replay = "cache: graph_replay (eager kernels captured)"
+    facts = {k: {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""} for k in ("eager", replay)}
+    t = {"eager": Timing(2e-3, 1.9e-3, 2.1e-3, 0, 1, 5, 10, "cuda-events"),
+         replay: Timing(1e-4, 0.9e-4, 1.1e-4, 0, 1, 5, 10, "cuda-events")}
+    res = step_result(["eager", replay], facts, t, {}, batch=1, repeats=5, layers=1)
+    assert res.value("eager / cache graph_replay") == pytest.approx(20.0)
+    assert "20" in res.value("eager vs cache graph_replay") and res.params["timing"] == METHOD
+    assert res.columns == reference.load_reference("graph_cache_step").columns and res.params["repeats"] == 5
+
+
 @pytest.mark.skipif(ON_GPU, reason="the refusal is for machines without a GPU")
 def test_step_timing_factors_needs_a_gpu():
     from course.core.runtime import CourseEnvironmentError
@@ -743,9 +797,9 @@ def test_step_timing_factors_on_gpu():
 
 @gpu
 def test_step_quick_run_on_gpu_table_and_ratios_agree():
-    from course.lessons.graph_cache.step import METHOD, step_experiment
+    from course.lessons.graph_cache.step import METHOD
 
-    res = step_experiment(repeats=5, compile_variants=False, layers=1)
+    res = reference.get("graph_cache_step").fn(repeats=5, compile_variants=False, layers=1)
     eager, replay = res.rows
     assert res.params["timing"] == METHOD and eager["graph_launches"] == 0 and replay["graph_launches"] == 1
     assert res.value("eager / cache graph_replay") == pytest.approx(eager["us"] / replay["us"])
@@ -767,3 +821,86 @@ def test_recipe_rows_and_speedup_read_old_and_new_recordings():
     assert faq.recipe_rows(new) == [{"mode": "a", "recipe_ms": 2.0}] and faq.recipe_speedup(new) == (3.0, 1.5)
     with pytest.raises(KeyError):
         faq.recipe_speedup(Result("x", "t", {}, []))
+
+
+# ----------------------------------------------------------------------------- the FAQ's experiments, in lesson 04's cells
+def _cell_fn(name, monkeypatch):
+    """The experiment ``name`` as lesson 04's cell defines it, with its GPU check lifted and shorter timings (a CPU
+    stand-in: the loop, the cache and the bookkeeping run as on a GPU)."""
+    fn = reference.get(name).fn
+    assert fn.__module__.startswith("course_cells."), f"{name} should be defined in lesson 04's cell"
+    monkeypatch.setitem(fn.__globals__, "require_gpu", lambda *a: None)
+    real = fn.__globals__["time_device"]
+    monkeypatch.setitem(fn.__globals__, "time_device", lambda f, **kw: real(f, warmup=1, repeats=2, inner=1))  # fast
+    return fn
+
+
+def test_memory_result_rebuilds_the_recording():
+    from course.lessons.graph_cache.faq import memory_result
+
+    rec = reference.load_reference("graph_cache_memory")
+    freed = {}
+    for r in rec.rows:
+        key = (r["pools"], r["order"])
+        gone = rec.value(f"{r['pools']} pool(s), {r['order']}: freed by clear_cache()") * 2**20
+        freed[key] = (r["cumulative_MB"] * 2**20, gone)  # the last row of each way holds the total
+    res = memory_result(rec.rows, freed, rec.params["max_batch"], rec.params["preset"], 11)
+    assert res.columns == rec.columns and res.name == rec.name and "11 vllm sizes up to 64" in res.title
+    assert res.summary.keys() == rec.summary.keys()
+    for k, v in rec.summary.items():
+        assert res.value(k) == pytest.approx(v["value"]), k
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU stand-in (recording backend); on a GPU the quick run above is the real one")
+def test_fallback_cell_runs_on_this_path(monkeypatch):
+    fn = _cell_fn("graph_cache_fallback", monkeypatch)
+    res = fn(steps=3, repeats=2)
+    rec = reference.load_reference("graph_cache_fallback")
+    assert res.columns == rec.columns and len(res.rows) == 4 and res.params["steps"] == 3
+    host = [r for r in res.rows if r["embedding_bounds"] == "host"]
+    assert all(r["eager_calls"] == 3 and r["recordings"] == 0 and "bounds='host'" in r["reason"] for r in host)
+    clean = [r for r in res.rows if r["embedding_bounds"] == "device"]
+    assert all(r["eager_calls"] == 0 and r["reason"] == "" and r["step_us"] > 0 for r in clean)
+    assert [r["fusion_fallbacks"] for r in host] == [0, host[1]["cache_misses"]]
+
+
+def test_fallback_row_reads_the_stats():
+    from course.core.timing import Timing
+    from course.lessons.graph_cache.faq import fallback_row
+
+    stats = {"cache_size": 1, "cache_hits": 2, "cache_misses": 3, "recordings": 4, "fusion_attempts": 5,
+             "fusion_successes": 6, "fusion_fallbacks": 7, "eager_calls": 8,
+             "fallback_reasons": {"k1": "b: later", "k2": "a: first", "k3": "b: later"}}
+    row = fallback_row("host", True, stats, Timing(5e-6, 4e-6, 6e-6, 3e-6, 7e-6, 3, 5, "cuda-events"))
+    assert row["reason"] == "a: first" and row["step_us"] == pytest.approx(5.0) and row["eager_calls"] == 8
+    assert (row["cache_misses"], row["fusion_fallbacks"], row["fusion"]) == (3, 7, True)
+    assert fallback_row("device", False, {**stats, "fallback_reasons": {}}, Timing(*[1e-6] * 5, 1, 1, "x"))["reason"] == ""
+    from course.lessons.graph_cache.faq import fallback_result
+
+    res = fallback_result([row], steps=40, repeats=3, trace=[1, 2])
+    assert res.columns == reference.load_reference("graph_cache_fallback").columns and res.rows == [row]
+    assert res.params["trace"] == [1, 2] and "40 decode steps" in res.title
+
+
+def test_recipe_result_scales_one_call_to_the_recipes_calls():
+    from course.core.timing import Timing
+    from course.lessons.graph_cache import faq
+
+    def row(mode, recipe_s, one_call_s):
+        return {"mode": mode, "recipe_s": recipe_s, "pending_s": 0.5, "warm_s": recipe_s / 2,
+                "correct": Timing(one_call_s, one_call_s * 0.9, one_call_s * 1.1, 0, 1, 3, 10, "cuda-events")}
+    res = faq.recipe_result([row("eager", 0.2, 4e-3), row("replay", 0.1, 1e-3)], calls=100, batch=64, repeats=3)
+    assert res.rows[0]["correct_ms"] == pytest.approx(400.0) and res.rows[1]["correct_q3_ms"] == pytest.approx(110.0)
+    assert res.rows[0]["recipe_ms"] == pytest.approx(200.0) and res.rows[0]["gpu_still_busy_ms"] == pytest.approx(500)
+    assert faq.recipe_speedup(res) == (pytest.approx(2.0), pytest.approx(4.0))
+    rec = reference.load_reference("graph_cache_seed_timing")
+    assert list(res.rows[0]) == list(faq.recipe_rows(rec)[0]), "the recording's columns, under their current names"
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU stand-in (sync patched out); on a GPU the quick run above is the real one")
+def test_recipe_cell_runs_on_this_path(monkeypatch):
+    fn = _cell_fn("graph_cache_seed_timing", monkeypatch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    res = fn(calls=2, batch=2, repeats=2)
+    assert [r["mode"] for r in res.rows] == ["cache disabled (eager)", "cache enabled (replay)"]
+    assert all(r["recipe_ms"] > 0 and r["correct_ms"] > 0 for r in res.rows) and res.params["calls"] == 2

@@ -7,11 +7,13 @@
 - :mod:`~course.lessons.graph_cache.cache`: :class:`GraphCache`, the engine: keys, capture on miss, replay on hit,
   buckets and padding, fallback, the statistics InfiniLM's engine reports (``get_stats()``).
 - :mod:`~course.lessons.graph_cache.decoder`: a tiny TinyLlama-shaped decoder whose decode step the cache wraps.
-- :mod:`~course.lessons.graph_cache.experiments`: the lesson's registered GPU experiments (the request trace);
-  :mod:`~course.lessons.graph_cache.step`: the decode step, every way of running it, in one measurement;
+- :mod:`~course.lessons.graph_cache.experiments`: the request trace, each variant in a fresh process (a GPU
+  experiment); :mod:`~course.lessons.graph_cache.step`: the parts of the decode-step experiment, whose code stands in
+  lesson 04's cell;
   :mod:`~course.lessons.graph_cache.diagnose_step`: why one step once read two different times (run by hand).
-- :mod:`~course.lessons.graph_cache.faq`: the engine's FAQ answered by experiment (memory per pool, fallbacks, a
-  timing recipe against a correct one) and the trace replay the notebook runs live.
+- :mod:`~course.lessons.graph_cache.faq`: the bookkeeping of the engine's FAQ experiments (memory per pool,
+  fallbacks, a timing recipe against a correct one; their code stands in lesson 04's cells) and the trace replay
+  the notebook runs live.
 - :mod:`~course.lessons.graph_cache.lab`: lab 3's checks, run on the learner's own key function, buffers and cache.
 """
 from course.lessons.graph_cache.backends import CaptureFailed, CudaGraphBackend, RecordingBackend, default_backend

@@ -1,10 +1,13 @@
 """Lesson 04's performance experiments (GPU): one decode step, and the whole comparison on a request trace.
 
-- the batch-1 decode step (``graph_cache_step``) lives in :mod:`~course.lessons.graph_cache.step`.
+- the batch-1 decode step (``graph_cache_step``) and the FAQ's experiments stand in lesson 04's cells
+  (:mod:`course.core.cells`); their parts are in :mod:`~course.lessons.graph_cache.step` and
+  :mod:`~course.lessons.graph_cache.faq`.
 - :func:`trace_experiment`: the same decoder on a trace of a few hundred decode steps with varying
   batch sizes: eager, exact-shape cache, each bucket preset, fusion, reduce-overhead (default and
   ``dynamic=False``): step latency p50/p99, recordings, time to make the first 8 sizes fast, memory
-  held, padding waste, graph launches per steady step; all in one run.
+  held, padding waste, graph launches per steady step; all in one run. It stays here, not in a cell: each
+  variant runs in a fresh process (:func:`trace_variant`), which imports its code from this module.
 
 Launches are counted by :func:`course.core.profiling.launch_counts`, compiles reset by
 :func:`course.core.compiled.reset_compile`, memory released by :func:`course.core.hardware.release_memory`.

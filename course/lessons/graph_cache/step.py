@@ -1,5 +1,10 @@
 """Lesson 04's decode-step experiment (GPU): a batch-1 decode step, every way of running it, in ONE measurement.
 
+The experiment, ``graph_cache_step``, stands in lesson 04's cell (:mod:`course.core.cells`): build each variant
+cold, build the compiled ones again side by side, time them all in one interleaved measurement, count launches
+last. This module keeps the parts around it: the variants (:data:`VARIANTS`, :func:`step_builders`), the cold
+first calls (:func:`cold_calls`), the second compile (:func:`compiled_again`) and the table (:func:`step_result`).
+
 One method per quantity, so that two cells never show two numbers for the same step:
 
 - ``us``, ``q1_us``, ``q3_us`` (the table) and every summary ratio (:func:`step_ratios`) come from **one**
@@ -22,16 +27,11 @@ from __future__ import annotations
 
 import time
 
-from course.core.capture import require_gpu
-from course.core.compiled import reset_compile, torch_log_messages
-from course.core.hardware import release_memory
-from course.core.profiling import launch_counts
-from course.core.reference import experiment
+from course.core.compiled import torch_log_messages
 from course.core.results import Result
 from course.core.text import clip, condense, tidy
-from course.core.timing import Timing, speedup, time_interleaved
+from course.core.timing import Timing, speedup
 from course.lessons.graph_cache.cache import GraphCache
-from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
 from course.lessons.graph_cache.experiments import _close, say
 
 # (row label, short name used in the ratios, kind): kind "compile" variants live in torch.compile's caches,
@@ -46,13 +46,17 @@ VARIANTS = (
     ("reduce-overhead, KV cache passed in", "reduce-overhead (passed in)", "compile"),
 )
 SHORT = {label: short for label, short, _ in VARIANTS}
+KIND = {label: kind for label, _, kind in VARIANTS}
 PAIRS = (("eager", "cache graph_replay"), ("eager", "cache fusion"),
          ("cache fusion", "reduce-overhead (buffers)"), ("cache graph_replay", "reduce-overhead (buffers)"))
 METHOD = ("one interleaved measurement of every variant (CUDA events, 10 back-to-back steps per repeat, variants "
           "taking turns); the table and every ratio come from it; profiler counts taken after all timing")
 
 
-def _builders(model, compile_variants: bool) -> dict:
+def step_builders(model, compile_variants: bool) -> dict:
+    """``{label: build}``, in :data:`VARIANTS` order: ``build()`` makes one way of running ``model``'s decode step
+    (eager and the cache's ``graph_replay`` always; the cache's ``fusion`` and the torch.compile ones with
+    ``compile_variants``). The "KV cache passed in" variant takes the KV cache as two more arguments."""
     import torch
 
     out = {"eager": lambda: model.step,
@@ -95,6 +99,47 @@ def _failed(e: Exception) -> dict:
             "skip_reason": f"FAILED: {type(e).__name__}: {condense(str(e), 1, 200)}"}
 
 
+def cold_calls(label: str, build, call_args, want, progress: str = "") -> tuple:
+    """``(fn, facts)``: build the variant ``label`` cold and time its first 3 calls (host clock: compile or capture,
+    then the first replays); ``facts`` has ``first_3_calls_s``, ``matches_eager`` (against ``want``) and
+    ``skip_reason`` (torch's "skipping cudagraphs" line, if any).
+
+    A torch.compile or fusion variant that raises is a finding, not a lost run: ``fn`` is ``None`` and the reason
+    says ``FAILED: ...``. Eager or the cache replaying eager kernels raising is a bug: it propagates.
+    """
+    kind = KIND[label]
+    doing = ("compiling (cold) + first 3 calls" if kind == "compile" or "fusion" in label
+             else "capture + first 3 calls" if kind == "cache" else "first 3 calls")
+    say(f"graph_cache_step {progress} {label}: {doing}".replace("  ", " "))
+    try:
+        return _first_calls(build, call_args, want)
+    except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
+        if kind == "eager" or label.startswith("cache: graph_replay"):
+            raise
+        return None, _failed(e)
+
+
+def compiled_again(builders: dict, call: dict, facts: dict) -> dict:
+    """``{label: fn}``: every torch.compile variant that built in the cold pass, compiled once more and called 3
+    times, so that they all live side by side for the interleaved timing (a reset between them would drop the
+    earlier ones). A variant that fails now gets a ``FAILED`` row in ``facts`` and is left out."""
+    import torch
+
+    live = {}
+    with torch.no_grad():
+        for label in [lab for lab in builders if KIND[lab] == "compile" and lab in facts
+                      and not facts[lab]["skip_reason"].startswith("FAILED")]:
+            say(f"graph_cache_step: {label}: compiling again to time it beside the others")
+            try:
+                fn = builders[label]()
+                for _ in range(3):
+                    fn(*call[label])
+                live[label] = fn
+            except Exception as e:  # noqa: BLE001 - the row says so
+                facts[label] = _failed(e)
+    return live
+
+
 def step_rows(order, facts: dict, timings: dict, launches: dict) -> list:
     """The table's rows, in ``order``: times from ``timings`` (one interleaved measurement), the rest from ``facts``
     and ``launches``; a variant missing from ``timings`` (it failed) gets NaN times."""
@@ -129,59 +174,12 @@ def step_ratios(rows, pairs=PAIRS) -> dict:
     return out
 
 
-@experiment("graph_cache_step", gpu_only=True, quick={"repeats": 5, "compile_variants": False})
-def step_experiment(batch: int = 1, repeats: int = 25, compile_variants: bool = True, layers: int = 2) -> Result:
-    """One decode step of the tiny decoder, each way of running it: time per step (one interleaved measurement)
-    and whether graphs were really replayed."""
-    require_gpu("timing the decode step")
+def step_result(order, facts: dict, timings: dict, launches: dict, batch: int, repeats: int, layers: int) -> Result:
+    """The ``graph_cache_step`` table (:func:`step_rows`, in ``order``) and its summary ratios (:func:`step_ratios`,
+    from the table's own rows: the ratios and the table can never disagree)."""
     import torch
 
-    reset_compile()
-    model = TinyDecoder(DecoderConfig(layers=layers))
-    args = model.example_args(batch, 5)
-    want = model.step(*args)
-    kc, vc = model.k_cache.clone(), model.v_cache.clone()
-    builders = _builders(model, compile_variants)
-    call = {label: ((*args, kc, vc) if label.endswith("passed in") else args) for label in builders}
-    kinds = {label: kind for label, _, kind in VARIANTS}
-    facts, live = {}, {}
-    for i, (label, build) in enumerate(builders.items(), 1):  # 1. cold: first calls, correctness, skip reasons
-        doing = ("compiling (cold) + first 3 calls" if kinds[label] == "compile" or "fusion" in label
-                 else "capture + first 3 calls" if kinds[label] == "cache" else "first 3 calls")
-        say(f"graph_cache_step [{i}/{len(builders)}] {label}: {doing}")
-        reset_compile()
-        try:
-            fn, facts[label] = _first_calls(build, call[label], want)
-        except Exception as e:  # noqa: BLE001 - a torch.compile variant that breaks is a finding, not a lost run
-            if kinds[label] == "eager" or label.startswith("cache: graph_replay"):
-                raise
-            facts[label] = _failed(e)
-            continue
-        if kinds[label] != "compile":
-            live[label] = fn  # survives the resets below
-        del fn
-        release_memory()
-    reset_compile()  # 2. the compiled variants once more, side by side (a reset would drop the earlier ones)
-    with torch.no_grad():
-        for label in [lab for lab in builders if kinds[lab] == "compile" and lab in facts
-                      and not facts[lab]["skip_reason"].startswith("FAILED")]:
-            say(f"graph_cache_step: {label}: compiling again to time it beside the others")
-            try:
-                fn = builders[label]()
-                for _ in range(3):
-                    fn(*call[label])
-                live[label] = fn
-            except Exception as e:  # noqa: BLE001 - the row says so
-                facts[label] = _failed(e)
-        say(f"graph_cache_step: timing {len(live)} variants interleaved ({repeats} repeats x 10 steps each)")
-        fns = {label: (lambda fn=fn, a=call[label]: fn(*a)) for label, fn in live.items()}
-        timings = time_interleaved(fns, clock="device", warmup=3, repeats=repeats, inner=10)
-        say("graph_cache_step: counting graph and kernel launches per step (profiler, after all timing)")
-        launches = {label: launch_counts(f, calls=5) for label, f in fns.items()}  # 3. profiler last
-    rows = step_rows(list(builders), facts, timings, launches)
-    del live, fns
-    release_memory()
-    reset_compile()
+    rows = step_rows(order, facts, timings, launches)
     res = Result("graph_cache_step", f"Tiny decoder, one decode step at batch {batch}: time per step ({METHOD}) and "
                  "API calls per step in a profiler trace",
                  {"variant": "", "us": "us", "q1_us": "us", "q3_us": "us", "first_3_calls_s": "s",
