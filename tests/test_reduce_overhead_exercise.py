@@ -188,7 +188,8 @@ def test_watch_compile_records_swaps_the_backend_off_gpu_and_restores():
         torch.compiler.cudagraph_mark_step_begin()
         y = f(torch.ones(3))
         f(torch.ones(3))
-    assert torch.compile is real and torch.compiler.cudagraph_mark_step_begin.__name__ == "cudagraph_mark_step_begin"
+    assert isinstance(w, rc.CompileWatch) and torch.compile is real
+    assert torch.compiler.cudagraph_mark_step_begin.__name__ == "cudagraph_mark_step_begin"
     assert w.compiles == [{"mode": "reduce-overhead", "fullgraph": True}] and w.graphs_asked()
     assert w.events == ["mark", "call", "call"] and w.marks_before_calls() == [1, 0]
     assert torch.equal(y, torch.full((3,), 2.0)) and w.outputs[0] == y.untyped_storage().data_ptr()
