@@ -210,23 +210,78 @@ def test_static_problem_and_recompile_reason_name_their_cause():
 
 
 # ----------------------------------------------------------------------------- GPU
+# What the verdicts stand for, seen on a GPU with the learner's class itself (outside the check): the answer records
+# one graph and skips none; the unmarked cache makes torch skip it; a kept output without a clone is overwritten;
+# mode="default" launches no graph.
+def learner_class(edits=()):
+    """``MyReduceOverheadStep`` as the answer cell (with ``edits``) defines it, after the header and import cells."""
+    cells = [_one(m) for m in CELLS[:3]]
+    for find, replace in edits:
+        assert cells[2].count(find) == 1, find
+        cells[2] = cells[2].replace(find, replace)
+    ns = {"__name__": "__lab__"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        for src in cells:
+            exec(compile(src, "<06.4>", "exec"), ns)  # noqa: S102 - the course's own notebook
+    return ns["MyReduceOverheadStep"]
+
+
+def _gpu_run(edits=(), tokens=6):
+    """The learner's step on the tiny Llama on the GPU for ``tokens`` steps: (step, logs, counters, last outputs)."""
+    from course.core.compiled import compile_counters, reset_compile, torch_log_messages
+
+    model = build_model("tiny", device="cuda")
+    reset_compile()
+    outs = []
+    with torch_log_messages(cudagraphs=True, perf_hints=True) as msgs, torch.no_grad():
+        step = learner_class(edits)(rc.unmarked_decoder(model), batch=1)
+        ids = torch.full((1, 1), 3, device="cuda")
+        for p in range(tokens):
+            outs.append(step.step(ids, torch.full((1,), p, device="cuda")))
+            ids = outs[-1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+    return step, msgs, compile_counters(), outs, ids
+
+
 @gpu
-def test_gpu_answer_records_one_graph_and_skips_nothing(tmp_path):
-    """On a GPU the answer passes the GPU-only parts too: no 'skipping cudagraphs', one graph launch per token."""
-    from course.core.compiled import torch_log_messages
+def test_gpu_answer_records_one_graph_and_skips_nothing():
+    from course.core.compiled import reset_compile
+    from course.core.profiling import launch_counts
 
-    with torch_log_messages(cudagraphs=True, perf_hints=True) as msgs:
-        entry = run_exercise((), tmp_path)
-    assert entry["status"] == "pass", entry
-    assert not [m for m in msgs if "skipping cudagraphs" in m.lower()]
+    step, msgs, counters, _, ids = _gpu_run()
+    assert not [m for m in msgs if "skipping cudagraphs" in m.lower()] and counters["cudagraph_skips"] == 0, msgs
+    with torch.no_grad():
+        counts = launch_counts(lambda: step.step(ids, torch.full((1,), 6, device="cuda")))
+    assert counts["graph_launches"] == 1, counts
+    reset_compile()
 
 
 @gpu
-def test_gpu_no_marks_really_skips_its_graph(tmp_path):
-    """What the static-input verdict stands for: on a GPU the unmarked cache makes torch skip the graph."""
-    from course.core.compiled import torch_log_messages
+def test_gpu_unmarked_cache_really_skips_its_graph():
+    from course.core.compiled import reset_compile
 
-    with torch_log_messages(cudagraphs=True, perf_hints=True) as msgs:
-        entry = run_exercise([(_MARKS, ""), (_BUFFERS, "")], tmp_path)
-    assert entry["status"] == "fail"
-    assert any("mutated inputs" in m for m in msgs), msgs[-5:]
+    _, msgs, counters, _, _ = _gpu_run([(_MARKS, ""), (_BUFFERS, "")])
+    assert counters["cudagraph_skips"] > 0 and any("mutated inputs" in m for m in msgs), msgs[-5:]
+    reset_compile()
+
+
+@gpu
+def test_gpu_output_without_clone_is_overwritten():
+    from course.core.compiled import reset_compile
+
+    _, _, _, outs, _ = _gpu_run([(_CALL, _CALL.replace(".clone()", ""))])
+    with pytest.raises(RuntimeError, match="overwritten by a subsequent run"):
+        outs[-2].sum().item()  # kept from the step before the last replay
+    reset_compile()
+
+
+@gpu
+def test_gpu_mode_default_launches_no_graph():
+    from course.core.compiled import reset_compile
+    from course.core.profiling import launch_counts
+
+    step, _, _, _, ids = _gpu_run([(_COMPILE, _COMPILE.replace('mode="reduce-overhead"', 'mode="default"'))])
+    with torch.no_grad():
+        counts = launch_counts(lambda: step.step(ids, torch.full((1,), 6, device="cuda")))
+    assert counts["graph_launches"] == 0 and counts["kernel_launches"] > 1, counts
+    reset_compile()
