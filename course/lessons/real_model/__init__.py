@@ -17,6 +17,8 @@
   ``decode_one_token``): static buffers, the static cache, a side-stream warm-up, one replay per token.
 - :mod:`~course.lessons.real_model.reduce_fixed`: why transformers' ``mode="reduce-overhead"`` recipe skipped its
   CUDA graphs (torch's static-input analysis, live) and the step under that mode, fixed.
+- :mod:`~course.lessons.real_model.reduce_check`: exercise 06.4's check (the learner's own reduce-overhead step: its
+  compile watched, torch's static-input analysis and recompiles read, on any machine).
 - :mod:`~course.lessons.real_model.reduce_bench`: the GPU experiment timing the fixed step against fused + GEMV.
 - :mod:`~course.lessons.real_model.lesson`: notebook helpers (GPU results not recorded yet, the stacked bars).
 - :mod:`~course.lessons.real_model.lab`: lab 4's checks; :mod:`~course.lessons.real_model.lab_graph`: step 5's.
