@@ -386,17 +386,39 @@ def test_roofline_rows_read_bytes_from_the_floor_and_name_the_bound():
     assert all(r["bound"] == "unknown" and r["compute_floor_us"] is None for r in R.roofline_rows(_sweep()))
 
 
-def test_matmul_rate_is_a_registered_gpu_experiment():
+def test_matmul_rate_stands_in_lesson_06s_cell():
+    from course.core import cells
+    from course.tools import catalog
+
     exp = reference.get("matmul_rate")
-    assert exp.gpu_only and exp.fn is R.matmul_rate_experiment
+    assert exp.gpu_only and exp.quick == {"sizes": (2048,), "repeats": 3}
+    assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/06_real_model.ipynb")
+    assert "torch.matmul(a, b, out=out)" in inspect.getsource(exp.fn)
     if not ON_GPU:
         with pytest.raises(Exception, match="needs a real GPU"):
-            R.matmul_rate_experiment(sizes=(256,), repeats=2)
+            exp.fn(sizes=(256,), repeats=2)
+
+
+def test_matmul_rate_result_rates_each_size_and_the_ridge():
+    from course.core.timing import Timing
+
+    def t(us):
+        return Timing(us * 1e-6, us * 0.9e-6, us * 1.2e-6, us * 0.8e-6, us * 1.3e-6, 3, 3, "cuda-events")
+
+    res = R.matmul_rate_result({4096: t(250.0), 1024: t(10.0)}, 2000.0, repeats=3)
+    assert [r["n"] for r in res.rows] == [1024, 4096] and res.params["sizes"] == [1024, 4096]
+    big = res.rows[1]
+    assert big["TFLOPs"] == pytest.approx(2 * 4096 ** 3 / 250e-6 / 1e12)
+    assert big["TFLOPs_at_q3"] < big["TFLOPs"] < big["TFLOPs_at_q1"] and big["q1_us"] == pytest.approx(225.0)
+    assert res.value("bf16_matmul_TFLOPs") == pytest.approx(big["TFLOPs"])  # the largest size, not the first
+    assert res.value("ridge_FLOP_per_byte") == pytest.approx(big["TFLOPs"] * 1e3 / 2000.0)
+    with pytest.raises(ValueError, match="no sizes"):
+        R.matmul_rate_result({}, 2000.0, 3)
 
 
 @gpu
 def test_matmul_rate_measures_a_plausible_rate():
-    res = R.matmul_rate_experiment(sizes=(1024, 2048), repeats=3)
+    res = reference.get("matmul_rate").fn(sizes=(1024, 2048), repeats=3)
     assert [r["n"] for r in res.rows] == [1024, 2048]
     for r in res.rows:
         assert r["q1_us"] <= r["us"] <= r["q3_us"] and 1 < r["TFLOPs"] < 5000
