@@ -263,6 +263,45 @@ def test_experiment_quick_run_on_gpu(name):
         assert fast["correct"] is True and fast["us"] > 0
 
 
+def test_sweep_helpers_build_rows_the_cell_measures(model):
+    from course.core.timing import Timing
+    from course.lessons.real_model import experiments as E
+
+    assert E.sweep_batches((4, 1, 2, 4)) == [1, 2, 4]
+    for bad in ((), (0, 1)):
+        with pytest.raises(ValueError, match="positive ints"):
+            E.sweep_batches(bad)
+    eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16)
+    assert list(variants) == ["eager", "graph-cached"] and not set(variants) & set(E.COMPILED)
+    args = eager_dec.example_args(2, 3, seed=2)
+    with torch.no_grad():
+        want, got = variants["eager"](*args), variants["graph-cached"](*args)
+    assert torch.allclose(got, want, atol=1e-5) and variants["graph-cached"].get_stats()["recordings"] == 1
+    t = Timing(2e-3, 1.9e-3, 2.2e-3, 1.8e-3, 2.4e-3, 3, 3, "cuda-events")
+    row = E.sweep_row(2, "graph-cached", variants["graph-cached"], 0.5, t)
+    assert row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(1000.0) and row["q3_us"] == pytest.approx(2200.0)
+    bad = E.failed_row(4, "fused", RuntimeError("no compiler"))
+    assert bad["status"].startswith("FAILED: RuntimeError: no compiler") and bad["us"] != bad["us"]
+    fl = E.floor_row(model, 2, 3, 100.0)
+    assert fl["us"] == pytest.approx(floor_us(bytes_per_token(model, 2, 3), 100.0)) and fl["variant"] == "floor"
+    res = E.batch_sweep_result([row, bad, fl], model, 100.0, size="tiny", position=3)
+    assert res.name == "real_model_batch_sweep" and "position 3" in res.title
+    assert res.value("best_at") == "graph-cached, batch 2" and res.value("copy_bandwidth_GBps") == 100.0
+    assert res.params["size"] == "tiny" and "torch" in res.params  # the floor and the failed row never win
+
+
+def test_real_model_batch_sweep_stands_in_lesson_06s_cell():
+    from course.core import cells
+    from course.tools import catalog
+
+    exp = reference.get("real_model_batch_sweep")
+    assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/06_real_model.ipynb")
+    assert "time_interleaved(" in inspect.getsource(exp.fn)
+    if not ON_GPU:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            exp.fn(**exp.quick)
+
+
 @gpu
 def test_gpu_copy_bandwidth_kernels_and_first_call():
     from course.core.profiling import launch_counts
