@@ -5,7 +5,8 @@ import torch
 import course
 from course.lessons.real_model import StaticDecoder, build_model
 from course.lessons.real_model import gemv as G
-from course.lessons.real_model.gemv_bench import shapes_of
+from course.lessons.real_model.gemv_bench import (IMPLS, L2_FACTOR, copies_for_l2, gemv_result, gemv_row,
+                                                  graph_of_calls, shapes_of)
 from course.lessons.real_model.projections import fuse_projections, gemv_model
 
 DEV = course.device()
@@ -119,6 +120,52 @@ def test_gpu_gemv_model_batch1_in_a_graph_matches_eager():
     assert fast.get_stats()["fusion_modes"] and (got - want).abs().max().item() < 1e-4
 
 
+def test_copies_fill_the_l2_several_times_and_at_least_two():
+    l2 = 50 * 2 ** 20
+    assert copies_for_l2(23_068_672, l2) == 10  # 4 x 50 MiB in 22 MiB matrices: 9.1, rounded up
+    assert copies_for_l2(23_068_672, l2) * 23_068_672 >= L2_FACTOR * l2
+    assert copies_for_l2(10 ** 9, l2) == 2  # larger than the L2: still two copies, never one read twice in a row
+    with pytest.raises(ValueError, match="positive"):
+        copies_for_l2(0, l2)
+
+
+def _timing(us):
+    from course.core.timing import Timing
+
+    return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 3, 1, "cuda-events")
+
+
+def test_gemv_row_and_result_divide_one_replay_by_its_copies():
+    t = {"cuBLAS": _timing(100.0), "Numba GEMV": _timing(80.0)}
+    row = gemv_row(2048, 2048, 44, "q_proj, o_proj", t, copies=10, rel_diff=1e-3)
+    assert row["cuBLAS us"] == pytest.approx(10.0) and row["Numba GEMV q3 us"] == pytest.approx(8.8)
+    assert row["MB"] == pytest.approx(2048 * 2048 * 2 / 1e6)
+    assert row["Numba GEMV GB/s"] == pytest.approx(2048 * 2048 * 2 / 8.0 / 1e3)  # bytes / us -> GB/s
+    stacked = gemv_row(2560, 2048, 22, "stacked q/k/v", t, copies=5, rel_diff=0.0)
+    res = gemv_result([row, stacked], "tinyllama", 3, 50 * 2 ** 20)
+    assert res.name == "real_model_gemv" and [r["what"] for r in res.rows] == ["q_proj, o_proj", "stacked q/k/v"]
+    assert res.value("cuBLAS us per token (separate projections)") == pytest.approx(44 * 10.0)  # stacked left out
+    assert res.value("Numba GEMV us per token (separate projections)") == pytest.approx(44 * 8.0)
+    assert res.params["l2_factor"] == L2_FACTOR and set(IMPLS) == {"cuBLAS", "Numba GEMV"}
+    with pytest.raises(ValueError, match="missing"):
+        gemv_row(8, 8, 1, "x", {"cuBLAS": _timing(1.0)}, copies=2, rel_diff=0.0)
+
+
+def test_real_model_gemv_stands_in_lesson_06s_cell():
+    import inspect
+
+    from course.core import cells, reference
+    from course.tools import catalog
+
+    exp = reference.get("real_model_gemv")
+    assert exp.gpu_only and exp.quick == {"size": "tiny", "repeats": 3}
+    assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/06_real_model.ipynb")
+    assert "time_interleaved(" in inspect.getsource(exp.fn)
+    if not course.runtime().on_gpu:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            exp.fn(**exp.quick)
+
+
 @GPU
 def test_gpu_gemv_experiment_quick():
     from course.core import reference
@@ -126,6 +173,20 @@ def test_gpu_gemv_experiment_quick():
     res = reference.run("real_model_gemv", **reference.get("real_model_gemv").quick)
     assert res.live and len(res.rows) == len(shapes_of("tiny"))
     assert all(r["rel_diff"] < 1e-3 and r["Numba GEMV us"] > 0 and r["cuBLAS us"] > 0 for r in res.rows)
+
+
+@GPU
+def test_gpu_graph_of_calls_replays_one_call_per_weight():
+    x = torch.ones(1, 1, 16, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.full((4, 16), float(i), device="cuda", dtype=torch.bfloat16) for i in range(3)]
+    outs = []
+    g = graph_of_calls(lambda x, w: outs.append(torch.nn.functional.linear(x, w)), x, weights)
+    captured = outs[-3:]  # the last three calls ran inside the capture: their outputs are the graph's
+    for o in captured:
+        o.fill_(-1.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert [o.float().max().item() for o in captured] == [0.0, 16.0, 32.0]
 
 
 @GPU

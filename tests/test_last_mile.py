@@ -2,6 +2,7 @@
 against torch, the exercise checks against wrong kernels, the experiments' helpers. Under Triton's interpreter on
 the simulator path (skipped, with the reason, where Triton is not installed); GPU tests at the end."""
 import dataclasses
+import inspect
 import math
 import os
 import sys
@@ -303,6 +304,38 @@ def test_gap_prediction_check_and_the_timeline_helpers():
     lab.check_gap_prediction(lambda t: 0.75, tl_res, name="g ok")
     lab.check_gap_prediction(lambda t: -0.25, tl_res, name="g signed")  # the overlap counted as negative idle time
     assert checks.status("g ok") == checks.PASS and checks.status("g signed") == checks.FAIL
+
+
+def test_timeline_rows_and_result_from_profiled_events(tiny):
+    from course.lessons.last_mile.timeline import timeline_result, timeline_rows
+
+    events = [("embed", 100.0, 101.0), ("norm_qkv_rope", 101.5, 104.0), ("attention", 103.0, 106.0),
+              ("norm_lm_head", 106.5, 110.0)]
+    rows = timeline_rows("Triton + PDL", events, last_layer=2)
+    assert [r["kernel"] for r in rows] == ["embed", "qkv", "attn", "lm_head"]
+    assert [r["layer"] for r in rows] == [-1, 0, 0, 2] and rows[0]["start_us"] == 0.0 and rows[-1]["end_us"] == 10.0
+    plain = timeline_rows("Triton", [("embed", 5.0, 6.0), ("attention", 7.0, 9.0)], last_layer=2)
+    res = timeline_result(plain + rows, tiny, size="tiny", position=3, max_len=8)
+    assert res.name == "last_mile_timeline" and "position 3" in res.title and res.params["max_len"] == 8
+    assert res.value("Triton + PDL: span") == 10.0 and res.value("Triton + PDL: kernels") == 4
+    assert res.value("Triton + PDL: mean gap") == pytest.approx((0.5 - 1.0 + 0.5) / 3)
+    assert res.value("Triton + PDL: idle between kernels") == pytest.approx(1.0)  # the overlap is not idle time
+    assert res.value("Triton: idle between kernels") == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no kernel"):
+        timeline_rows("Triton", [], last_layer=2)
+
+
+def test_last_mile_timeline_stands_in_lesson_07s_cell():
+    from course.core import cells
+    from course.tools import catalog
+
+    exp = reference.get("last_mile_timeline")
+    assert exp.gpu_only and exp.quick == {"size": "tiny"}
+    assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/07_last_mile.ipynb")
+    assert "kernel_events(g.replay)" in inspect.getsource(exp.fn)
+    if not ON_GPU:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            exp.fn(**exp.quick)
 
 
 def test_waterfall_summary_from_timings():

@@ -263,6 +263,45 @@ def test_experiment_quick_run_on_gpu(name):
         assert fast["correct"] is True and fast["us"] > 0
 
 
+def test_sweep_helpers_build_rows_the_cell_measures(model):
+    from course.core.timing import Timing
+    from course.lessons.real_model import experiments as E
+
+    assert E.sweep_batches((4, 1, 2, 4)) == [1, 2, 4]
+    for bad in ((), (0, 1)):
+        with pytest.raises(ValueError, match="positive ints"):
+            E.sweep_batches(bad)
+    eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16)
+    assert list(variants) == ["eager", "graph-cached"] and not set(variants) & set(E.COMPILED)
+    args = eager_dec.example_args(2, 3, seed=2)
+    with torch.no_grad():
+        want, got = variants["eager"](*args), variants["graph-cached"](*args)
+    assert torch.allclose(got, want, atol=1e-5) and variants["graph-cached"].get_stats()["recordings"] == 1
+    t = Timing(2e-3, 1.9e-3, 2.2e-3, 1.8e-3, 2.4e-3, 3, 3, "cuda-events")
+    row = E.sweep_row(2, "graph-cached", variants["graph-cached"], 0.5, t)
+    assert row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(1000.0) and row["q3_us"] == pytest.approx(2200.0)
+    bad = E.failed_row(4, "fused", RuntimeError("no compiler"))
+    assert bad["status"].startswith("FAILED: RuntimeError: no compiler") and bad["us"] != bad["us"]
+    fl = E.floor_row(model, 2, 3, 100.0)
+    assert fl["us"] == pytest.approx(floor_us(bytes_per_token(model, 2, 3), 100.0)) and fl["variant"] == "floor"
+    res = E.batch_sweep_result([row, bad, fl], model, 100.0, size="tiny", position=3)
+    assert res.name == "real_model_batch_sweep" and "position 3" in res.title
+    assert res.value("best_at") == "graph-cached, batch 2" and res.value("copy_bandwidth_GBps") == 100.0
+    assert res.params["size"] == "tiny" and "torch" in res.params  # the floor and the failed row never win
+
+
+def test_real_model_batch_sweep_stands_in_lesson_06s_cell():
+    from course.core import cells
+    from course.tools import catalog
+
+    exp = reference.get("real_model_batch_sweep")
+    assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/06_real_model.ipynb")
+    assert "time_interleaved(" in inspect.getsource(exp.fn)
+    if not ON_GPU:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            exp.fn(**exp.quick)
+
+
 @gpu
 def test_gpu_copy_bandwidth_kernels_and_first_call():
     from course.core.profiling import launch_counts
@@ -386,17 +425,39 @@ def test_roofline_rows_read_bytes_from_the_floor_and_name_the_bound():
     assert all(r["bound"] == "unknown" and r["compute_floor_us"] is None for r in R.roofline_rows(_sweep()))
 
 
-def test_matmul_rate_is_a_registered_gpu_experiment():
+def test_matmul_rate_stands_in_lesson_06s_cell():
+    from course.core import cells
+    from course.tools import catalog
+
     exp = reference.get("matmul_rate")
-    assert exp.gpu_only and exp.fn is R.matmul_rate_experiment
+    assert exp.gpu_only and exp.quick == {"sizes": (2048,), "repeats": 3}
+    assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/06_real_model.ipynb")
+    assert "torch.matmul(a, b, out=out)" in inspect.getsource(exp.fn)
     if not ON_GPU:
         with pytest.raises(Exception, match="needs a real GPU"):
-            R.matmul_rate_experiment(sizes=(256,), repeats=2)
+            exp.fn(sizes=(256,), repeats=2)
+
+
+def test_matmul_rate_result_rates_each_size_and_the_ridge():
+    from course.core.timing import Timing
+
+    def t(us):
+        return Timing(us * 1e-6, us * 0.9e-6, us * 1.2e-6, us * 0.8e-6, us * 1.3e-6, 3, 3, "cuda-events")
+
+    res = R.matmul_rate_result({4096: t(250.0), 1024: t(10.0)}, 2000.0, repeats=3)
+    assert [r["n"] for r in res.rows] == [1024, 4096] and res.params["sizes"] == [1024, 4096]
+    big = res.rows[1]
+    assert big["TFLOPs"] == pytest.approx(2 * 4096 ** 3 / 250e-6 / 1e12)
+    assert big["TFLOPs_at_q3"] < big["TFLOPs"] < big["TFLOPs_at_q1"] and big["q1_us"] == pytest.approx(225.0)
+    assert res.value("bf16_matmul_TFLOPs") == pytest.approx(big["TFLOPs"])  # the largest size, not the first
+    assert res.value("ridge_FLOP_per_byte") == pytest.approx(big["TFLOPs"] * 1e3 / 2000.0)
+    with pytest.raises(ValueError, match="no sizes"):
+        R.matmul_rate_result({}, 2000.0, 3)
 
 
 @gpu
 def test_matmul_rate_measures_a_plausible_rate():
-    res = R.matmul_rate_experiment(sizes=(1024, 2048), repeats=3)
+    res = reference.get("matmul_rate").fn(sizes=(1024, 2048), repeats=3)
     assert [r["n"] for r in res.rows] == [1024, 2048]
     for r in res.rows:
         assert r["q1_us"] <= r["us"] <= r["q3_us"] and 1 < r["TFLOPs"] < 5000

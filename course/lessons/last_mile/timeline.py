@@ -1,10 +1,11 @@
 """The profiler's timeline of the Triton step, without and with programmatic dependent launch (PDL).
 
-:func:`timeline_experiment` ("last_mile_timeline") captures the step of
-:class:`~course.lessons.last_mile.decoder.TritonDecoder` in a CUDA graph twice (``pdl=False`` and
-``pdl=True``), replays each under ``torch.profiler`` and keeps, for every kernel of one replay, its name
-and its start and end on the GPU (microseconds from the replay's first kernel): numbers, so a laptop
-plots the same picture from reference data (:func:`~course.lessons.last_mile.lesson.plot_timeline`).
+The experiment "last_mile_timeline" (its code stands in lesson 07's cell, :mod:`course.core.cells`) captures the
+step of :class:`~course.lessons.last_mile.decoder.TritonDecoder` in a CUDA graph twice (``pdl=False`` and
+``pdl=True``), replays each under ``torch.profiler`` (:func:`kernel_events`) and keeps, for every kernel of one
+replay, its name and its start and end on the GPU (microseconds from the replay's first kernel,
+:func:`timeline_rows`): numbers, so a laptop plots the same picture from reference data
+(:func:`~course.lessons.last_mile.lesson.plot_timeline`). :func:`timeline_result` makes the table.
 
 Read it with :func:`gaps`: the time from one kernel's end to the next one's start. Without PDL each
 kernel starts only after the one before has ended (a gap of a fraction of a microsecond, the GPU's own
@@ -18,8 +19,6 @@ import json
 import os
 import tempfile
 
-from course.core.capture import require_gpu
-from course.core.reference import experiment
 from course.core.results import Result
 
 VARIANTS = {False: "Triton", True: "Triton + PDL"}
@@ -55,46 +54,45 @@ def layer_of(index: int, per_layer: int = 5) -> int:
     return -1 if index == 0 else (index - 1) // per_layer
 
 
-@experiment("last_mile_timeline", gpu_only=True, quick={"size": "tiny"})
-def timeline_experiment(size: str = "tinyllama", position: int = 32, max_len: int = 256, log=print) -> Result:
-    """Per-kernel start and end of one replay of the captured Triton step, without and with PDL (GPU)."""
-    require_gpu("profiling the Triton step's timeline")
+def timeline_rows(variant: str, events: list, last_layer: int) -> list:
+    """The rows of one profiled replay: ``events`` from :func:`kernel_events`, times made relative to the first kernel.
+
+    Each row: ``variant``, ``index`` (start order), ``layer`` (:func:`layer_of`; the last kernel, lm_head's, gets
+    ``last_layer``), ``kernel`` (a short name, :data:`SHORT`), ``start_us`` and ``end_us``.
+    """
+    if not events:
+        raise ValueError(f"{variant}: the profiler saw no kernel in the replay: was the step captured on the GPU?")
+    t0 = events[0][1]
+    rows = [{"variant": variant, "index": i, "layer": layer_of(i, 5), "kernel": SHORT.get(n, n),
+             "start_us": s - t0, "end_us": e - t0} for i, (n, s, e) in enumerate(events)]
+    rows[-1]["layer"] = last_layer  # lm_head after the last layer
+    return rows
+
+
+def timeline_result(rows: list, model, **params) -> Result:
+    """The ``last_mile_timeline`` table from :func:`timeline_rows` of each variant, in order.
+
+    Summary per variant: the step's span (the last kernel's end), its kernels, the mean gap between consecutive
+    kernels and the idle time between them (the positive gaps). ``params`` (``size``, ``position``, ``max_len``)
+    are kept with torch's version.
+    """
     import torch
 
-    from course.core.capture import graph as capture_graph, warm_up
-    from course.lessons.last_mile.decoder import TritonDecoder
-    from course.lessons.real_model.decode import StaticDecoder
-    from course.lessons.real_model.model import build_model, size_of
+    from course.lessons.real_model.model import size_of
 
-    model = build_model(size)
-    args = StaticDecoder(model, max_len).example_args(1, position)
-    rows, spans = [], {}
-    for pdl, variant in VARIANTS.items():
-        log(f"last_mile_timeline: {variant}: capturing and profiling one replay")
-        dec = TritonDecoder(model, max_len, pdl=pdl)
-        warm_up(lambda: dec.step(*args), 2)
-        g = torch.cuda.CUDAGraph()
-        with capture_graph(g):
-            dec.step(*args)
-        for _ in range(3):
-            g.replay()
-        events = kernel_events(g.replay)
-        t0 = events[0][1]
-        mine = [{"variant": variant, "index": i, "layer": layer_of(i, 5), "kernel": SHORT.get(n, n),
-                 "start_us": s - t0, "end_us": e - t0} for i, (n, s, e) in enumerate(events)]
-        mine[-1]["layer"] = dec.L  # lm_head after the last layer
-        rows += mine
-        spans[variant] = (mine[-1]["end_us"], gaps(mine))
-        del g
+    by_variant = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], []).append(r)
     s = size_of(model)
     res = Result("last_mile_timeline",
                  f"LlamaForCausalLM, {s.name} shape ({s.dtype}): one replay of the captured Triton step at position "
-                 f"{position}, every kernel's start and end on the GPU (profiler), without and with PDL",
+                 f"{params.get('position')}, every kernel's start and end on the GPU (profiler), without and with PDL",
                  {"variant": "", "index": "", "layer": "", "kernel": "", "start_us": "us", "end_us": "us"}, rows,
-                 params={"size": size, "position": position, "max_len": max_len, "torch": torch.__version__})
-    for variant, (span, g) in spans.items():
-        res.add_summary(f"{variant}: span", span, "us")
+                 params={**params, "torch": torch.__version__})
+    for variant, mine in by_variant.items():
+        g = gaps(mine)
+        res.add_summary(f"{variant}: span", mine[-1]["end_us"], "us")
         res.add_summary(f"{variant}: kernels", len(g) + 1, "count")
-        res.add_summary(f"{variant}: mean gap", sum(g) / len(g), "us")
+        res.add_summary(f"{variant}: mean gap", sum(g) / len(g) if g else 0.0, "us")
         res.add_summary(f"{variant}: idle between kernels", sum(x for x in g if x > 0), "us")
     return res

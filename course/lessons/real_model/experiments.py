@@ -7,8 +7,10 @@
   own compiled ``generate`` path: time per token (median and IQR, CUDA
   events, interleaved), kernels per token (profiler), time to the first token (compile and capture
   included), tokens and logits against eager, and the weight-read floor from a measured copy bandwidth.
-- :func:`batch_sweep_experiment` ("real_model_batch_sweep"): tokens/s for batch 1..64, eager vs
-  graph-cached vs fused vs fused + GEMV (above batch 1 its stacked products run on cuBLAS) vs the floor.
+- "real_model_batch_sweep": tokens/s for batch 1..64, eager vs graph-cached vs fused vs fused + GEMV (above
+  batch 1 its stacked products run on cuBLAS) vs the floor. Its code stands in lesson 06's cell
+  (:mod:`course.core.cells`); this module keeps its bookkeeping: :func:`sweep_batches`, :func:`sweep_variants`,
+  :func:`sweep_row`, :func:`failed_row`, :func:`floor_row`, :func:`batch_sweep_result`.
 
 Every compiled or captured variant is guarded: a failure becomes a row with ``status`` "FAILED: ..."
 and the run goes on. Progress is printed as it runs (which variant, compiling or measuring).
@@ -192,28 +194,27 @@ def _transformers_version() -> str:
     return package_version("transformers") or "not installed"
 
 
-@experiment("real_model_batch_sweep", gpu_only=True,
-            quick={"size": "tiny", "batches": (1, 2, 4), "repeats": 3, "fused_batches": ()})
-def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32, 64), position: int = 32,
-                           repeats: int = 10, fused_batches=(1, 4, 16, 64), max_len: int = 64, log=print) -> Result:
-    """Tokens/s against batch size: eager, graph-cached, fused, fused + GEMV (GraphCache, one bucket per batch), floor.
+COMPILED = ("fused", FAST)  # the sweep's compiled variants: they run only at its fused_batches
 
-    The fused variants compile the step once per batch size (tens of seconds each for TinyLlama's shape), so
-    they run only at ``fused_batches`` (by default 4 of the 7 sizes, to bound the run's time);
-    pass ``fused_batches=batches`` for all of them. Above batch 1 "fused + GEMV" runs its stacked
-    projections on cuBLAS (the GEMV takes one row).
+
+def sweep_batches(batches) -> list:
+    """The sweep's batch sizes, sorted and each once; a clear error for an empty list or a size below 1."""
+    out = sorted(set(int(b) for b in batches))
+    if not out or out[0] < 1:
+        raise ValueError(f"batches must be positive ints, got {out}")
+    return out
+
+
+def sweep_variants(model, batches, fused_batches, max_len: int) -> tuple:
+    """``(eager decoder, {variant: step})`` of the batch sweep, each variant on a decoder of its own.
+
+    Eager and graph-cached (one GraphCache bucket per batch size) always; the compiled variants (:data:`COMPILED`:
+    fused, and fused + GEMV on the twin with stacked projections) only when ``fused_batches`` is not empty, each
+    ``torch.compile``-d once and captured per batch size.
     """
-    require_gpu("the real model's batch sweep")
     import torch
 
-    batches = sorted(set(int(b) for b in batches))
-    if not batches or batches[0] < 1:
-        raise ValueError(f"batches must be positive ints, got {batches}")
-    reset_compile()
-    model = build_model(size)
-    bw = copy_bandwidth_GBps()
     eager_dec, cache_dec, fused_dec = (StaticDecoder(model, max_len) for _ in range(3))
-    fused_batches = sorted(set(int(b) for b in fused_batches) & set(batches))
     variants = {"eager": eager_dec.step, "graph-cached": graph_cached(cache_dec, buckets=batches)}
     if fused_batches:
         from course.lessons.real_model.projections import gemv_model
@@ -221,41 +222,45 @@ def batch_sweep_experiment(size: str = "tinyllama", batches=(1, 2, 4, 8, 16, 32,
         fast_dec = StaticDecoder(gemv_model(model, fuse=True), max_len)
         variants["fused"] = graph_cached(fused_dec, buckets=batches, fused=torch.compile(fused_dec.step))
         variants[FAST] = graph_cached(fast_dec, buckets=batches, fused=torch.compile(fast_dec.step))
-    rows = []
-    for b in batches:
-        args = eager_dec.example_args(b, position, seed=b)
-        ready = {}
-        for name, fn in variants.items():
-            if name in ("fused", FAST) and b not in fused_batches:
-                continue
-            log(f"real_model_batch_sweep: batch {b}: {name}: first call (capture / compile) ...")
-            try:
-                s, _ = first_call(fn, args)
-                ready[name] = (fn, s)
-            except Exception as e:  # noqa: BLE001 - a failed variant is a row, not a lost run
-                rows.append({"batch": b, "variant": name, "status": _reason(e), "us": NAN, "q1_us": NAN,
-                             "q3_us": NAN, "tokens_per_s": NAN, "first_call_s": NAN})
-        log(f"real_model_batch_sweep: batch {b}: measuring {list(ready)} interleaved")
-        with torch.no_grad():
-            t = time_interleaved({n: (lambda fn=fn: fn(*args)) for n, (fn, _) in ready.items()}, clock="device",
-                                 warmup=2, repeats=repeats, inner=3)
-        for name, (fn, s) in ready.items():
-            status = "ok" if _mode(fn) in ("eager", "fusion", "graph_replay") else f"fell back: {_mode(fn)}"
-            rows.append({"batch": b, "variant": name, "status": status, "us": t[name].us, "q1_us": t[name].q1 * 1e6,
-                         "q3_us": t[name].q3 * 1e6, "tokens_per_s": tokens_per_s(b, t[name].us), "first_call_s": s})
-        fl = floor_us(bytes_per_token(model, b, position), bw)
-        rows.append({"batch": b, "variant": "floor", "status": "computed", "us": fl, "q1_us": fl, "q3_us": fl,
-                     "tokens_per_s": tokens_per_s(b, fl), "first_call_s": 0.0})
+    return eager_dec, variants
+
+
+def sweep_row(batch: int, name: str, fn, first_call_s: float, timing) -> dict:
+    """One measured row of the sweep: the step's median and IQR, its tokens/s, and "ok" or how the cache fell back."""
+    status = "ok" if _mode(fn) in ("eager", "fusion", "graph_replay") else f"fell back: {_mode(fn)}"
+    return {"batch": batch, "variant": name, "status": status, "us": timing.us, "q1_us": timing.q1 * 1e6,
+            "q3_us": timing.q3 * 1e6, "tokens_per_s": tokens_per_s(batch, timing.us), "first_call_s": first_call_s}
+
+
+def failed_row(batch: int, name: str, error: BaseException) -> dict:
+    """The row of a variant whose first call raised: its status says why, its times are NaN."""
+    return {"batch": batch, "variant": name, "status": _reason(error), "us": NAN, "q1_us": NAN, "q3_us": NAN,
+            "tokens_per_s": NAN, "first_call_s": NAN}
+
+
+def floor_row(model, batch: int, position: int, bandwidth_GBps: float) -> dict:
+    """The floor's row at ``batch``: what one step must read (weights, embedding rows, KV cache) at the bandwidth."""
+    fl = floor_us(bytes_per_token(model, batch, position), bandwidth_GBps)
+    return {"batch": batch, "variant": "floor", "status": "computed", "us": fl, "q1_us": fl, "q3_us": fl,
+            "tokens_per_s": tokens_per_s(batch, fl), "first_call_s": 0.0}
+
+
+def batch_sweep_result(rows: list, model, bandwidth_GBps: float, **params) -> Result:
+    """The ``real_model_batch_sweep`` table from lesson 06's cell: its rows, the copy bandwidth and the best tokens/s.
+
+    ``params`` are the run's parameters (``position`` among them, for the title); torch's and transformers'
+    versions are added.
+    """
+    import torch
+
     s = size_of(model)
     res = Result("real_model_batch_sweep",
                  f"LlamaForCausalLM, {s.name} shape ({s.dtype}), random weights: tokens/s against batch size at "
-                 f"position {position} (CUDA events, variants interleaved per batch)",
+                 f"position {params.get('position')} (CUDA events, variants interleaved per batch)",
                  {"batch": "", "variant": "", "status": "", "us": "us", "q1_us": "us", "q3_us": "us",
                   "tokens_per_s": "tokens/s", "first_call_s": "s"}, rows,
-                 params={"size": size, "batches": batches, "position": position, "repeats": repeats,
-                         "fused_batches": fused_batches,
-                         "max_len": max_len, "torch": torch.__version__, "transformers": _transformers_version()})
-    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+                 params={**params, "torch": torch.__version__, "transformers": _transformers_version()})
+    res.add_summary("copy_bandwidth_GBps", bandwidth_GBps, "GB/s")
     best = max((r for r in rows if r["variant"] != "floor" and r["tokens_per_s"] == r["tokens_per_s"]),
                key=lambda r: r["tokens_per_s"], default=None)
     if best:

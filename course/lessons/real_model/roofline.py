@@ -4,8 +4,9 @@ A decode step must read every weight once: it cannot beat ``bytes / bandwidth``,
 (the memory roof). The bandwidth is measured (:func:`copy_bandwidth_GBps`: a large device-to-device copy timed
 with CUDA events, bytes read plus bytes written), the bytes come from the model
 (:func:`~course.lessons.real_model.model.bytes_per_token`). Nor can it beat ``FLOP / rate``, the **compute
-roof**: :func:`decode_flop` counts the step's arithmetic, ``matmul_rate`` (:func:`matmul_rate_experiment`)
-measures the rate of a large bfloat16 matrix product. Their ratio is the **ridge point**
+roof**: :func:`decode_flop` counts the step's arithmetic, ``matmul_rate`` (its code stands in lesson 06's cell,
+:mod:`course.core.cells`; this module keeps its bookkeeping, :func:`matmul_rate_result`) measures the rate of a
+large bfloat16 matrix product. Their ratio is the **ridge point**
 (:func:`ridge_point`, FLOP per byte): a step whose arithmetic intensity (:func:`roofline_rows`) is below it is
 bound by memory, above it by compute.
 
@@ -16,7 +17,6 @@ floor itself.
 """
 from __future__ import annotations
 
-from course.core.reference import experiment
 from course.core.results import Result
 from course.lessons.real_model.model import _size
 
@@ -127,39 +127,32 @@ def roofline_rows(sweep, size="tinyllama", tflops: float | None = None) -> list:
     return rows
 
 
-@experiment("matmul_rate", gpu_only=True, quick={"sizes": (2048,), "repeats": 3})
-def matmul_rate_experiment(sizes=(4096, 8192), repeats: int = 15) -> Result:
-    """The GPU's bfloat16 matrix-product rate: ``torch.matmul`` of two ``[n, n]`` bfloat16 matrices, CUDA events.
+def matmul_rate_result(times: dict, bandwidth_GBps: float, repeats: int) -> Result:
+    """The ``matmul_rate`` table from lesson 06's cell: ``times`` maps each size ``n`` to the
+    :class:`~course.core.timing.Timing` of one ``[n, n] @ [n, n]`` product; ``bandwidth_GBps`` is the copy bandwidth
+    of the same run.
 
-    Each size: median and IQR of the time per product (3 back-to-back products per repeat, after warm-up), and
-    the rate ``2 n^3 / time``. Summary: the rate at the largest size (the compute roof), the copy bandwidth
-    measured in the same run (the memory roof) and their ratio, the ridge point in FLOP per byte.
+    One row per size (ascending): the time per product with its IQR and the rate ``2 n^3 / time`` (at the median
+    and at the quartiles). Summary: the rate at the largest size (the compute roof), the bandwidth (the memory
+    roof) and their ratio, the ridge point in FLOP per byte.
     """
-    from course.core.capture import require_gpu
-    from course.core.timing import time_device
-
-    require_gpu("measuring the matrix-product rate")
     import torch
 
+    if not times:
+        raise ValueError("no sizes were timed: pass at least one size to matmul_rate")
     rows = []
-    for n in sorted(set(int(n) for n in sizes)):
-        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-        t = time_device(lambda: torch.matmul(a, b, out=out), warmup=5, repeats=repeats, inner=3)
-        flop = 2.0 * n ** 3
+    for n in sorted(times):
+        t, flop = times[n], 2.0 * n ** 3
         rows.append({"n": n, "GFLOP": flop / 1e9, "us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6,
                      "TFLOPs": flop / t.median / 1e12, "TFLOPs_at_q3": flop / t.q3 / 1e12,
                      "TFLOPs_at_q1": flop / t.q1 / 1e12})
-        del a, b, out
-    bw = copy_bandwidth_GBps()
     res = Result("matmul_rate", "bfloat16 torch.matmul of two [n, n] matrices: time per product (CUDA events) and "
                  "rate, beside the copy bandwidth of the same run",
                  {"n": "", "GFLOP": "GFLOP", "us": "us", "q1_us": "us", "q3_us": "us", "TFLOPs": "TFLOP/s",
                   "TFLOPs_at_q3": "TFLOP/s", "TFLOPs_at_q1": "TFLOP/s"}, rows,
-                 params={"sizes": sorted(set(int(n) for n in sizes)), "repeats": repeats, "torch": torch.__version__})
+                 params={"sizes": sorted(times), "repeats": repeats, "torch": torch.__version__})
     rate = rows[-1]["TFLOPs"]
     res.add_summary("bf16_matmul_TFLOPs", rate, "TFLOP/s")
-    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
-    res.add_summary("ridge_FLOP_per_byte", ridge_point(rate, bw), "FLOP/byte")
+    res.add_summary("copy_bandwidth_GBps", bandwidth_GBps, "GB/s")
+    res.add_summary("ridge_FLOP_per_byte", ridge_point(rate, bandwidth_GBps), "FLOP/byte")
     return res
