@@ -1,13 +1,14 @@
-"""The registered experiments of lesson 05 (each starts its own worker processes and returns a Result).
+"""Lesson 05's experiments and their bookkeeping (each starts its own worker processes and returns a Result).
 
 Live everywhere (NCCL on 2+ GPUs, else gloo with CPU processes):
 
 - ``sharding_dtensor_test`` (:func:`dtensor_experiment`): the cases of PyTorch's DTensor sharded-embedding test
   and their communication counts;
-- ``sharding_cost`` (:func:`cost_experiment`): ids per step and table width swept, eager time, bytes
-  of the lookup vs bytes of the all-reduce;
-- ``sharding_world_sizes`` (:func:`world_sizes_experiment`): the same lookup at world sizes 2, 4, 8
-  (gloo: CPU processes; NCCL: as many GPUs as the machine has).
+- ``sharding_cost``: ids per step and table width swept, eager time, bytes of the lookup vs bytes of the all-reduce;
+- ``sharding_world_sizes``: the same lookup at world sizes 2, 4, 8 (gloo: CPU processes; NCCL: as many GPUs as the
+  machine has). Both are written in lesson 05's cells (:mod:`course.core.cells`; their per-rank worker travels to
+  the processes as source, :mod:`~course.lessons.sharding.cell_workers`); this module keeps their bookkeeping
+  (:func:`sweep_result`).
 
 Multi-GPU only (``gpus=2``; recorded by ``python -m course bench`` on a machine with 2+ GPUs):
 
@@ -76,7 +77,9 @@ def dtensor_experiment(world_size: int | None = None, timeout: float = 120.0) ->
     return dtensor_result(launch(W.dtensor_worker, p.world_size, backend=p.backend, timeout=timeout), p)
 
 
-def _sweep_result(name, title, rows, p, params) -> Result:
+def sweep_result(name: str, title: str, rows: list, p, params: dict) -> Result:
+    """A lookup sweep's Result (``sharding_cost``, ``sharding_world_sizes``): rank 0's rows from the cell's worker,
+    provenance from the plan ``p`` (:func:`run_provenance`), the timing method and ``params`` in its params."""
     cols = {"world_size": "ranks", "ids": "ids/step", "dim": "columns", "eager_us": "us", "eager_q1_us": "us",
             "eager_q3_us": "us", "correct": "", "output_bytes": "B", "rowwise_lookup_bytes": "B",
             "colwise_lookup_bytes": "B", "allreduce_bytes": "B", "allgather_bytes": "B"}
@@ -84,37 +87,6 @@ def _sweep_result(name, title, rows, p, params) -> Result:
                  params={"backend": p.backend, "processes": p.world_size, "timing": G.TIMING, **params})
     res.add_summary("all_correct", all(r["correct"] for r in rows))
     return res
-
-
-@experiment("sharding_cost", gpu_only=False, quick={"n_ids": (16, 64), "dims": (16, 64)})
-def cost_experiment(n_ids=None, dims=None, world_size: int | None = None, num_embeddings: int | None = None,
-                    timeout: float = 240.0) -> Result:
-    """Row-wise lookup + all-reduce, eager, for each ids-per-step x table width: time and bytes moved per rank."""
-    p = plan(world_size)
-    gpu = p.backend == "nccl"
-    n_ids = tuple(n_ids or ((16, 128, 1024, 8192) if gpu else (16, 64, 256)))
-    dims = tuple(dims or ((64, 256, 1024, 4096) if gpu else (16, 64, 256)))
-    num = num_embeddings or (32000 if gpu else 1024)
-    out = launch(W.sweep_worker, p.world_size, backend=p.backend, timeout=timeout, sizes=(p.world_size,),
-                 n_ids=n_ids, dims=dims, num_embeddings=num, repeats=15 if gpu else 5, inner=10 if gpu else 3)
-    return _sweep_result("sharding_cost", f"Vocab-parallel lookup + all_reduce, eager, {p.backend} x{p.world_size}",
-                         out[0], p, {"num_embeddings": num})
-
-
-@experiment("sharding_world_sizes", gpu_only=False, quick={"sizes": (2, 4)})
-def world_sizes_experiment(sizes=WORLD_SIZES, ids: int = 128, dim: int | None = None, timeout: float = 300.0) -> Result:
-    """The lookup + all-reduce, eager, at each world size this machine reaches (gloo: any; NCCL: <= GPUs)."""
-    n = gpu_count()
-    reach = [s for s in sizes if s <= n] if n >= 2 else list(sizes)
-    if not reach:
-        raise ValueError(f"none of the world sizes {tuple(sizes)} fits this machine's {n} GPUs")
-    p = plan(max(reach))
-    dim = dim or (1024 if p.backend == "nccl" else 32)
-    out = launch(W.sweep_worker, p.world_size, backend=p.backend, timeout=timeout, sizes=tuple(reach),
-                 n_ids=(ids,), dims=(dim,), num_embeddings=8 * 1024, repeats=15 if p.backend == "nccl" else 5,
-                 inner=10 if p.backend == "nccl" else 3)
-    return _sweep_result("sharding_world_sizes", f"Lookup + all_reduce vs world size, eager, {p.backend}", out[0], p,
-                         {"sizes": tuple(reach), "not_reached": tuple(s for s in sizes if s not in reach)})
 
 
 def _capture_result(name, title, out, p, params) -> Result:

@@ -84,12 +84,12 @@ def _one_variant(variant, w, ctx, group, mesh, ids_shape, num_embeddings, dim, r
     from course.core.timing import time_ranks
 
     dev = ctx.torch_device
-    weight = W._full_table(num_embeddings, dim, dev)
-    ids = W._same_ids(ids_shape, num_embeddings, dev)
+    weight = W.full_table(num_embeddings, dim, dev)
+    ids = W.same_ids(ids_shape, num_embeddings, dev)
     step = make_step(variant, ids, weight, ctx.rank, w, group, mesh)
     eager = time_ranks(step, group=group, warmup=3, repeats=repeats, inner=inner)
     graph, out = capture_graph(step)
-    ids.copy_(W._same_ids(ids_shape, num_embeddings, dev, seed=99))  # new ids into the static input
+    ids.copy_(W.same_ids(ids_shape, num_embeddings, dev, seed=99))  # new ids into the static input
     graph.replay()
     torch.cuda.synchronize()
     correct = bool(torch.equal(out, torch.nn.functional.embedding(ids, weight)))
@@ -107,7 +107,7 @@ def _one_variant(variant, w, ctx, group, mesh, ids_shape, num_embeddings, dim, r
 def _bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)) -> dict:
     """One graph per bucket; ranks with different token counts agree on one bucket, then all replay it."""
     dev = ctx.torch_device
-    weight = W._full_table(num_embeddings, dim, dev)
+    weight = W.full_table(num_embeddings, dim, dev)
     shard, start = V.local_rows(weight, ctx.rank, w)
     graphs = {}
     for b in buckets:
@@ -118,7 +118,7 @@ def _bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)
     n_tokens = 5 + 6 * (ctx.rank % 2)  # the ranks' local counts differ (rank 0: 5 tokens, rank 1: 11)
     bucket = W.agree_bucket(n_tokens, buckets, group=group, device=dev)
     ids, graph, out = graphs[bucket]
-    seq = W._same_ids((max(buckets),), num_embeddings, dev, seed=5)  # each rank fills the first n_tokens of one batch
+    seq = W.same_ids((max(buckets),), num_embeddings, dev, seed=5)  # each rank fills the first n_tokens of one batch
     ids.zero_()
     ids[:n_tokens] = seq[:n_tokens]
     graph.replay()
@@ -143,7 +143,7 @@ def capture_worker(ctx, sizes=(2,), variants=VARIANTS, ids_shape=(8, 16), num_em
     for w in sizes:
         group = None if w == ctx.world_size else dist.new_group(list(range(w)))
         if ctx.rank < w:
-            mesh = W._mesh(ctx, group)
+            mesh = W.device_mesh(ctx, group)
             for v in variants:
                 row = _one_variant(v, w, ctx, group, mesh, ids_shape, num_embeddings, dim, repeats, inner)
                 rows.append(row)
