@@ -363,3 +363,48 @@ def test_the_same_table_and_ids_on_every_rank_and_the_sweep_table():
     res = sweep_result("sharding_cost", "t", rows, p, {"num_embeddings": 64})
     assert res.value("all_correct") is False and res.params["processes"] == 2 and res.params["num_embeddings"] == 64
     assert res.params["timing"] == G.TIMING and "2 CPU processes (gloo)" in res.provenance["device"]
+
+
+def test_the_capture_cells_worker_travels_to_the_processes_and_refuses_gloo_clearly():
+    """Lesson 05's capture worker (a cell, read out of the answer version) runs from its source on every rank."""
+    worker = reference.load_all()["sharding_capture"].fn.__globals__["capture_worker"]
+    assert worker.__module__.startswith("course_cells.")
+    with pytest.raises(S.WorkerError, match="capture_worker captures CUDA graphs: it needs the NCCL backend"):
+        S.launch(worker, 2, backend="gloo", timeout=120)
+
+
+def test_capture_rows_and_results_from_the_workers_output():
+    from course.core.timing import Timing
+    from course.lessons.sharding.experiments import capture_result
+
+    def t(us):
+        return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 3, "slowest rank")
+
+    rows = [G.variant_row(v, 2, t(100.0), t(20.0 if v != "vocab_numba" else 30.0), True, 128, 64) for v in G.VARIANTS]
+    assert rows[0]["speedup"] == pytest.approx(5.0) and rows[0]["replay_q3_us"] == pytest.approx(22.0)
+    assert rows[0]["allreduce_bytes"] == S.comm_bytes(128, 64, 2)["allreduce_bytes"] and rows[0]["ids"] == 128
+    agreement = [{"world_size": 2, "rank": r, "tokens": 5, "own_bucket": 8, "bucket": 16, "correct": True} for r in (0, 1)]
+    out = [{"rank": 0, "rows": rows, "agreement": agreement[:1]}, {"rank": 1, "rows": [], "agreement": agreement[1:]}]
+    p = S.Plan("nccl", 2, "cuda", "test")
+    res = capture_result("sharding_capture", "t", out, p, {"dim": 64})
+    assert res.value("all_replays_correct") and res.value("bucket_agreement_ok") and len(res.value("bucket_agreement")) == 2
+    assert res.value("numba_over_torch_replay") == pytest.approx(1.5) and res.value("rowwise_speedup") == pytest.approx(5.0)
+    assert res.params["timing"] == G.TIMING
+    wrong = [dict(rows[0], replay_correct=False)]
+    ws = capture_result("sharding_capture_world_sizes", "t", [{"rows": wrong, "agreement": []}], p, {}, buckets=False)
+    assert ws.value("all_replays_correct") is False and set(ws.summary) == {"all_replays_correct"}
+
+
+BUCKET_CELL = '''
+def bucket_cell_worker(ctx):
+    from course.lessons.sharding import graphs as G
+    return G.bucket_replay(ctx, None, ctx.world_size, 64, 8)
+'''
+
+
+@TWO_GPUS
+def test_bucket_replay_on_two_gpus_from_a_worker_written_in_a_cell():
+    """A cell's worker over NCCL (sent as source), running the bucket agreement with captured graphs."""
+    ns = _kernel_cell(BUCKET_CELL, "/tmp/ipykernel_1/bucket.py")
+    out = S.launch(ns["bucket_cell_worker"], 2, backend="nccl", timeout=300)
+    assert [o["bucket"] for o in out] == [16, 16] and all(o["correct"] for o in out)
