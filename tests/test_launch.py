@@ -35,7 +35,10 @@ def test_trace_rows_extracts_lanes():
 
 
 def test_cpu_dispatch_runs_live_everywhere():
-    res = launch.cpu_dispatch(max_exp=8, repeats=3)
+    """The cell of lesson 01 (read out of its answer version) runs live on this machine."""
+    from course.core import reference
+
+    res = reference.get("cpu_dispatch").fn(max_exp=8, repeats=3)
     assert res.live and len(res.rows) == 4
     assert all(r["time_us"] > 0 for r in res.rows)
     assert res.value("dispatch_floor_us") == min(res.column("time_us"))
@@ -45,11 +48,11 @@ def test_cpu_dispatch_runs_live_everywhere():
 def test_gpu_launch_experiments_quick():
     from course.core import reference
 
-    costs = reference.load_all()["launch_costs"].fn(repeats=5)  # the experiment's code stands in lesson 01's cell
+    costs = reference.get("launch_costs").fn(repeats=5)
     assert costs.value("torch_launch_us") > costs.value("torch_kernel_exec_us") > 0
-    sweep = launch.launch_sweep(max_exp=16, repeats=5)
+    sweep = reference.get("launch_sweep").fn(max_exp=16, repeats=5)
     assert sweep.rows[-1]["kernel_exec_us"] > 0
-    tl = launch.launch_timeline(ops=10)
+    tl = reference.get("launch_timeline").fn(ops=10)
     assert 0 < tl.value("gpu_busy_fraction") <= 1.0
 
 
@@ -147,3 +150,56 @@ def test_tiny_kernels_compile_and_run_on_this_path():
     add_one[1, 4](a)
     empty[1, 1]()
     assert a.copy_to_host().tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def _timing(us):
+    from course.core.timing import Timing
+    return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 10, "x")
+
+
+def test_pow2_sizes_and_bad_ranges():
+    assert launch.pow2_sizes(2, 6) == [4, 16, 64] and launch.pow2_sizes(4, 6, step=1) == [16, 32, 64]
+    with pytest.raises(ValueError, match="min_exp <= max_exp"):
+        launch.pow2_sizes(8, 4)
+
+
+def test_sweep_result_reads_the_three_clocks_per_size():
+    timings = {16: (_timing(5.0), _timing(6.0), _timing(1.0)), 1 << 20: (_timing(5.2), _timing(30.0), _timing(25.0)),
+               1 << 24: (_timing(4.8), _timing(400.0), _timing(390.0))}
+    facts = {"l2_bytes": 1 << 22, "peak_dram_GBps": 3350.0}
+    res = launch.sweep_result(timings, facts, 4, 24, 5)
+    assert res.column("elements") == [16, 1 << 20, 1 << 24] and res.column("bytes") == [64, 4 << 20, 64 << 20]
+    assert res.column("fits_in_l2") == [True, True, False]
+    assert res.rows[1]["eager_gpu_us"] == pytest.approx(30.0) and res.rows[1]["kernel_exec_q3_us"] == pytest.approx(27.5)
+    assert res.value("launch_us") == pytest.approx(5.0) and res.value("crossover_bytes") == 4 << 20
+    assert res.value("dram_bandwidth_GBps") == pytest.approx(2 * (64 << 20) / 390e-6 / 1e9)
+    assert res.value("hardware_peak_dram_GBps") == 3350.0 and res.params["repeats"] == 5
+    no_l2 = launch.sweep_result(timings, {"l2_bytes": None, "peak_dram_GBps": None}, 4, 24, 5)
+    assert "dram_bandwidth_GBps" not in no_l2.summary and "hardware_peak_dram_GBps" not in no_l2.summary
+
+
+def test_timeline_result_and_chrome_trace():
+    import json
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100 + 10 * i, "dur": 4} for i in range(4)] + [
+        {"ph": "X", "cat": "kernel", "name": "add_kernel", "ts": 103 + 10 * i, "dur": 2} for i in range(4)]}
+
+    class Prof:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump(trace, f)
+
+    assert launch.chrome_trace(Prof()) == trace
+    res = launch.timeline_result(trace, ops=3, skip=1)
+    assert res.params == {"ops": 3} and len(res.rows) == 6
+    assert res.value("gpu_busy_fraction") == pytest.approx(6 / 22) and res.value("mean_gap_us") == pytest.approx(8.0)
+    assert res.value("mean_kernel_us") == pytest.approx(2.0)
+    assert "gpu_busy_fraction" not in launch.timeline_result({"traceEvents": []}, ops=3, skip=1).summary
+
+
+def test_cpu_dispatch_result_finds_the_floor_and_the_doubling():
+    res = launch.cpu_dispatch_result({4: _timing(2.0), 64: _timing(1.5), 1024: _timing(2.9), 16384: _timing(3.1)}, 2, 14, 5)
+    assert res.value("dispatch_floor_us") == pytest.approx(1.5)
+    assert res.value("size_at_twice_floor_bytes") == 16384 * 4
+    assert res.rows[0]["q1_us"] == pytest.approx(1.8) and res.params["threads"] >= 1

@@ -80,9 +80,102 @@ def test_context_says_and_names_its_device():
     S.Context(0, 2, "gloo", "cpu").say("no queue: ignored")
 
 
-def test_launch_refuses_functions_spawn_cannot_import():
-    with pytest.raises(ValueError, match="defined at the top of a module in `course`"):
+def test_launch_refuses_functions_spawn_cannot_run():
+    with pytest.raises(ValueError, match="not a lambda"):
         S.launch(lambda ctx: 0, 2, backend="gloo")
+
+
+# ---------------------------------------------------------------------------- workers written in a notebook cell
+def _kernel_cell(src: str, filename: str = "/tmp/ipykernel_1/123456.py") -> dict:
+    """Run ``src`` as a notebook kernel runs a cell: in ``__main__``'s name, its lines in linecache."""
+    import linecache
+
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    ns = {"__name__": "__main__"}
+    exec(compile(src, filename, "exec"), ns)
+    return ns
+
+
+CELL = '''
+import torch  # a cell's own import: the worker cannot see it
+
+
+def cell_worker(ctx, scale=1.0):
+    """Sum of the ranks, times scale, over the process group."""
+    import torch
+    import torch.distributed as dist
+    from course.lessons.sharding import workers as W
+
+    x = torch.tensor([float(ctx.rank)]) * scale
+    dist.all_reduce(x)
+    return {"rank": ctx.rank, "sum": float(x), "mesh": W.device_mesh(ctx).size(), "lines": [l for l in range(3)]}
+
+
+def broken_worker(ctx):
+    import torch
+
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")  # the cell's line
+    return 0
+
+
+def forgets_import(ctx):
+    return torch.zeros(1) + helper()
+
+
+def helper():
+    return 1
+'''
+
+
+def test_portable_keeps_course_functions_and_carries_a_cells_source():
+    import pickle
+
+    from course.lessons.sharding import cell_workers as C
+
+    assert C.portable(W.bucket_worker) is W.bucket_worker and C.importable(W.bucket_worker)
+    ns = _kernel_cell(CELL)
+    assert not C.importable(ns["cell_worker"])
+    carried = pickle.loads(pickle.dumps(C.portable(ns["cell_worker"])))
+    assert isinstance(carried, C.CellWorker) and carried.name == "cell_worker"
+    fn = carried.load()
+    assert fn.__code__.co_filename == "/tmp/ipykernel_1/123456.py"
+    assert fn.__code__.co_firstlineno == ns["cell_worker"].__code__.co_firstlineno  # the cell's own line numbers
+    assert {"torch", "dist", "W"} <= set(fn.__code__.co_varnames) and C.global_names(fn.__code__) <= {"float", "range"}
+
+
+def test_portable_refuses_what_cannot_travel_naming_it():
+    from course.lessons.sharding import cell_workers as C
+
+    ns = _kernel_cell(CELL, "/tmp/ipykernel_1/654321.py")
+    with pytest.raises(ValueError, match=r"'forgets_import' uses helper, torch without importing.*top of its body"):
+        C.portable(ns["forgets_import"])
+    scale = 2.0
+
+    def closure(ctx):
+        return scale
+    with pytest.raises(ValueError, match=r"uses \['scale'\] of the function it is defined in"):
+        C.portable(closure)
+    with pytest.raises(ValueError, match="is decorated"):
+        C.portable(_kernel_cell("import functools\n@functools.lru_cache\ndef deco(ctx):\n    return 1\n",
+                                "/tmp/ipykernel_1/7.py")["deco"].__wrapped__)
+    unreadable = {"__name__": "__main__"}
+    exec(compile("def ghost(ctx):\n    return 1\n", "<no file>", "exec"), unreadable)
+    with pytest.raises(ValueError, match="the source of worker 'ghost' cannot be read"):
+        C.portable(unreadable["ghost"])
+    import functools
+    partial = functools.partial(W.bucket_worker, agree=True)
+    assert C.portable(partial) is partial  # picklable as it is
+
+
+def test_a_worker_written_in_a_cell_runs_on_every_rank_and_its_errors_show_the_cell():
+    """What notebook 05's experiment cells rely on: the kernel's function travels as source to 2 gloo processes."""
+    ns = _kernel_cell(CELL, "/tmp/ipykernel_1/999.py")
+    out = S.launch(ns["cell_worker"], 2, backend="gloo", timeout=120, scale=2.0)
+    assert [o["rank"] for o in out] == [0, 1] and all(o["sum"] == 2.0 and o["mesh"] == 2 for o in out)
+    with pytest.raises(S.WorkerError, match=r"failed first on rank 1: ValueError: rank 1 refuses") as e:
+        S.launch(ns["broken_worker"], 2, backend="gloo", timeout=120)
+    assert 'File "/tmp/ipykernel_1/999.py", line 20' in str(e.value) and "# the cell's line" in str(e.value)
 
 
 # ---------------------------------------------------------------------------- PyTorch's DTensor test, in processes
@@ -255,3 +348,63 @@ def test_same_step_in_two_tables_agrees_or_says_why():
     assert "48.7 us (IQR 44.7-53.8)" in text and "rank skew" in text and "bench sharding_capture" in text
     assert S.timing_method(skewed) != S.timing_method(other)
     assert S.same_step(None, other) == "" and S.same_step(base, other, variant="vocab_numba") == ""
+
+
+def test_the_same_table_and_ids_on_every_rank_and_the_sweep_table():
+    from course.lessons.sharding.experiments import sweep_result
+
+    assert torch.equal(W.full_table(16, 4, "cpu"), W.full_table(16, 4, "cpu")) and W.full_table(16, 4, "cpu").shape == (16, 4)
+    ids = W.same_ids((3, 5), 10, "cpu")
+    assert torch.equal(ids, W.same_ids((3, 5), 10, "cpu")) and int(ids.max()) < 10 and int(ids.min()) >= 0
+    assert not torch.equal(ids, W.same_ids((3, 5), 10, "cpu", seed=99))
+    p = S.Plan("gloo", 2, "cpu", "test")
+    rows = [{"world_size": 2, "ids": 16, "dim": d, "eager_us": 5.0, "eager_q1_us": 4.0, "eager_q3_us": 6.0, "correct": ok,
+             **S.comm_bytes(16, d, 2)} for d, ok in ((8, True), (16, False))]
+    res = sweep_result("sharding_cost", "t", rows, p, {"num_embeddings": 64})
+    assert res.value("all_correct") is False and res.params["processes"] == 2 and res.params["num_embeddings"] == 64
+    assert res.params["timing"] == G.TIMING and "2 CPU processes (gloo)" in res.provenance["device"]
+
+
+def test_the_capture_cells_worker_travels_to_the_processes_and_refuses_gloo_clearly():
+    """Lesson 05's capture worker (a cell, read out of the answer version) runs from its source on every rank."""
+    worker = reference.load_all()["sharding_capture"].fn.__globals__["capture_worker"]
+    assert worker.__module__.startswith("course_cells.")
+    with pytest.raises(S.WorkerError, match="capture_worker captures CUDA graphs: it needs the NCCL backend"):
+        S.launch(worker, 2, backend="gloo", timeout=120)
+
+
+def test_capture_rows_and_results_from_the_workers_output():
+    from course.core.timing import Timing
+    from course.lessons.sharding.experiments import capture_result
+
+    def t(us):
+        return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 3, "slowest rank")
+
+    rows = [G.variant_row(v, 2, t(100.0), t(20.0 if v != "vocab_numba" else 30.0), True, 128, 64) for v in G.VARIANTS]
+    assert rows[0]["speedup"] == pytest.approx(5.0) and rows[0]["replay_q3_us"] == pytest.approx(22.0)
+    assert rows[0]["allreduce_bytes"] == S.comm_bytes(128, 64, 2)["allreduce_bytes"] and rows[0]["ids"] == 128
+    agreement = [{"world_size": 2, "rank": r, "tokens": 5, "own_bucket": 8, "bucket": 16, "correct": True} for r in (0, 1)]
+    out = [{"rank": 0, "rows": rows, "agreement": agreement[:1]}, {"rank": 1, "rows": [], "agreement": agreement[1:]}]
+    p = S.Plan("nccl", 2, "cuda", "test")
+    res = capture_result("sharding_capture", "t", out, p, {"dim": 64})
+    assert res.value("all_replays_correct") and res.value("bucket_agreement_ok") and len(res.value("bucket_agreement")) == 2
+    assert res.value("numba_over_torch_replay") == pytest.approx(1.5) and res.value("rowwise_speedup") == pytest.approx(5.0)
+    assert res.params["timing"] == G.TIMING
+    wrong = [dict(rows[0], replay_correct=False)]
+    ws = capture_result("sharding_capture_world_sizes", "t", [{"rows": wrong, "agreement": []}], p, {}, buckets=False)
+    assert ws.value("all_replays_correct") is False and set(ws.summary) == {"all_replays_correct"}
+
+
+BUCKET_CELL = '''
+def bucket_cell_worker(ctx):
+    from course.lessons.sharding import graphs as G
+    return G.bucket_replay(ctx, None, ctx.world_size, 64, 8)
+'''
+
+
+@TWO_GPUS
+def test_bucket_replay_on_two_gpus_from_a_worker_written_in_a_cell():
+    """A cell's worker over NCCL (sent as source), running the bucket agreement with captured graphs."""
+    ns = _kernel_cell(BUCKET_CELL, "/tmp/ipykernel_1/bucket.py")
+    out = S.launch(ns["bucket_cell_worker"], 2, backend="nccl", timeout=300)
+    assert [o["bucket"] for o in out] == [16, 16] and all(o["correct"] for o in out)

@@ -9,11 +9,13 @@ Experiments (see :mod:`course.core.reference`):
 - ``launch_sweep`` (GPU): the same three times for ``x.add_(1)`` as the tensor grows from
   64 bytes to 1 GiB: a flat launch-bound region, a bandwidth-bound slope, and the crossover. The sizes are
   measured in turns (:func:`sweep_timings`), so a passing disturbance cannot make one size an outlier;
-  :func:`outliers` names any point that still stands far off its neighbours.
+  :func:`outliers` names any point that still stands far off its neighbours. Bookkeeping: :func:`sweep_result`.
 - ``launch_timeline`` (GPU): a torch.profiler trace of 30 tiny ops: CPU launches vs GPU kernels,
-  with the idle gaps between kernels.
+  with the idle gaps between kernels. Bookkeeping: :func:`chrome_trace`, :func:`timeline_result`.
 - ``cpu_dispatch`` (live everywhere): the CPU-side dispatch cost of tiny torch ops on CPU tensors,
-  swept over size: the same shape of curve, measured on this machine.
+  swept over size: the same shape of curve, measured on this machine. Bookkeeping: :func:`cpu_dispatch_result`.
+
+All four are written in lesson 01's cells (:mod:`course.core.cells`); this module keeps what they share.
 """
 from __future__ import annotations
 
@@ -22,11 +24,9 @@ import os
 import tempfile
 from functools import lru_cache
 
-from course.core.reference import experiment
 from course.core.results import Result
-from course.core.runtime import as_numba, cuda, numba_stream, torch_device
-from course.core.timing import (Timing, capture_calls, time_device, time_enqueue, time_graph_replay, time_interleaved,
-                                 time_wall)
+from course.core.runtime import cuda
+from course.core.timing import Timing, time_graph_replay, time_interleaved
 
 OPS_PER_GRAPH = 50
 
@@ -57,7 +57,10 @@ def crossover_bytes(rows, launch_key: str = "host_enqueue_us", exec_key: str = "
     return None
 
 
-def _sizes(min_exp: int, max_exp: int, step: int = 2):
+def pow2_sizes(min_exp: int, max_exp: int, step: int = 2) -> list:
+    """``[2**min_exp, 2**(min_exp+step), ...]`` up to ``2**max_exp``: the element counts a sweep visits."""
+    if min_exp > max_exp or step < 1:
+        raise ValueError(f"a sweep needs min_exp <= max_exp and step >= 1, got {min_exp}, {max_exp}, {step}")
     return [2 ** e for e in range(min_exp, max_exp + 1, step)]
 
 
@@ -141,38 +144,26 @@ def outliers(rows, key: str = "kernel_exec_us", factor: float = 3.0) -> list:
     return out
 
 
-@experiment("launch_sweep", gpu_only=True, quick={"max_exp": 16, "repeats": 5})
-def launch_sweep(min_exp: int = 4, max_exp: int = 28, repeats: int = 15) -> Result:
-    """Sweep ``x.add_(1)`` over float32 tensors of 2**min_exp..2**max_exp elements.
+def sweep_result(timings: dict, facts: dict, min_exp: int, max_exp: int, repeats: int) -> Result:
+    """The ``launch_sweep`` table from the cell's :func:`sweep_timings` (``{elements: (enqueue, eager, replay)}``).
 
-    Columns: host enqueue time per op, GPU time per op when issued back to back (eager),
-    and kernel execution time per op inside a CUDA graph, each a median with its quartiles; the sizes are
-    measured in turns (:func:`sweep_timings`). Summary: the crossover size, and bandwidth two ways: the highest
-    seen at any size (data that fits in L2 included) and DRAM bandwidth, from sizes at least 4x the L2 cache
-    only, beside the hardware peak read from the device.
+    ``facts``: :func:`course.core.hardware.memory_facts` (L2 size, the hardware's peak DRAM bandwidth).
+    Columns: host enqueue time per op, GPU time per op when issued back to back (eager), and kernel execution time
+    per op inside a CUDA graph, each a median with its quartiles. Summary: the crossover size, and bandwidth two
+    ways: the highest seen at any size (data that fits in L2 included) and DRAM bandwidth, from sizes at least 4x
+    the L2 cache only, beside the hardware peak.
     """
-    import torch
+    import statistics
 
-    from course.core.hardware import memory_facts
-
-    facts = memory_facts()
     l2 = facts["l2_bytes"] or 0
-    dev = torch_device()
-    sizes = _sizes(min_exp, max_exp, step=1)
-    xs = {n: torch.zeros(n, device=dev) for n in sizes}  # all at once: 2 GiB at 2**28, nothing on an H100
-    ops = {n: (lambda x=x: x.add_(1.0)) for n, x in xs.items()}
-    graphs = {n: capture_calls(op, OPS_PER_GRAPH) for n, op in ops.items()}
-    timings = sweep_timings(ops, {n: g.replay for n, g in graphs.items()}, repeats=repeats)
     rows = []
-    for n in sizes:
-        enq, eager, rep = timings[n]
+    for n, (enq, eager, rep) in timings.items():
         nbytes = n * 4
         rows.append({"elements": n, "bytes": nbytes, "host_enqueue_us": enq.us, "host_q1_us": enq.q1 * 1e6,
                      "host_q3_us": enq.q3 * 1e6, "eager_gpu_us": eager.us, "eager_q1_us": eager.q1 * 1e6,
                      "eager_q3_us": eager.q3 * 1e6, "kernel_exec_us": rep.us, "kernel_exec_q1_us": rep.q1 * 1e6,
                      "kernel_exec_q3_us": rep.q3 * 1e6, "bandwidth_GBps": 2 * nbytes / rep.median / 1e9,
                      "fits_in_l2": bool(l2) and nbytes <= l2})
-    del graphs, xs
     res = Result("launch_sweep", "x.add_(1) on float32 tensors: launch cost vs kernel time (sizes measured in turns)",
                  {"elements": "", "bytes": "B", "host_enqueue_us": "us", "host_q1_us": "us", "host_q3_us": "us",
                   "eager_gpu_us": "us", "eager_q1_us": "us", "eager_q3_us": "us", "kernel_exec_us": "us",
@@ -180,7 +171,6 @@ def launch_sweep(min_exp: int = 4, max_exp: int = 28, repeats: int = 15) -> Resu
                   "fits_in_l2": ""}, rows,
                  params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats,
                          "method": "every repeat visits every size in a rotated order (time_interleaved)"})
-    import statistics
     res.add_summary("launch_us", statistics.median(r["host_enqueue_us"] for r in rows), "us")
     res.add_summary("smallest_kernel_exec_us", rows[0]["kernel_exec_us"], "us")
     res.add_summary("crossover_bytes", crossover_bytes(rows), "B")
@@ -210,26 +200,18 @@ def _trace_rows(trace: dict, skip: int = 5):
     return rows
 
 
-@experiment("launch_timeline", gpu_only=True, quick={"ops": 12})
-def launch_timeline(ops: int = 30) -> Result:
-    """torch.profiler trace of ``ops`` back-to-back tiny ``x.add_(1)``: launches vs kernels, and the gaps."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    x = torch.zeros(256, device=torch_device())
-    for _ in range(20):
-        x.add_(1.0)
-    torch.cuda.synchronize()
-    skip = 5
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(ops + skip):
-            x.add_(1.0)
-        torch.cuda.synchronize()
+def chrome_trace(prof) -> dict:
+    """The chrome trace of a finished ``torch.profiler.profile`` as a dict (exported to a temporary file, read back)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            trace = json.load(f)
+            return json.load(f)
+
+
+def timeline_result(trace: dict, ops: int, skip: int) -> Result:
+    """The ``launch_timeline`` table from a chrome trace: CPU launches and GPU kernels after the first ``skip``
+    of each, and the GPU's busy fraction, mean kernel time and mean idle gap between kernels."""
     rows = _trace_rows(trace, skip=skip)
     res = Result("launch_timeline", f"Profiler timeline of {ops} tiny ops",
                  {"lane": "", "name": "", "start_us": "us", "dur_us": "us"}, rows, params={"ops": ops})
@@ -243,22 +225,15 @@ def launch_timeline(ops: int = 30) -> Result:
     return res
 
 
-@experiment("cpu_dispatch", gpu_only=False, quick={"max_exp": 14, "repeats": 5})
-def cpu_dispatch(min_exp: int = 2, max_exp: int = 24, repeats: int = 15) -> Result:
-    """``x.add_(1)`` on CPU tensors over sizes: the fixed per-op dispatch cost and the memory-bound slope.
+def cpu_dispatch_result(timings: dict, min_exp: int, max_exp: int, repeats: int) -> Result:
+    """The ``cpu_dispatch`` table from the cell's ``{elements: Timing}`` (wall clock per op, CPU tensors).
 
-    Live on every machine (it uses the CPU only). The per-op floor is what the CPU pays to
-    issue any op, even before a GPU is involved.
+    Summary: the per-op floor (what the CPU pays to issue any op) and the first size whose time is twice it.
     """
     import torch
-    from tqdm.auto import tqdm
 
-    rows = []
-    for n in tqdm(_sizes(min_exp, max_exp), desc="CPU dispatch sweep", leave=False):
-        x = torch.zeros(n)
-        inner = 50 if n <= 2 ** 16 else 5
-        t = time_wall(lambda: x.add_(1.0), warmup=5, repeats=repeats, inner=inner)
-        rows.append({"elements": n, "bytes": n * 4, "time_us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6})
+    rows = [{"elements": n, "bytes": n * 4, "time_us": t.us, "q1_us": t.q1 * 1e6, "q3_us": t.q3 * 1e6}
+            for n, t in timings.items()]
     res = Result("cpu_dispatch", "x.add_(1) on CPU tensors: per-op time vs size",
                  {"elements": "", "bytes": "B", "time_us": "us", "q1_us": "us", "q3_us": "us"}, rows,
                  params={"min_exp": min_exp, "max_exp": max_exp, "repeats": repeats, "threads": torch.get_num_threads()})

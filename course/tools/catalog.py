@@ -34,7 +34,7 @@ CATALOG = (
           "what the course is, the doctor's verdict, GPU path vs simulator path, the map"),
     Entry("notebooks/01_launch_overhead.ipynb", "Launch overhead", "lesson",
           "why small kernels make the GPU wait for the CPU: measured, swept, profiled",
-          ("course.lessons.launch_overhead",), experiment_cells=True),
+          (), experiment_cells=True),
     Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
           "CUDA graphs by hand: warm-up, static inputs, replay, what freezes, shared pools; your own captures",
           (), experiment_cells=True),
@@ -55,7 +55,7 @@ CATALOG = (
     Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
           "PyTorch's DTensor sharded-embedding test, vocab-parallel with the Numba kernel, capture on 2 GPUs, "
           "data-parallel ranks must agree on the graph",
-          ("course.lessons.sharding.experiments",)),
+          ("course.lessons.sharding.experiments",), experiment_cells=True),
     Entry("notebooks/06_real_model.ipynb", "A real model's decode step", "lesson",
           "transformers' Llama in TinyLlama's shape: the finder, the fixes, graph cache and fusion, correctness, "
           "the roofline, a batch sweep",

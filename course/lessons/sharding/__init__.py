@@ -9,7 +9,9 @@ on GPUs, and why data-parallel ranks must replay the same graph.
   zero rows, all-reduce; the eager guard that refuses bad input on every rank.
 - :mod:`~course.lessons.sharding.workers`: what each worker process runs (spawned processes import it).
 - :mod:`~course.lessons.sharding.graphs`: the lookups captured in CUDA graphs on 2+ GPUs, eager vs replay.
-- :mod:`~course.lessons.sharding.experiments`: the registered experiments behind notebook 05.
+- :mod:`~course.lessons.sharding.experiments`: the DTensor test's experiment, and the bookkeeping of the experiments
+  written in notebook 05's cells.
+- :mod:`~course.lessons.sharding.cell_workers`: a worker written in a notebook cell, sent to the processes as source.
 """
 from course.lessons.sharding.launch import Context, Plan, WorkerError, WorkerTimeout, launch, plan
 from course.lessons.sharding.layouts import LAYOUTS, DTENSOR_CASES, chunk_bounds, comm_bytes, ownership, shard_embedding

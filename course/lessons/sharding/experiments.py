@@ -1,33 +1,30 @@
-"""The registered experiments of lesson 05 (each starts its own worker processes and returns a Result).
+"""Lesson 05's experiments and their bookkeeping (each starts its own worker processes and returns a Result).
 
 Live everywhere (NCCL on 2+ GPUs, else gloo with CPU processes):
 
 - ``sharding_dtensor_test`` (:func:`dtensor_experiment`): the cases of PyTorch's DTensor sharded-embedding test
   and their communication counts;
-- ``sharding_cost`` (:func:`cost_experiment`): ids per step and table width swept, eager time, bytes
-  of the lookup vs bytes of the all-reduce;
-- ``sharding_world_sizes`` (:func:`world_sizes_experiment`): the same lookup at world sizes 2, 4, 8
-  (gloo: CPU processes; NCCL: as many GPUs as the machine has).
+- ``sharding_cost``: ids per step and table width swept, eager time, bytes of the lookup vs bytes of the all-reduce;
+- ``sharding_world_sizes``: the same lookup at world sizes 2, 4, 8 (gloo: CPU processes; NCCL: as many GPUs as the
+  machine has). Both are written in lesson 05's cells (:mod:`course.core.cells`; their per-rank worker travels to
+  the processes as source, :mod:`~course.lessons.sharding.cell_workers`); this module keeps their bookkeeping
+  (:func:`sweep_result`).
 
 Multi-GPU only (``gpus=2``; recorded by ``python -m course bench`` on a machine with 2+ GPUs):
 
-- ``sharding_capture`` (:func:`capture_experiment`): both DTensor layouts and the hand-written lookup
-  (``F.embedding`` and Numba) captured and replayed on 2 GPUs, eager vs replay, plus bucket agreement;
-- ``sharding_capture_world_sizes`` (:func:`capture_world_sizes_experiment`): eager vs replay at every
-  world size in 2, 4, 8 that the machine reaches.
+- ``sharding_capture``: both DTensor layouts and the hand-written lookup (``F.embedding`` and Numba) captured and
+  replayed on 2 GPUs, eager vs replay, plus bucket agreement;
+- ``sharding_capture_world_sizes``: eager vs replay at every world size in 2, 4, 8 that the machine reaches.
+  Both are written in lesson 05's cells, with their per-rank capture worker; bookkeeping: :func:`capture_result`.
 """
 from __future__ import annotations
 
 from course.core.provenance import provenance
 from course.core.reference import experiment
 from course.core.results import Result
-from course.core.runtime import gpu_count
 import course.lessons.sharding.graphs as G
 import course.lessons.sharding.workers as W
 from course.lessons.sharding.launch import launch, plan
-
-WORLD_SIZES = (2, 4, 8)
-
 
 def run_provenance(p) -> dict:
     """Provenance for a multi-process run: "2x <GPU>" for NCCL, "N CPU processes (gloo) on <CPU>" for gloo."""
@@ -76,7 +73,9 @@ def dtensor_experiment(world_size: int | None = None, timeout: float = 120.0) ->
     return dtensor_result(launch(W.dtensor_worker, p.world_size, backend=p.backend, timeout=timeout), p)
 
 
-def _sweep_result(name, title, rows, p, params) -> Result:
+def sweep_result(name: str, title: str, rows: list, p, params: dict) -> Result:
+    """A lookup sweep's Result (``sharding_cost``, ``sharding_world_sizes``): rank 0's rows from the cell's worker,
+    provenance from the plan ``p`` (:func:`run_provenance`), the timing method and ``params`` in its params."""
     cols = {"world_size": "ranks", "ids": "ids/step", "dim": "columns", "eager_us": "us", "eager_q1_us": "us",
             "eager_q3_us": "us", "correct": "", "output_bytes": "B", "rowwise_lookup_bytes": "B",
             "colwise_lookup_bytes": "B", "allreduce_bytes": "B", "allgather_bytes": "B"}
@@ -86,38 +85,10 @@ def _sweep_result(name, title, rows, p, params) -> Result:
     return res
 
 
-@experiment("sharding_cost", gpu_only=False, quick={"n_ids": (16, 64), "dims": (16, 64)})
-def cost_experiment(n_ids=None, dims=None, world_size: int | None = None, num_embeddings: int | None = None,
-                    timeout: float = 240.0) -> Result:
-    """Row-wise lookup + all-reduce, eager, for each ids-per-step x table width: time and bytes moved per rank."""
-    p = plan(world_size)
-    gpu = p.backend == "nccl"
-    n_ids = tuple(n_ids or ((16, 128, 1024, 8192) if gpu else (16, 64, 256)))
-    dims = tuple(dims or ((64, 256, 1024, 4096) if gpu else (16, 64, 256)))
-    num = num_embeddings or (32000 if gpu else 1024)
-    out = launch(W.sweep_worker, p.world_size, backend=p.backend, timeout=timeout, sizes=(p.world_size,),
-                 n_ids=n_ids, dims=dims, num_embeddings=num, repeats=15 if gpu else 5, inner=10 if gpu else 3)
-    return _sweep_result("sharding_cost", f"Vocab-parallel lookup + all_reduce, eager, {p.backend} x{p.world_size}",
-                         out[0], p, {"num_embeddings": num})
-
-
-@experiment("sharding_world_sizes", gpu_only=False, quick={"sizes": (2, 4)})
-def world_sizes_experiment(sizes=WORLD_SIZES, ids: int = 128, dim: int | None = None, timeout: float = 300.0) -> Result:
-    """The lookup + all-reduce, eager, at each world size this machine reaches (gloo: any; NCCL: <= GPUs)."""
-    n = gpu_count()
-    reach = [s for s in sizes if s <= n] if n >= 2 else list(sizes)
-    if not reach:
-        raise ValueError(f"none of the world sizes {tuple(sizes)} fits this machine's {n} GPUs")
-    p = plan(max(reach))
-    dim = dim or (1024 if p.backend == "nccl" else 32)
-    out = launch(W.sweep_worker, p.world_size, backend=p.backend, timeout=timeout, sizes=tuple(reach),
-                 n_ids=(ids,), dims=(dim,), num_embeddings=8 * 1024, repeats=15 if p.backend == "nccl" else 5,
-                 inner=10 if p.backend == "nccl" else 3)
-    return _sweep_result("sharding_world_sizes", f"Lookup + all_reduce vs world size, eager, {p.backend}", out[0], p,
-                         {"sizes": tuple(reach), "not_reached": tuple(s for s in sizes if s not in reach)})
-
-
-def _capture_result(name, title, out, p, params) -> Result:
+def capture_result(name: str, title: str, out: list, p, params: dict, buckets: bool = True) -> Result:
+    """A capture experiment's Result from every rank's worker output (rank 0's rows; the bucket agreement of every
+    rank when ``buckets``). ``sharding_capture`` (2 GPUs, every variant) also gets the row-wise replay time and
+    speedup and the Numba-over-F.embedding replay ratio in its summary."""
     rows = out[0]["rows"]
     cols = {"world_size": "ranks", "variant": "", "eager_us": "us", "eager_q1_us": "us", "eager_q3_us": "us",
             "replay_us": "us", "replay_q1_us": "us", "replay_q3_us": "us", "speedup": "x", "replay_correct": "",
@@ -125,44 +96,14 @@ def _capture_result(name, title, out, p, params) -> Result:
     rows = [{k: r[k] for k in cols} for r in rows]
     res = Result(name, title, cols, rows, provenance=run_provenance(p), params={**params, "timing": G.TIMING})
     res.add_summary("all_replays_correct", all(r["replay_correct"] for r in rows))
-    agreement = [a for o in out for a in o["agreement"]]
-    res.add_summary("bucket_agreement_ok", all(a["correct"] for a in agreement) and bool(agreement))
-    res.add_summary("bucket_agreement", agreement)
-    return res
-
-
-@experiment("sharding_capture", gpu_only=True, gpus=2, quick={"repeats": 5, "inner": 3})
-def capture_experiment(ids_shape=(8, 16), num_embeddings: int = 32000, dim: int = 1024, repeats: int = 15,
-                       inner: int = 10, timeout: float = 500.0) -> Result:
-    """Both DTensor layouts and the hand-written lookup (F.embedding, Numba) captured on 2 GPUs: eager vs replay."""
-    p = plan(2, "nccl")
-    out = launch(G.capture_worker, 2, backend="nccl", timeout=timeout, sizes=(2,), ids_shape=tuple(ids_shape),
-                 num_embeddings=num_embeddings, dim=dim, repeats=repeats, inner=inner)
-    res = _capture_result("sharding_capture", "Sharded lookup on 2 GPUs: eager vs CUDA-graph replay (rank 0)", out, p,
-                          {"ids_shape": tuple(ids_shape), "num_embeddings": num_embeddings, "dim": dim})
+    if buckets:
+        agreement = [a for o in out for a in o["agreement"]]
+        res.add_summary("bucket_agreement_ok", all(a["correct"] for a in agreement) and bool(agreement))
+        res.add_summary("bucket_agreement", agreement)
     rep = {r["variant"]: r for r in res.rows}
-    res.add_summary("rowwise_replay_us", rep["dtensor_rowwise"]["replay_us"], "us")
-    res.add_summary("rowwise_speedup", rep["dtensor_rowwise"]["speedup"], "x")
-    res.add_summary("numba_over_torch_replay", rep["vocab_numba"]["replay_us"] / rep["vocab_torch"]["replay_us"], "x")
-    return res
-
-
-@experiment("sharding_capture_world_sizes", gpu_only=True, gpus=2, quick={"repeats": 5, "inner": 3})
-def capture_world_sizes_experiment(sizes=WORLD_SIZES, variants=("dtensor_rowwise", "vocab_torch"), ids_shape=(8, 16),
-                                   num_embeddings: int = 32000, dim: int = 1024, repeats: int = 15, inner: int = 10,
-                                   timeout: float = 580.0) -> Result:
-    """Eager vs replay at each world size in ``sizes`` this machine reaches (one process per GPU)."""
-    n = gpu_count()
-    reach = [s for s in sizes if s <= n]
-    if not reach:
-        raise ValueError(f"none of the world sizes {tuple(sizes)} fits this machine's {n} GPUs")
-    p = plan(max(reach), "nccl")
-    out = launch(G.capture_worker, p.world_size, backend="nccl", timeout=timeout, sizes=tuple(reach),
-                 variants=tuple(variants), ids_shape=tuple(ids_shape), num_embeddings=num_embeddings, dim=dim,
-                 repeats=repeats, inner=inner, buckets=False)
-    res = _capture_result("sharding_capture_world_sizes", "Sharded lookup vs world size: eager vs replay (rank 0)",
-                          out, p, {"sizes": tuple(reach), "not_reached": tuple(s for s in sizes if s not in reach),
-                                   "ids_shape": tuple(ids_shape), "num_embeddings": num_embeddings, "dim": dim})
-    res.summary.pop("bucket_agreement_ok")
-    res.summary.pop("bucket_agreement")
+    if name == "sharding_capture":
+        res.add_summary("rowwise_replay_us", rep["dtensor_rowwise"]["replay_us"], "us")
+        res.add_summary("rowwise_speedup", rep["dtensor_rowwise"]["speedup"], "x")
+        res.add_summary("numba_over_torch_replay",
+                        rep["vocab_numba"]["replay_us"] / rep["vocab_torch"]["replay_us"], "x")
     return res

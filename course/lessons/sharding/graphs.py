@@ -1,10 +1,11 @@
 """The sharded lookup captured in a CUDA graph on each GPU, replayed with new ids, eager vs replay timed.
 
-:func:`capture_worker` runs in every NCCL worker (one process per GPU). For each world size it
-builds the variants below over the first ``w`` ranks (a subgroup when ``w`` is smaller than the
-launch), warms each up on a side stream, captures one call (lookup *and* collective) into a
-``torch.cuda.CUDAGraph``, writes new ids into the static input, replays, and checks the answer
-against ``F.embedding`` on the full table. Timing (:data:`TIMING`): every rank times the same calls with
+The per-rank worker (``capture_worker``) is written in lesson 05's cell (it travels to each NCCL process as its source,
+:mod:`~course.lessons.sharding.cell_workers`). For each world size it builds the variants below (:func:`make_step`)
+over the first ``w`` ranks (a subgroup when ``w`` is smaller than the launch), warms each up on a side stream and
+captures one call (lookup *and* collective) into a ``torch.cuda.CUDAGraph`` (:func:`capture_graph`), writes new ids
+into the static input, replays, and checks the answer against ``F.embedding`` on the full table
+(:func:`variant_row` makes its row). Timing (:data:`TIMING`): every rank times the same calls with
 CUDA events, each repeat starting aligned on all ranks, and a repeat counts as its slowest rank
 (:func:`course.core.timing.time_ranks`). Before, each rank timed itself alone and rank 0's events were
 reported: a collective's time then included however long rank 0 waited for the other rank in each repeat
@@ -21,7 +22,7 @@ Frozen at capture: the process group and its ranks (the mesh), each rank's shard
 table address, the collective, its size and its dtype, the ids' and output's addresses. The
 ids' *values* and the table's *values* are read at every replay.
 
-After the shape buckets are captured, :func:`capture_worker` also shows the agreement step that
+After the shape buckets are captured, the worker also shows (:func:`bucket_replay`) the agreement step that
 data-parallel ranks need: each rank is given a different number of tokens (in a vocab-parallel layer proper
 the ranks see the same ids and never disagree; here the row-wise lookup's graphs stand in for a step whose
 collective spans data-parallel ranks), the ranks all-gather their bucket picks, and all replay the same
@@ -76,38 +77,20 @@ def make_step(variant: str, ids: torch.Tensor, weight: torch.Tensor, rank: int, 
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _stats(t) -> tuple:
-    return t.median * 1e6, t.q1 * 1e6, t.q3 * 1e6
-
-
-def _one_variant(variant, w, ctx, group, mesh, ids_shape, num_embeddings, dim, repeats, inner) -> dict:
-    from course.core.timing import time_ranks
-
-    dev = ctx.torch_device
-    weight = W._full_table(num_embeddings, dim, dev)
-    ids = W._same_ids(ids_shape, num_embeddings, dev)
-    step = make_step(variant, ids, weight, ctx.rank, w, group, mesh)
-    eager = time_ranks(step, group=group, warmup=3, repeats=repeats, inner=inner)
-    graph, out = capture_graph(step)
-    ids.copy_(W._same_ids(ids_shape, num_embeddings, dev, seed=99))  # new ids into the static input
-    graph.replay()
-    torch.cuda.synchronize()
-    correct = bool(torch.equal(out, torch.nn.functional.embedding(ids, weight)))
-    replay = time_ranks(graph.replay, group=group, warmup=3, repeats=repeats, inner=inner)
-    del graph, out, step
-    gc.collect()
-    torch.cuda.synchronize()
-    e, eq1, eq3 = _stats(eager)
-    r, rq1, rq3 = _stats(replay)
-    return {"world_size": w, "variant": variant, "eager_us": e, "eager_q1_us": eq1, "eager_q3_us": eq3,
+def variant_row(variant: str, world_size: int, eager, replay, correct: bool, n_ids: int, dim: int) -> dict:
+    """One row of the capture tables from the cell's two :func:`~course.core.timing.time_ranks` Timings: medians and
+    quartiles in us, the speedup, whether the replay with new ids was right, and the bytes each collective moves."""
+    e, eq1, eq3 = eager.median * 1e6, eager.q1 * 1e6, eager.q3 * 1e6
+    r, rq1, rq3 = replay.median * 1e6, replay.q1 * 1e6, replay.q3 * 1e6
+    return {"world_size": world_size, "variant": variant, "eager_us": e, "eager_q1_us": eq1, "eager_q3_us": eq3,
             "replay_us": r, "replay_q1_us": rq1, "replay_q3_us": rq3, "speedup": e / r if r else 0.0,
-            "replay_correct": correct, "ids": ids.numel(), "dim": dim, **L.comm_bytes(ids.numel(), dim, w)}
+            "replay_correct": correct, "ids": n_ids, "dim": dim, **L.comm_bytes(n_ids, dim, world_size)}
 
 
-def _bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)) -> dict:
+def bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)) -> dict:
     """One graph per bucket; ranks with different token counts agree on one bucket, then all replay it."""
     dev = ctx.torch_device
-    weight = W._full_table(num_embeddings, dim, dev)
+    weight = W.full_table(num_embeddings, dim, dev)
     shard, start = V.local_rows(weight, ctx.rank, w)
     graphs = {}
     for b in buckets:
@@ -118,7 +101,7 @@ def _bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)
     n_tokens = 5 + 6 * (ctx.rank % 2)  # the ranks' local counts differ (rank 0: 5 tokens, rank 1: 11)
     bucket = W.agree_bucket(n_tokens, buckets, group=group, device=dev)
     ids, graph, out = graphs[bucket]
-    seq = W._same_ids((max(buckets),), num_embeddings, dev, seed=5)  # each rank fills the first n_tokens of one batch
+    seq = W.same_ids((max(buckets),), num_embeddings, dev, seed=5)  # each rank fills the first n_tokens of one batch
     ids.zero_()
     ids[:n_tokens] = seq[:n_tokens]
     graph.replay()
@@ -130,26 +113,3 @@ def _bucket_replay(ctx, group, w, num_embeddings: int, dim: int, buckets=(8, 16)
     gc.collect()
     torch.cuda.synchronize()
     return {"tokens": n_tokens, "own_bucket": W.pick_bucket(n_tokens, buckets), "bucket": bucket, "correct": correct}
-
-
-def capture_worker(ctx, sizes=(2,), variants=VARIANTS, ids_shape=(8, 16), num_embeddings: int = 32000,
-                   dim: int = 1024, repeats: int = 15, inner: int = 10, buckets: bool = True) -> dict:
-    """Eager vs replay of each variant at each world size in ``sizes`` (GPU, NCCL). Rows come back from rank 0."""
-    import torch.distributed as dist
-
-    if ctx.backend != "nccl":
-        raise RuntimeError("capture_worker captures CUDA graphs: it needs the NCCL backend on 2 or more GPUs")
-    rows, agreement = [], []
-    for w in sizes:
-        group = None if w == ctx.world_size else dist.new_group(list(range(w)))
-        if ctx.rank < w:
-            mesh = W._mesh(ctx, group)
-            for v in variants:
-                row = _one_variant(v, w, ctx, group, mesh, ids_shape, num_embeddings, dim, repeats, inner)
-                rows.append(row)
-            if buckets:
-                agreement.append({"world_size": w, "rank": ctx.rank,
-                                  **_bucket_replay(ctx, group, w, num_embeddings, dim)})
-        dist.barrier()
-    torch.cuda.synchronize()
-    return {"rank": ctx.rank, "rows": rows, "agreement": agreement}

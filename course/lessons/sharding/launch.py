@@ -3,7 +3,8 @@
 :func:`plan` follows the course's one runtime decision: on the GPU path with 2 or more GPUs,
 NCCL with one process per GPU; otherwise gloo on the CPU (2 processes unless asked for more).
 :func:`launch` starts the processes with multiprocessing *spawn* (safe inside a notebook
-kernel; the worker function must live in ``course``, not in the notebook), sets up
+kernel; a worker function written in a notebook cell travels to each process as its source,
+:mod:`~course.lessons.sharding.cell_workers`), sets up
 ``torch.distributed`` in each, calls ``fn(ctx, **kwargs)``, and returns the results in rank
 order. Every run has a hard time limit: when it passes, every worker is killed and
 :class:`WorkerTimeout` names the ranks that had not answered. A worker that raises makes
@@ -28,6 +29,7 @@ import time
 import traceback
 
 from course.core.runtime import ENV_CACHE, ENV_FORCE, gpu_count, runtime
+from course.lessons.sharding.cell_workers import portable
 
 TEARDOWN_GRACE_S = 10.0
 
@@ -163,15 +165,13 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
            pg_timeout: float | None = None, **kwargs) -> list:
     """Run ``fn(ctx, **kwargs)`` in ``world_size`` processes (see :func:`plan`); return results by rank.
 
-    ``fn`` must be importable (defined in a module of ``course``) and return something
-    picklable. ``timeout``: hard limit in seconds for the whole run; past it every worker is
+    ``fn``: a function defined at the top of a module of ``course`` or of a notebook cell (sent to the workers
+    as source, :func:`~course.lessons.sharding.cell_workers.portable`); it returns something picklable. ``timeout``: hard limit in seconds for the whole run; past it every worker is
     killed and :class:`WorkerTimeout` is raised. ``pg_timeout``: the process group's own
     timeout for one collective (default: the run's limit).
     """
     p = plan(world_size, backend)
-    if getattr(fn, "__module__", "") in ("__main__", None) or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in the notebook or inside a function; "
-                         "spawned workers can only run functions defined at the top of a module in `course`.")
+    fn = portable(fn)  # a function of a notebook cell travels as its source
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()

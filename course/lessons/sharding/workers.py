@@ -7,8 +7,8 @@ processes import them by name.
 - :func:`dtensor_worker`: PyTorch's DTensor sharded-embedding test cases, both layouts, plus the ``max_norm`` error.
 - :func:`lesson_worker`: notebook 05's eager part: the ownership picture, DTensor vs hand-written
   vocab-parallel lookup (Numba and ``F.embedding``), and the bad inputs refused on every rank.
-- :func:`sweep_worker`: eager time of the row-wise lookup + all-reduce at several world sizes (subgroups
-  of one launch) and several ids-per-step / table widths, with the bytes each moves.
+- :func:`full_table`, :func:`same_ids`, :func:`device_mesh`: the same table, the same ids and a mesh on every rank
+  (lesson 05's experiment cells build their workers from them).
 - :func:`bucket_worker`: data-parallel ranks (different batches) pick a shape bucket and (optionally) agree on it
   before the collectives.
 """
@@ -20,7 +20,8 @@ import course.lessons.sharding.layouts as L
 import course.lessons.sharding.vocab_parallel as V
 
 
-def _mesh(ctx, group=None):
+def device_mesh(ctx, group=None):
+    """A 1-D DeviceMesh over every rank of the launch, or over ``group``'s ranks (a subgroup), on this rank's device."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     dev = ctx.torch_device.type
     if group is None:
@@ -30,17 +31,19 @@ def _mesh(ctx, group=None):
 
 def dtensor_worker(ctx, cases=None, max_norm: bool = True, mesh=None) -> dict:
     """Run the DTensor test's cases (default :data:`~course.lessons.sharding.layouts.DTENSOR_CASES`) on this rank."""
-    mesh = mesh or _mesh(ctx)
+    mesh = mesh or device_mesh(ctx)
     out = [L.dtensor_case(mesh, d, size, n, dim, **kw) for d, size, n, dim, kw in (cases or L.DTENSOR_CASES)]
     return {"cases": out, "max_norm_error": L.max_norm_error(mesh) if max_norm else None}
 
 
-def _full_table(num_embeddings: int, embedding_dim: int, device, dtype=torch.float32):
+def full_table(num_embeddings: int, embedding_dim: int, device, dtype=torch.float32):
+    """The whole table, ``[num_embeddings, embedding_dim]`` normal values from a fixed seed: the same on every rank."""
     g = torch.Generator().manual_seed(1234)
     return torch.randn(num_embeddings, embedding_dim, generator=g).to(device=device, dtype=dtype)
 
 
-def _same_ids(shape, num_embeddings: int, device, seed: int = 7):
+def same_ids(shape, num_embeddings: int, device, seed: int = 7):
+    """Token ids of ``shape`` in ``[0, num_embeddings)`` from ``seed``: every rank draws the same ids."""
     g = torch.Generator().manual_seed(seed)  # every rank draws the same ids
     return torch.randint(0, num_embeddings, shape, generator=g).to(device)
 
@@ -55,9 +58,9 @@ def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_sha
     from torch.distributed.tensor import DTensor, Replicate
 
     dev = ctx.torch_device
-    mesh = _mesh(ctx)
-    weight = _full_table(num_embeddings, embedding_dim, dev)
-    ids = _same_ids(ids_shape, num_embeddings, dev)
+    mesh = device_mesh(ctx)
+    weight = full_table(num_embeddings, embedding_dim, dev)
+    ids = same_ids(ids_shape, num_embeddings, dev)
     expected = torch.nn.functional.embedding(ids, weight)
     res = {"rank": ctx.rank, "ids": ids.cpu().tolist()}
     # DTensor row-wise, and what this rank holds before the all-reduce
@@ -87,7 +90,7 @@ def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_sha
     except ValueError as e:
         errors["out_of_range"] = str(e)
     try:
-        V.local_rows(_full_table(num_embeddings + 1, embedding_dim, dev), ctx.rank, ctx.world_size)
+        V.local_rows(full_table(num_embeddings + 1, embedding_dim, dev), ctx.rank, ctx.world_size)
     except ValueError as e:
         errors["rows_not_divisible"] = str(e)
     mixed = shard.double() if ctx.rank == 0 else shard
@@ -100,44 +103,6 @@ def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_sha
         res["dtensor"] = dtensor_worker(ctx, mesh=mesh)
     dist.barrier()
     return res
-
-
-def _time_eager(fn, repeats: int, inner: int, group=None) -> tuple:
-    """(median, q1, q3) in us of the lookup + collective on every rank of ``group``: aligned starts, slowest rank
-    (:func:`course.core.timing.time_ranks`)."""
-    from course.core.timing import time_ranks
-    t = time_ranks(fn, group=group, warmup=2, repeats=repeats, inner=inner)
-    return t.median * 1e6, t.q1 * 1e6, t.q3 * 1e6
-
-
-def sweep_worker(ctx, sizes=(2,), n_ids=(128,), dims=(64,), num_embeddings: int = 1024, repeats: int = 5,
-                 inner: int = 3) -> list:
-    """Eager row-wise lookup + all-reduce (hand-written, ``F.embedding``) for each world size in ``sizes``.
-
-    World sizes below the launch's are subgroups of its first ranks (the others wait at a barrier).
-    Returns rows (on rank 0; other ranks return []).
-    """
-    import torch.distributed as dist
-
-    dev = ctx.torch_device
-    rows = []
-    for w in sizes:
-        group = None if w == ctx.world_size else dist.new_group(list(range(w)))  # every rank calls new_group
-        if ctx.rank < w:
-            for n in n_ids:
-                for d in dims:
-                    weight = _full_table(num_embeddings, d, dev)
-                    shard, start = V.local_rows(weight, ctx.rank, w)
-                    ids = _same_ids((n,), num_embeddings, dev)
-                    fn = lambda: V.vocab_parallel_embedding(ids, shard, start, num_embeddings=num_embeddings,
-                                                            impl="torch", group=group, check=False)
-                    ok = bool(torch.equal(fn(), torch.nn.functional.embedding(ids, weight)))
-                    med, q1, q3 = _time_eager(fn, repeats, inner, group)
-                    if ctx.rank == 0:
-                        rows.append({"world_size": w, "ids": n, "dim": d, "eager_us": med, "eager_q1_us": q1,
-                                     "eager_q3_us": q3, "correct": ok, **L.comm_bytes(n, d, w)})
-        dist.barrier()
-    return rows
 
 
 def pick_bucket(n_tokens: int, buckets) -> int:
