@@ -99,7 +99,17 @@ class Watch:
                            "grads_none": all(p.grad is None for p in self.model.parameters())})
 
     def _step(self, optimizer, args, kwargs) -> None:
-        self.steps.append(self._where())
+        self.steps.append({**self._where(), "optimizer": type(optimizer).__name__,
+                           "capturable": all(g.get("capturable", False) for g in optimizer.param_groups)})
+
+    def step_problem(self):
+        """An optimizer step attempted inside the capture by an optimizer that is not capturable, or None."""
+        bad = next((s for s in self.steps if s["capturing"] and not s["capturable"]), None)
+        if bad is None:
+            return None
+        return (f"{bad['optimizer']}.step() ran inside the capture with param_groups' capturable is False: torch "
+                "refuses it (a non-capturable optimizer keeps its step count on the host, where a graph would freeze "
+                f"it). Create it with torch.optim.{bad['optimizer']}(..., capturable=True)")
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -153,6 +163,8 @@ def _watching(model, optimizers: bool = False, batch=None):
         raise
     except Exception as e:  # noqa: BLE001 - re-raised unless the hooks or the first error name the cause
         problem, root = watch.recipe_problem(batch, optimizers), _root(e)
+        if problem is None and optimizers:
+            problem = watch.step_problem()
         if problem is not None:
             raise AssertionError(f"{problem} (your capture then failed: {_line(e)})") from e
         if root is not e and "during capture" in str(e):  # capture_end failed because of an earlier error
@@ -166,15 +178,19 @@ def _watching(model, optimizers: bool = False, batch=None):
 def restored():
     """However the learner's code ends, the notebook goes on: the stream that was current is current again, no
     simulated capture is left under way, and on a GPU the random generators leave capture mode after an error.
-    Garbage is collected first: a graph left in a reference cycle by an earlier run must not be freed in the middle
-    of the learner's capture (lesson 03: that invalidates the capture, and the ✗ would blame their code)."""
+    Garbage is collected first, and the collector stays off until the check ends: a graph left in a reference
+    cycle by an earlier run must not be freed in the middle of the learner's capture (lesson 03: that invalidates
+    the capture, and the ✗ would blame their code)."""
     import gc
+
+    from course.core.capture import collector_paused
 
     gc.collect()
     cg = course.graphs()
     before = cg.current_stream()
     try:
-        yield
+        with collector_paused():
+            yield
     except BaseException:
         if getattr(cg, "SIMULATED", False):
             from course.core.simgraph import end_all_captures

@@ -13,8 +13,8 @@ new step and returns a clone of the logits. :func:`check_reduce_overhead` runs i
   (what :func:`~course.lessons.real_model.reduce_fixed.static_input_diagnosis` uses). The learner writes the real
   call; the check, not the learner, picks what runs here, so the code that passes here is the code a GPU runs.
 - torch's counters and logs: graphs dynamo compiled over the tokens (a recompile names its guard), the inputs its
-  static-input analysis found not static (the KV cache's tensors among them are the "mutated inputs" a GPU skips its
-  graph for), and on a GPU also "skipping cudagraphs" and the CUDA graph launches of a token (profiler);
+  static-input analysis found not static (the KV cache's tensors among them: the "mutated inputs" of transformers'
+  recorded recipe), and on a GPU also "skipping cudagraphs" and the CUDA graph launches of a token (profiler);
 - the outputs: a returned tensor that is the compiled step's own output (no clone: on a GPU the next replay
   overwrites it), the first token's logits after the next steps ran, every token's logits against the eager step.
 
@@ -156,8 +156,9 @@ def _static_problem(non_static) -> str:
     rest = [s for s in non_static if s not in cache]
     if cache:
         text = (f"not marked static: {describe_sources(cache)}. The step writes into them (the new K/V, the counter), "
-                "and CUDA graphs never write into an input whose address they cannot trust: on a GPU torch logs "
-                "'skipping cudagraphs due to mutated inputs' and runs the step without a graph. Mark each with "
+                "and a CUDA graph cannot trust the address of an input that is not static (transformers' recipe, "
+                "whose cache was not static, logged 'skipping cudagraphs due to mutated inputs (66 instances)' in "
+                "the course's recorded GPU run and decoded without a graph). Mark each with "
                 "torch._dynamo.mark_static_address before the first call")
         if rest:
             text += f"; not static either: {describe_sources(rest)}"
@@ -190,9 +191,10 @@ def _run(cls, model, watch, on_gpu: bool) -> dict:
         assert len(watch.outputs) > calls, ("step() never called the compiled step: call the function torch.compile "
                                             "returned (self.compiled(self.ids, self.pos))")
         assert _storage(logits) != watch.outputs[-1], (
-            "step returned the compiled step's own output, not a copy: on a GPU it lives in the CUDA graph's memory "
-            "and the next replay overwrites it (\"accessing tensor output of CUDAGraphs that has been overwritten by "
-            "a subsequent run\"). Return a .clone() of it")
+            "step returned the compiled step's own output, not a copy: on a GPU it lives in the CUDA graph's memory, "
+            "which later replays overwrite (transformers' recipe failed on such an output in the course's "
+            "recorded GPU run: \"accessing tensor output of CUDAGraphs that has been overwritten by a subsequent "
+            "run\"). Return a .clone() of it")
         want = eager.step(ids, pos)
         diff = ((logits.float() - want).abs().max() / want.abs().max()).item()
         worst = max(worst, (diff, p))
