@@ -271,3 +271,21 @@ def test_restored_puts_the_stream_back_after_an_error():
             cg.set_stream(side)
             1 / 0
     assert cg.current_stream() == cg.default_stream()
+
+
+def test_step_problem_names_a_non_capturable_step_inside_a_capture():
+    import torch
+
+    from course.lessons import capture_checks as cc
+
+    model = cc.mlp(seed=2)
+    watch = cc.Watch(model, optimizers=True)
+    try:
+        opt = torch.optim.Adam(model.parameters(), lr=cc.LR)
+        model(torch.randn(4, 16, device=model[0].weight.device)).sum().backward()
+        opt.step()  # outside a capture: nothing to say
+        assert watch.steps and watch.steps[-1]["capturable"] is False and watch.step_problem() is None
+        watch.steps.append({**watch.steps[-1], "capturing": True})  # the same step, as a capture would see it
+        assert "capturable is False" in watch.step_problem() and "Adam(..., capturable=True)" in watch.step_problem()
+    finally:
+        watch.close()

@@ -4,7 +4,8 @@
 - 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``;
   :mod:`~course.lessons.capture_more`: partial graphs, two streams, error modes;
   :mod:`~course.lessons.replay_launch`: what a replay's host time depends on;
-  :mod:`~course.lessons.capture_checks`: the checks of the exercises where the learner writes the capture.
+  :mod:`~course.lessons.capture_checks`: the checks of the exercises where the learner writes the capture
+  (:mod:`~course.lessons.capture_watch`: the hooks they watch the learner's code with).
 - 02/03 :mod:`~course.lessons.reduce_overhead`: the graphs ``torch.compile(mode="reduce-overhead")`` makes.
 - 03 :mod:`~course.lessons.what_breaks`: the capture-hazard finder, its zoo and its experiments.
 - 04 and lab 3 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
