@@ -9,16 +9,13 @@ The same tests run on the simulator path and on a GPU (``cg = course.graphs()`` 
 same verdict on both: every mutant below fails on both paths, for the same named reason. Per exercise: 02.6 seven
 mutants, 02.7 eight, 02.8 six.
 """
-import contextlib
-import io
 import json
-import linecache
-import os
 import re
 from pathlib import Path
 
 import pytest
 
+from cellrun import apply_edits, run_cells
 from course.core import checks
 from course.core.runtime import runtime
 
@@ -44,35 +41,9 @@ def _one(marker: str) -> str:
 
 def run_exercise(exercise: str, edits=(), log_dir=None) -> dict:
     """Run the setup cells, ``exercise``'s answer cell with ``edits`` applied, and its check: the check's log entry."""
-    answer = _one(ANSWER[exercise])
-    for find, replace in edits:
-        hits = answer.count(find)
-        if hits != 1:
-            pytest.fail(f"a mutation's find-string occurs {hits} times in the {exercise} answer (it must occur "
-                        f"once): update the mutant table to the answer\n{find}")
-        answer = answer.replace(find, replace)
+    answer, = apply_edits([_one(ANSWER[exercise])], edits, f"the {exercise} answer")
     cells = [_one(m) for m in SETUP] + [answer, _one(CHECK[exercise])]
-    log = Path(log_dir) / "checks.jsonl"
-    if log.exists():
-        log.unlink()
-    ns = {"__name__": "__lab__"}
-    old = {k: os.environ.get(k) for k in (checks.ENV_LOG, checks.ENV_GATE, checks.ENV_NBGRADER)}
-    os.environ[checks.ENV_LOG] = str(log)
-    os.environ.pop(checks.ENV_GATE, None)
-    os.environ.pop(checks.ENV_NBGRADER, None)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            for i, src in enumerate(cells):
-                name = f"<02 {exercise} cell {i}>"
-                linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-                exec(compile(src, name, "exec"), ns)  # noqa: S102 - the course's own notebook
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    entries = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()] if log.exists() else []
+    entries = run_cells(cells, log_dir, f"02 {exercise}")
     got = [e for e in entries if e["name"] == exercise]
     assert got, f"the {exercise} check never reported: {entries}"
     return got[-1]

@@ -12,15 +12,12 @@ mutant only one path can see names it as a fifth field ("simulator" or "gpu") an
 the reason, on the other. Lab 4's steps run the tiny Llama (a second or two per mutant on a CPU; step 5's
 hand capture decodes 64 + 16 tokens, a few seconds).
 """
-import contextlib
-import io
 import json
-import linecache
-import os
 from pathlib import Path
 
 import pytest
 
+from cellrun import apply_edits, run_cells
 from course.core import checks
 from course.core.runtime import runtime
 
@@ -50,38 +47,10 @@ def run_notebook_checks(notebook: str, edits=(), log_dir=None, until: str = "") 
     setup = [_source(c) for c in cells[:first]]
     steps = [_source(c) for c in cells[first:]
              if "### BEGIN SOLUTION" in _source(c) or "check" in c.get("metadata", {}).get("tags", [])]
-    for find, replace in edits:
-        hits = sum(s.count(find) for s in steps)
-        if hits != 1:
-            pytest.fail(f"a mutation's find-string occurs {hits} times in {notebook}'s answer and check cells "
-                        f"(it must occur once): update the mutant table to the answer\n{find}")
-        steps = [s.replace(find, replace) for s in steps]
-    log = Path(log_dir) / "checks.jsonl"
-    if log.exists():
-        log.unlink()
+    steps = apply_edits(steps, edits, f"{notebook}'s answer and check cells")
     checks.reset()
-    ns = {"__name__": "__lab__"}
-    old = {k: os.environ.get(k) for k in (checks.ENV_LOG, checks.ENV_GATE, checks.ENV_NBGRADER)}
-    os.environ[checks.ENV_LOG] = str(log)
-    os.environ.pop(checks.ENV_GATE, None)
-    os.environ.pop(checks.ENV_NBGRADER, None)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            for i, src in enumerate(setup + steps):
-                name = f"<{notebook} cell {i}>"
-                linecache.cache[name] = (len(src), None, src.splitlines(True), name)  # inspect reads it, as in Jupyter
-                exec(compile(src, name, "exec"), ns)  # noqa: S102 - the course's own notebook
-                if until and checks.status(until) is not None:
-                    break
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out = {}
-    for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
-        entry = json.loads(line)
+    for entry in run_cells(setup + steps, log_dir, notebook, until=until):
         out[entry["name"]] = entry
     return out
 

@@ -16,13 +16,12 @@ marked ``gpu`` check those directly and skip on the simulator path.
 import contextlib
 import io
 import json
-import linecache
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from cellrun import apply_edits, run_cells
 from course.core import checks
 from course.core.runtime import runtime
 from course.lessons.real_model import build_model
@@ -46,33 +45,8 @@ def _one(marker: str) -> str:
 def run_exercise(edits, log_dir) -> dict:
     """Run the header and import cells, the answer cell with ``edits`` applied, and the check: its log entry."""
     cells = [_one(m) for m in CELLS]
-    answer = cells[2]
-    for find, replace in edits:
-        hits = answer.count(find)
-        if hits != 1:
-            pytest.fail(f"a mutation's find-string occurs {hits} times in the 06.4 answer (it must occur once): "
-                        f"update the mutant table to the answer\n{find}")
-        answer = answer.replace(find, replace)
-    cells[2] = answer
-    log = Path(log_dir) / "checks.jsonl"
-    ns = {"__name__": "__lab__"}
-    old = {k: os.environ.get(k) for k in (checks.ENV_LOG, checks.ENV_GATE, checks.ENV_NBGRADER)}
-    os.environ[checks.ENV_LOG] = str(log)
-    os.environ.pop(checks.ENV_GATE, None)
-    os.environ.pop(checks.ENV_NBGRADER, None)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            for i, src in enumerate(cells):
-                name = f"<06.4 cell {i}>"
-                linecache.cache[name] = (len(src), None, src.splitlines(True), name)
-                exec(compile(src, name, "exec"), ns)  # noqa: S102 - the course's own notebook
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    entries = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()] if log.exists() else []
+    cells[2], = apply_edits([cells[2]], edits, "the 06.4 answer")
+    entries = run_cells(cells, log_dir, "06.4")
     got = [e for e in entries if e["name"] == rc.NAME]
     assert got, f"the 06.4 check never reported: {entries}"
     return got[-1]
