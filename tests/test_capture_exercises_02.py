@@ -191,7 +191,7 @@ def test_train_step_trains_with_autocast_and_capturable_adam():
     import course
     from course.lessons import capture_checks as cc
 
-    course.graphs()  # on the simulator: capturable optimizers may then run on the CPU (course.core.simoptim)
+    course.graphs()  # on the simulator: capturable optimizers may then run on the CPU (course.sim.optim)
     model = cc.mlp(seed=3)
     opt = torch.optim.Adam(model.parameters(), lr=cc.LR, capturable=True)
     x, y = torch.randn(8, 16, device=model[0].weight.device), torch.randn(8, 4, device=model[0].weight.device)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import course
-from course.core import capturecheck, checks, simgraph, simstream
+from course.core import capturecheck, checks
+from course.sim import graph as simgraph, stream as simstream
 from course.core.runtime import runtime
 from course.lessons.what_breaks import debugging as D, find_static, suspects as S
 

@@ -1,4 +1,4 @@
-"""course.core.simoptim: capturable optimizers on the simulator path, captured and replayed like on a GPU."""
+"""course.sim.optim: capturable optimizers on the simulator path, captured and replayed like on a GPU."""
 import copy
 
 import pytest
@@ -26,7 +26,7 @@ def _step(model, opt, x, y):
 
 
 def test_installed_with_the_simulated_cuda_module():
-    from course.core import simoptim
+    from course.sim import optim as simoptim
 
     course.graphs()
     assert simoptim.installed()
@@ -75,7 +75,7 @@ def test_a_captured_step_replays_like_eager_steps():
 def test_non_capturable_adam_is_refused_inside_a_capture_only():
     import torch
 
-    from course.core import simoptim
+    from course.sim import optim as simoptim
 
     cg = course.graphs()
     model, opt = _setup(capturable=False)

@@ -300,7 +300,7 @@ def numba_stream():
     """
     nc = cuda()
     if not runtime().on_gpu:  # one simulator stream per stand-in torch stream, so a capture sees its launches
-        from course.core import simstream
+        from course.sim import stream as simstream
         return simstream.numba_stream_for(simstream.current_stream(), nc)
     import torch
     handle = torch.cuda.current_stream().cuda_stream
@@ -316,12 +316,12 @@ def synchronize() -> None:
         import torch
         torch.cuda.synchronize()
     else:
-        from course.core import simstream
+        from course.sim import stream as simstream
         simstream.synchronize()
 
 
 def graphs():
-    """``torch.cuda`` on the GPU path; its simulated graph and stream API (:mod:`course.core.simcuda`) otherwise.
+    """``torch.cuda`` on the GPU path; its simulated graph and stream API (:mod:`course.sim.cuda`) otherwise.
 
     ``cg = course.graphs()`` then ``cg.CUDAGraph()``, ``cg.graph(g)``, ``cg.Stream()``, ``g.replay()``... run the
     same learner code on both paths: the simulator records at capture and replays without running Python.
@@ -329,7 +329,7 @@ def graphs():
     if runtime().on_gpu:
         import torch
         return torch.cuda
-    from course.core import simcuda
+    from course.sim import cuda as simcuda
     return simcuda
 
 

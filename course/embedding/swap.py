@@ -250,7 +250,7 @@ class ReplayStandIn:
     """
 
     def __init__(self, fn, static_out: torch.Tensor | None = None, warmup: int = 3):
-        from course.core import simcuda as cg
+        from course.sim import cuda as cg
 
         for _ in range(warmup):  # as try_capture does on a GPU
             fn()
@@ -279,7 +279,7 @@ def capture_for_replay(fn):
             stand_in = ReplayStandIn(fn)
         except Exception as e:  # noqa: BLE001 - reported like a GPU capture failure
             cause = _root_cause(e)
-            from course.core import simcuda
+            from course.sim import cuda as simcuda
             simcuda.set_stream(simcuda.default_stream())
             raise RuntimeError(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
         return stand_in, stand_in.output, "simulator stand-in (records at capture, replays without running Python)"

@@ -131,7 +131,7 @@ def restored():
             yield
     except BaseException:
         if getattr(cg, "SIMULATED", False):
-            from course.core.simgraph import end_all_captures
+            from course.sim.graph import end_all_captures
 
             end_all_captures()
         else:

@@ -4,7 +4,7 @@
   shared memory pool per cache, or one pool per graph), replay; a failed capture is reported, with
   the line that broke it, and CUDA is left usable (:func:`course.core.capture.try_capture`).
 - :class:`RecordingBackend` (simulator path): the same protocol on the simulator's graphs
-  (``course.graphs()``, :mod:`course.core.simgraph`). A capture records the ops and Numba launches without
+  (``course.graphs()``, :mod:`course.sim.graph`). A capture records the ops and Numba launches without
   running them and refuses what a GPU refuses (a host read such as ``.item()``, ``nonzero``, a copy to the
   host...), so fallbacks show up on a laptop too; a replay runs what was recorded without running Python, so
   inputs that were not copied in, host values frozen at capture, or outputs overwritten by the next replay
@@ -27,7 +27,7 @@ import time
 import warnings
 import weakref
 
-from course.core.simpatch import host_reads_refused
+from course.sim.patch import host_reads_refused
 from course.core.text import complete_statement
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,7 +39,7 @@ def host_read_watch():
 
     Tensor methods that read device memory on the host (``item``, ``tolist``, ``cpu``, ``to("cpu")``, printing)
     and aten ops that synchronize (``nonzero``, ``masked_select``, ``unique``...) raise ``RuntimeError`` inside the
-    block (:func:`course.core.simpatch.host_reads_refused`).
+    block (:func:`course.sim.patch.host_reads_refused`).
     """
     return host_reads_refused()
 
@@ -134,7 +134,7 @@ class RecordingBackend:
         Raises CaptureFailed with the root cause and the user line that caused it; the capture stream is left
         and a pool the failed capture claimed is not used again (as :func:`course.core.capture.graph` does).
         """
-        from course.core import simcuda as cg
+        from course.sim import cuda as cg
         from course.core.capture import _root_cause, collector_paused, exception_frames
 
         t0 = time.perf_counter()
@@ -164,7 +164,7 @@ class RecordingBackend:
 
     def new_pool(self):
         """The pool for the next capture: the cache's one shared pool, or None (a private pool per graph)."""
-        from course.core import simcuda as cg
+        from course.sim import cuda as cg
 
         if self.pools == "separate":
             return None

@@ -108,7 +108,7 @@ class ModelRecordingBackend(RecordingBackend):
     transformers moves tensors to the device they are already on (``t.to(x.device)``): a no-op on every
     machine, and the simulated capture lets such same-device moves pass, as a GPU does. A ``.to("cpu")``
     written as a string, ``.item()``, ``.tolist()`` and the other host reads are refused with the GPU's errors
-    (:mod:`course.core.simpatch`).
+    (:mod:`course.sim.patch`).
     """
 
 

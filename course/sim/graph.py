@@ -1,7 +1,7 @@
 """``CUDAGraph``, ``graph`` and ``graph_pool_handle`` for the simulator path, with torch.cuda's names and rules.
 
-``course.graphs()`` returns ``torch.cuda`` on a GPU and :mod:`course.core.simcuda` (these names and the streams
-of :mod:`course.core.simstream`) on the simulator, so one program runs on both::
+``course.graphs()`` returns ``torch.cuda`` on a GPU and :mod:`course.sim.cuda` (these names and the streams
+of :mod:`course.sim.stream`) on the simulator, so one program runs on both::
 
     cg = course.graphs()
     g = cg.CUDAGraph()
@@ -11,24 +11,24 @@ of :mod:`course.core.simstream`) on the simulator, so one program runs on both::
     g.replay()                   # runs what was recorded, without running Python: y now holds model(new_x)
 
 What is modelled, as a GPU does it: a capture records aten ops and Numba launches and runs none of them
-(:mod:`course.core.simrecord`); in-place writes happen at replay only; Python values, branches and side effects
+(:mod:`course.sim.record`); in-place writes happen at replay only; Python values, branches and side effects
 are frozen at capture; a replay reads the tensors the capture saw (rebinding a name changes nothing) and writes the
 same output tensors (a kept output is overwritten by the next replay); host reads, host copies, ``synchronize()``,
-``torch.manual_seed`` and Numba allocations are refused with the GPU's error (:mod:`course.core.simpatch`), and
+``torch.manual_seed`` and Numba allocations are refused with the GPU's error (:mod:`course.sim.patch`), and
 a CUDA error invalidates the capture (``capture_end`` then fails, and the pool it recorded into stays claimed, so
 the next capture into that pool fails with ``beginAllocateToPool: already recording to mempool_id``, as on a GPU);
 capture on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves the
 capture stream current when ``capture_end`` fails; streams fork into a capture and must be joined; random ops draw
 fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
 registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory; autograd's
-backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.core.simoptim`
+backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.sim.optim`
 lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU).
 
 A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local" mode is under way
 invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in a dead reference cycle, freed by the
 garbage collector in the middle of another capture: ``course.core.capture.collector_paused``). Torch's sync debug
 mode (``set_sync_debug_mode``) reports the host reads and copies a capture refuses, outside captures too
-(:mod:`course.core.simpatch`).
+(:mod:`course.sim.patch`).
 
 Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation that a GPU cannot do inside
 a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
@@ -43,10 +43,10 @@ from __future__ import annotations
 import warnings
 import weakref
 
-import course.core.simdispatch as sd
-import course.core.simpatch as sp
-import course.core.simrecord as sr
-import course.core.simstream as ss
+import course.sim.dispatch as sd
+import course.sim.patch as sp
+import course.sim.record as sr
+import course.sim.stream as ss
 
 ALREADY = "This CUDAGraph instance already owns a captured graph. To capture a new graph, create a new instance."
 DEFAULT = ("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok to replay them "

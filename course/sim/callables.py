@@ -8,8 +8,8 @@ captured backward graph when outputs require grad, as in torch.
 """
 from __future__ import annotations
 
-import course.core.simgraph as sg
-import course.core.simstream as ss
+import course.sim.graph as sg
+import course.sim.stream as ss
 
 
 def _check(callables, sample_args):

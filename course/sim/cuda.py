@@ -4,14 +4,14 @@
 and replays on both: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``make_graphed_callables``, ``Stream``,
 ``Event``, ``stream``, ``current_stream``, ``default_stream``, ``set_stream``, ``synchronize``,
 ``is_current_stream_capturing``, and ``set_sync_debug_mode`` / ``get_sync_debug_mode`` (torch's sync debug
-mode). What the stand-in models, and what not: :mod:`course.core.simgraph`.
-Importing it also lets ``capturable=True`` optimizers run on the CPU and be captured (:mod:`course.core.simoptim`).
+mode). What the stand-in models, and what not: :mod:`course.sim.graph`.
+Importing it also lets ``capturable=True`` optimizers run on the CPU and be captured (:mod:`course.sim.optim`).
 """
-from course.core import simoptim
-from course.core.simcallables import make_graphed_callables
-from course.core.simgraph import CUDAGraph, graph, graph_pool_handle
-from course.core.simpatch import get_sync_debug_mode, set_sync_debug_mode
-from course.core.simstream import (Event, Stream, StreamContext, current_stream, default_stream,
+from course.sim import optim as simoptim
+from course.sim.callables import make_graphed_callables
+from course.sim.graph import CUDAGraph, graph, graph_pool_handle
+from course.sim.patch import get_sync_debug_mode, set_sync_debug_mode
+from course.sim.stream import (Event, Stream, StreamContext, current_stream, default_stream,
                                    is_current_stream_capturing, set_stream, stream, synchronize)
 
 simoptim.install()

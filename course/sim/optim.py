@@ -2,7 +2,7 @@
 
 torch lets ``capturable=True`` optimizers (Adam, AdamW, and the others that take the flag) run only on an
 accelerator: on the CPU they assert "params and state_steps must be on supported devices". On the simulator path
-the CPU *is* the course's device, so :func:`install` (run when :mod:`course.core.simcuda` is imported, that is
+the CPU *is* the course's device, so :func:`install` (run when :mod:`course.sim.cuda` is imported, that is
 on the simulator path only) adds ``"cpu"`` to the devices those optimizers accept, and gives their capture health
 check what it does on a GPU: ``step()`` inside a capture, with a param group that is not capturable, raises
 torch's error (``Attempting CUDA graph capture of step() for an instance of Adam but param_groups' capturable is
@@ -40,7 +40,7 @@ def health_check(optimizer) -> None:
     """What torch checks on a GPU before a capturable-aware ``step()``, with the simulator's capture state."""
     import torch
 
-    import course.core.simstream as ss
+    import course.sim.stream as ss
 
     if torch.compiler.is_compiling():
         return

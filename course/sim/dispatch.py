@@ -1,4 +1,4 @@
-"""How a simulated capture routes aten ops: record them (:mod:`course.core.simrecord`), or refuse host reads.
+"""How a simulated capture routes aten ops: record them (:mod:`course.sim.record`), or refuse host reads.
 
 :class:`Recorder` is a ``TorchDispatchMode``, pushed while any capture is under way. An op on a capturing
 stream is recorded by :func:`record_op`; an op on another stream runs at once, as on a GPU. An op that reads
@@ -9,7 +9,7 @@ the real op, raised at capture as on a GPU.
 """
 from __future__ import annotations
 
-import course.core.simstream as ss
+import course.sim.stream as ss
 
 # aten ops that read device memory on the host (their output size, or a value): a GPU waits for them
 _SIZED = "sizes its output from device values"
@@ -170,7 +170,7 @@ def end() -> None:
 
 
 def begin_watch() -> None:
-    """Refuse aten host reads even outside a capture (:func:`course.core.simpatch.host_reads_refused`)."""
+    """Refuse aten host reads even outside a capture (:func:`course.sim.patch.host_reads_refused`)."""
     _watch[0] += 1
     begin()
 

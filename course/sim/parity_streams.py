@@ -1,5 +1,5 @@
 """Parity programs about streams, shared pools, Numba launches and ``make_graphed_callables`` (see
-:mod:`course.core.simparity`, which lists them with the verdicts a GPU gives).
+:mod:`course.sim.parity`, which lists them with the verdicts a GPU gives).
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from course.core.simcheck import capture, capture_error, close, x8
+from course.sim.parity_tools import capture, capture_error, close, x8
 
 ncuda = None  # numba.cuda, set by _affine(): a module global, so the simulator can swap it inside the kernel
 

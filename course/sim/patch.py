@@ -2,7 +2,7 @@
 
 On the CPU, ``.cpu()``, ``.tolist()`` or ``print(t)`` need no aten op, so the recorder cannot see them; these
 patches, in force only while a capture is under way (:func:`install` / :func:`uninstall`), refuse them on a
-capturing stream with the GPU's error (:mod:`course.core.simstream`). They also route a Numba simulator launch
+capturing stream with the GPU's error (:mod:`course.sim.stream`). They also route a Numba simulator launch
 ``kernel[grid, block, stream](...)`` on a capturing stream into the capture instead of running it, and refuse
 Numba's allocations and ``torch.manual_seed`` as CUDA and torch do. :func:`host_reads_refused` is the same
 refusal outside any capture (the graph cache's ``host_read_watch``).
@@ -12,8 +12,8 @@ as a string is a copy to the host, ``.to(device)`` with a ``torch.device`` equal
 ``t.to(x.device)`` is on a GPU), and ``torch.tensor(data, device=...)`` is a host-to-device copy.
 
 :func:`set_sync_debug_mode` is torch.cuda's: while it is "warn" or "error", the same patches (and the aten host
-reads of :mod:`course.core.simdispatch`) report every synchronizing call outside a capture too
-(:func:`course.core.simstream.on_sync`). In a capture, a host read is reported first and then refused (torch checks
+reads of :mod:`course.sim.dispatch`) report every synchronizing call outside a capture too
+(:func:`course.sim.stream.on_sync`). In a capture, a host read is reported first and then refused (torch checks
 the mode before it calls CUDA); a copy is refused first (torch refuses it before it copies).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-import course.core.simstream as ss
+import course.sim.stream as ss
 
 _saved: list = []  # (owner, name, had its own attribute, original)
 _depth = [0]
@@ -203,7 +203,7 @@ _MODES = {"default": 0, "warn": 1, "error": 2}
 def set_sync_debug_mode(debug_mode) -> None:
     """torch.cuda.set_sync_debug_mode on the simulator: "default"/0 off, "warn"/1 warn, "error"/2 raise at every
     synchronizing call (the calls a capture refuses as host reads or copies, and ``Stream.synchronize()``)."""
-    from course.core import simdispatch
+    from course.sim import dispatch as simdispatch
 
     mode = _MODES.get(debug_mode, debug_mode) if isinstance(debug_mode, str) else debug_mode
     if isinstance(debug_mode, str) and debug_mode not in _MODES:
@@ -227,7 +227,7 @@ def get_sync_debug_mode() -> int:
 @contextlib.contextmanager
 def host_reads_refused():
     """Refuse host reads and copies in the block, as a capturing stream would, even with no capture under way."""
-    from course.core import simdispatch
+    from course.sim import dispatch as simdispatch
 
     install()
     _forced[0] += 1

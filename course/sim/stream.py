@@ -1,6 +1,6 @@
 """Streams, events and capture state for the simulator's CUDA-graph stand-in, under torch.cuda's names.
 
-:mod:`course.core.simgraph` records a capture; this module knows *which* stream is capturing and says no,
+:mod:`course.sim.graph` records a capture; this module knows *which* stream is capturing and says no,
 with the error text a GPU gives, to what a capturing stream cannot do:
 
 - a host read or wait (``.item()``, ``if tensor:``, printing, ``nonzero``, ``synchronize()``...):
@@ -227,7 +227,7 @@ def sync_debug_mode() -> int:
 
 
 def set_sync_debug_level(mode: int) -> None:
-    """Put sync debug mode ``mode`` (0, 1 or 2) in force (:func:`course.core.simpatch.set_sync_debug_mode`)."""
+    """Put sync debug mode ``mode`` (0, 1 or 2) in force (:func:`course.sim.patch.set_sync_debug_mode`)."""
     _sync_debug[0] = mode
 
 

@@ -1,4 +1,4 @@
-"""Parity programs about torch's sync debug mode and a graph freed during a capture (see :mod:`course.core.simparity`,
+"""Parity programs about torch's sync debug mode and a graph freed during a capture (see :mod:`course.sim.parity`,
 which lists them with the verdicts a GPU gives).
 
 The sync debug verdicts follow what torch 2.11 reported on an H100 for the course's hazard zoo
@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from course.core.simcheck import capture, clean_up, phrase, x8
+from course.sim.parity_tools import capture, clean_up, phrase, x8
 
 
 def _calls(cg, dev):

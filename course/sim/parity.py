@@ -1,10 +1,10 @@
 """Small capture programs, each written once against ``cg = course.graphs()``, with the verdict a GPU gives.
 
-The simulator's graphs (:mod:`course.core.simgraph`) must give every program the verdict torch.cuda gives on a
+The simulator's graphs (:mod:`course.sim.graph`) must give every program the verdict torch.cuda gives on a
 GPU: a laptop ✓ then means a GPU ✓. ``tests/test_simgraph.py`` runs them on the path the machine has (the
 simulator in CI; torch.cuda on a GPU). :func:`run` runs one and returns its verdict; :data:`PROGRAMS` lists them
-(these: what a replay reads and writes, and what a capture refuses; :mod:`course.core.simparity_streams`: streams,
-pools, Numba launches and ``make_graphed_callables``; :mod:`course.core.simparity_sync`: torch's sync debug mode and
+(these: what a replay reads and writes, and what a capture refuses; :mod:`course.sim.parity_streams`: streams,
+pools, Numba launches and ``make_graphed_callables``; :mod:`course.sim.parity_sync`: torch's sync debug mode and
 a graph freed during a capture).
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-import course.core.simparity_streams as streams
-import course.core.simparity_sync as sync
-from course.core.simcheck import PHRASES, capture, capture_error, clean_up, close, phrase, x8
+import course.sim.parity_streams as streams
+import course.sim.parity_sync as sync
+from course.sim.parity_tools import PHRASES, capture, capture_error, clean_up, close, phrase, x8
 
 
 @dataclasses.dataclass(frozen=True)

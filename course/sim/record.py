@@ -1,7 +1,7 @@
 """What a simulated capture records, where its tensors live, and how a replay runs it without Python.
 
-While a stream captures, every aten op goes through :mod:`course.core.simdispatch` (a ``TorchDispatchMode``)
-and every Numba simulator launch through :mod:`course.core.simpatch`, into a :class:`Program`. Nothing runs on the
+While a stream captures, every aten op goes through :mod:`course.sim.dispatch` (a ``TorchDispatchMode``)
+and every Numba simulator launch through :mod:`course.sim.patch`, into a :class:`Program`. Nothing runs on the
 data at capture, as on a GPU:
 
 - an op that makes a new tensor gets one of the right shape, dtype and strides from the graph's memory pool,
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
-import course.core.simstream as ss
+import course.sim.stream as ss
 
 ROUND, SMALL = 512, 1 << 20
 _BLOCKS = weakref.WeakValueDictionary()  # (device, storage data_ptr) -> Block

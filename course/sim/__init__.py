@@ -1,0 +1,18 @@
+"""The simulator: torch.cuda's graph and stream API on a machine with no GPU, with the GPU's verdicts.
+
+``cg = course.graphs()`` is ``torch.cuda`` on the GPU path and :mod:`course.sim.cuda` on the simulator path: that
+call (in :mod:`course.core.runtime`) stays the learner's single door. The modules, one idea each:
+
+- :mod:`~course.sim.cuda`: the public face, torch.cuda's names (``CUDAGraph``, ``graph``, ``Stream``, ...).
+- :mod:`~course.sim.stream`: streams, events, which stream captures, and the errors a capturing stream raises.
+- :mod:`~course.sim.graph`: ``CUDAGraph``, ``graph`` and ``graph_pool_handle``; what is modelled and what is not.
+- :mod:`~course.sim.dispatch`: how aten ops reach the recorder during a capture (a ``TorchDispatchMode``).
+- :mod:`~course.sim.record`: what a capture records, where its tensors live, how a replay runs it.
+- :mod:`~course.sim.patch`: the calls intercepted outside aten (host reads, Numba launches, sync debug mode).
+- :mod:`~course.sim.callables`: ``make_graphed_callables`` on the stand-in graphs.
+- :mod:`~course.sim.optim`: ``capturable=True`` optimizers on CPU tensors that stand for device tensors.
+- :mod:`~course.sim.parity` (with :mod:`~course.sim.parity_streams`, :mod:`~course.sim.parity_sync` and their
+  tools :mod:`~course.sim.parity_tools`): small capture programs with the verdict a GPU gives, run on both paths.
+
+The simulator depends on :mod:`course.core` only, never on a lesson.
+"""
