@@ -590,3 +590,11 @@ def test_lesson_03_cell_experiments_say_they_need_a_gpu():
         exp = reference.get(name)
         with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
             exp.fn(**exp.quick)
+
+
+def test_simulator_frames_are_the_courses_not_the_learners():
+    """A frame inside the simulator package (course/sim/) is a tool's frame, so a fallback names the learner's line."""
+    import course.sim.stream as stream
+    from course.lessons.what_breaks.dynamic import is_library_file
+    assert is_library_file(stream.__file__)
+    assert not is_library_file(__file__)

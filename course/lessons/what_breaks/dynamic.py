@@ -36,9 +36,11 @@ def _library_dirs() -> tuple:
         if p:
             dirs.add(p)
     here = os.path.dirname(os.path.abspath(__file__))
-    core = os.path.join(os.path.dirname(os.path.dirname(here)), "core")
+    pkg = os.path.dirname(os.path.dirname(here))
     tools = tuple(os.path.join(here, f) for f in ("static.py", "dynamic.py", "experiments.py", "__init__.py"))
-    tools += tuple(os.path.join(core, f) for f in os.listdir(core) if f.endswith(".py"))
+    for part in ("core", "sim"):  # the toolkit and the simulator are the course's tools, never the learner's line
+        folder = os.path.join(pkg, part)
+        tools += tuple(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
     return tuple(sorted(dirs)), tools
 
 
