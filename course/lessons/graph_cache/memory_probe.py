@@ -1,19 +1,20 @@
 """What a cleared graph cache leaves reserved on a GPU, and which release gives it back (a probe, run by hand).
 
 The scenario: the buckets 256, 512 and 1024 of a ``width``-wide ``relu(t @ w) @ w`` through a cache, then
-``clear_cache()``, a collection, a synchronize and ``empty_cache()``. It runs for lab 3's answer cache (``MyGraphCache``,
-read from ``solutions/lab3_graph_cache.ipynb``: its setup and answer cells, without their checks) and for the
-course's :class:`~course.lessons.graph_cache.cache.GraphCache`, each in a fresh process, each twice: with the backend
-as it is (it drops torch's cuBLAS workspaces before each capture and at ``reset_pool()``:
+``clear_cache()``, a collection, a synchronize and ``empty_cache()``. It runs for lab 3's answer cache
+(``MyGraphCache``, read from ``solutions/lab3_graph_cache.ipynb``: its setup and answer cells, without their checks)
+and for the course's :class:`~course.lessons.graph_cache.cache.GraphCache`, each in a fresh process, each twice: with
+the backend as it is (it drops torch's cuBLAS workspaces before each capture and at ``reset_pool()``:
 :func:`course.core.hardware.release_blas_workspaces`) and with that release switched off (``workspaces="kept"``).
 
 Each step's row holds ``torch.cuda.memory_reserved()`` and ``memory_allocated()`` (MiB) and what the step freed.
 After the clear, the releases the candidates need are tried one at a time, each followed by a collection, a
 synchronize and ``empty_cache()``: the backend's pool handle dropped, torch's cuBLAS workspaces dropped
-(``torch._C._cuda_clearCublasWorkspaces()``), the caller's inputs dropped, the cleared cache object dropped, the weight
-dropped; so the table says which release gives back how many MiB. The allocator's snapshot, taken right after the clear, lists every segment still
-reserved (its stream, its pool, its size) and every live block with the frames that allocated it (memory history
-recorded from the start), each block named when it is a known tensor or allocated by cuBLAS.
+(``torch._C._cuda_clearCublasWorkspaces()``), the caller's inputs dropped, the cleared cache object dropped, the
+weight dropped; so the table says which release gives back how many MiB. The allocator's snapshot, taken right after
+the clear, lists every segment still reserved (its stream, its pool, its size) and every live block with the frames
+that allocated it (memory history recorded from the start), each block named when it is a known tensor or allocated
+by cuBLAS.
 
 ``python3 -m course.lessons.graph_cache.memory_probe --json probe.json`` prints the table and writes everything as
 JSON. It needs a GPU: on the simulator path it refuses (exit 2) and says so.
