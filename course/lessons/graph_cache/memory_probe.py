@@ -255,8 +255,12 @@ def main(argv=None) -> int:
     try:
         res = probe(caches=tuple(args.caches.split(",")), workspaces=tuple(args.workspaces.split(",")),
                     timeout=args.timeout, stacks=args.stacks)
-    except CourseEnvironmentError as e:
-        print(f"memory_probe: {e}", file=sys.stderr)
+    except CourseEnvironmentError:
+        from course.core.runtime import runtime
+
+        print(f"memory_probe: refused: it measures a GPU's caching allocator, and this machine runs the simulator "
+              f"path ({runtime().reason}) Run it where torch sees an NVIDIA GPU (COURSE_PATH=cuda makes the course "
+              "use it or say why it cannot).", file=sys.stderr)
         return 2
     print(format_rows(res["rows"]))
     for run in res["runs"]:
