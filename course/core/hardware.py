@@ -1,5 +1,6 @@
-"""What the GPU's datasheet would say, read from the device itself: L2 size and peak DRAM bandwidth; and
-:func:`release_memory`, which hands the memory nothing holds any more back to the device.
+"""What the GPU's datasheet would say, read from the device itself: L2 size and peak DRAM bandwidth;
+:func:`release_memory`, which hands the memory nothing holds any more back to the device; and
+:func:`release_blas_workspaces`, which drops the cuBLAS workspaces torch keeps per stream.
 
 Bandwidth figures mean DRAM bandwidth only when the data is well above the L2 cache; below that the
 data sits in L2 and a kernel can move it faster than the memory could. Lessons use
@@ -61,3 +62,26 @@ def release_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def release_blas_workspaces() -> bool:
+    """Drop the cuBLAS workspaces torch keeps, one per (cuBLAS handle, stream) that ran a matrix product.
+
+    torch allocates each workspace through its caching allocator (its default: 32 MiB on Hopper GPUs) the first time
+    a stream runs a product, and keeps it until ``torch._C._cuda_clearCublasWorkspaces()``: a side stream that warmed
+    a forward up keeps one in ordinary memory, and a capture that found none for its stream allocates one in the
+    graph's memory pool, where it keeps that pool's segment reserved after the graphs are gone. torch's own CUDA-graph
+    trees make this call before and after each recording. The next product on a stream allocates a fresh workspace.
+
+    Returns True when the workspaces were dropped; False without CUDA, while the current stream is capturing, or in
+    a torch without the call (nothing is dropped then).
+    """
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    clear()
+    return True

@@ -27,6 +27,7 @@ import time
 import warnings
 import weakref
 
+from course.core import hardware
 from course.sim.patch import host_reads_refused
 from course.core.text import complete_statement
 
@@ -205,9 +206,17 @@ class CudaGraphBackend:
         self._pool = None
 
     def new_pool(self):
-        """The memory pool for the next capture: the cache's one shared pool, or None (a private pool)."""
+        """The memory pool for the next capture: the cache's one shared pool, or None (a private pool).
+
+        Called just before each capture, it first drops torch's cuBLAS workspaces
+        (:func:`course.core.hardware.release_blas_workspaces`), as torch's CUDA-graph trees do before each recording:
+        the capture then allocates its own workspace in its pool, freed with that pool's graphs, and never uses one
+        that lies in another cache's pool (which that cache's clear would free under it); the warm-up streams'
+        workspaces are given back too.
+        """
         import torch
 
+        hardware.release_blas_workspaces()  # torch._C._cuda_clearCublasWorkspaces(), on the GPU path only
         if self.pools == "separate":
             return None
         if self._pool is None:
@@ -244,12 +253,13 @@ class CudaGraphBackend:
             warm_up(call, warmup)  # first: the eager allocations of a warm-up are not the graph's memory
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        pool = self.new_pool()  # first: it gives back the warm-up stream's cuBLAS workspace
         # torch.cuda.graph() empties the allocator's cache as it starts; do it first (untimed), or the freed
         # warm-up blocks would be subtracted from the graph's own memory ("memory held" could come out negative)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         t2 = time.perf_counter()
-        outcome = try_capture(call, warmup=0, pool=self.new_pool())
+        outcome = try_capture(call, warmup=0, pool=pool)
         torch.cuda.synchronize()
         ms = (t1 - t0 + time.perf_counter() - t2) * 1e3
         if not outcome.ok:
@@ -258,8 +268,10 @@ class CudaGraphBackend:
         return Recorded(graph.replay, outcome.output, ms, torch.cuda.memory_reserved() - before, graph)
 
     def reset_pool(self) -> None:
-        """Forget the shared pool (after every graph using it is freed)."""
+        """Forget the shared pool (after every graph using it is freed) and drop torch's cuBLAS workspaces: the one
+        the last capture allocated in its pool would keep that pool's memory reserved after its graphs are gone."""
         self._pool = None
+        hardware.release_blas_workspaces()  # torch._C._cuda_clearCublasWorkspaces(), on the GPU path only
 
 
 def default_backend(pools: str = "shared"):

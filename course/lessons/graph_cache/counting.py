@@ -9,8 +9,9 @@ forward the check hands the cache goes through :meth:`CountingBackend.watch` (a
 kept by weak reference; each replay records them (:meth:`CountingBackend.replayed_inputs`). ``foreign`` counts graphs
 whose first replay found other tensors in their cache entry's ``entry["static"]`` (captured on the caller's tensors,
 say), ``replaced`` later replays that did (new buffers put in the entry after the capture). On the simulator,
-``memory_reserved()`` adds the bytes of the static inputs and outputs of the learner's graphs still alive (a GPU's
-allocator counts them itself).
+``memory_reserved()`` adds the bytes of the static inputs of the learner's graphs still alive and of their outputs
+still referenced (a GPU's allocator counts them itself). :meth:`CountingBackend.pool_bytes` is what the pools the
+captures named still hold: on a GPU the allocator's segments in those pools, on the simulator the bytes above.
 """
 from __future__ import annotations
 
@@ -37,8 +38,24 @@ class _Forward(Watched):
         self.static = self.output = None  # kept by weak reference only: the check must not hold a graph's memory
         if self.calls[-1]["capturing"] and self.counter._capturing is not None:
             self.counter._pending = (tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else None for a in args),
-                                     tensor_bytes(list(args)) + tensor_bytes(out))
+                                     tensor_bytes(list(args)), _tensors(out))
         return out
+
+
+def _tensors(obj) -> list:
+    """The tensors in ``obj`` (a tensor, or nested tuples/lists/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _pool_id(pool):
+    """A pool handle or a snapshot's ``segment_pool_id`` as one comparable value."""
+    return tuple(pool) if isinstance(pool, (tuple, list)) else pool
 
 
 class CountingBackend:
@@ -73,6 +90,19 @@ class CountingBackend:
     def memory_reserved(self) -> int:
         """The wrapped backend's reserved memory, plus (simulator) what the cache's live graphs hold."""
         return self.inner.memory_reserved() + (0 if runtime().on_gpu else sum(self._held.values()))
+
+    def pool_bytes(self) -> int:
+        """Bytes the pools the counted captures named still hold.
+
+        On a GPU: the caching allocator's segments in those pools (``torch.cuda.memory_snapshot()``), free blocks
+        included, since a segment goes back to the device only when all of it is free. On the simulator: the bytes
+        of the static inputs of the graphs still alive and of the captures' outputs still referenced.
+        """
+        if not runtime().on_gpu:
+            return sum(self._held.values())
+        pools = {_pool_id(p) for p in self.pools if p is not None}
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if _pool_id(seg.get("segment_pool_id")) in pools)
 
     # ------------------------------------------------------------------ what the check reads
     def serve(self, cache) -> None:
@@ -142,13 +172,15 @@ class CountingBackend:
                     delattr(cls, n)
 
     def _ended(self, g, pending) -> None:
-        refs, nbytes = pending if pending is not None else ((), 0)
+        refs, nbytes, outs = pending if pending is not None else ((), 0, [])
         g._course_inputs = refs
         try:
             self.graphs.append(weakref.ref(g))
         except TypeError:  # a graph class without weak references: live_graphs() cannot see it
             return
         if not runtime().on_gpu:
-            key = next(self._ids)
-            self._held[key] = nbytes
-            weakref.finalize(g, self._held.pop, key, None)  # freed with the graph
+            for obj, size in [(g, nbytes)] + [(t, tensor_bytes(t)) for t in outs]:
+                key = next(self._ids)
+                self._held[key] = size
+                weakref.finalize(obj, self._held.pop, key, None)  # the inputs freed with the graph, an output with
+                # the last reference to it (in the pool, as on a GPU)

@@ -342,7 +342,8 @@ def reserved_now(backend) -> int:
 
 
 def check_enable_clear(cls) -> None:
-    """Step 7: set_enabled(False) runs eager without touching the graphs; clear_cache() gives their memory back."""
+    """Step 7: set_enabled(False) runs eager, graphs kept; clear_cache() empties the captures' pool (a GPU's segments
+    in it: :meth:`CountingBackend.pool_bytes`) and reserved memory falls by at least what it held."""
     with exercise("lab 3.7 enable and clear", hint=[
             "disabled: the cache is bypassed but keeps its graphs; cleared: nothing of the old graphs is left, in "
             "the cache or in the backend's pool",
@@ -351,16 +352,19 @@ def check_enable_clear(cls) -> None:
             "self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"]), \
             counting() as _counted:
         d = _dev()
-        cache, backend = _counted(cls, lambda x: x + 1)
-        x = torch.ones(2, device=d)
+        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(7)).to(d)
+        forward = lambda x: x @ w + 1  # noqa: E731
+        cache, backend = _counted(cls, forward)
+        x = torch.ones(2, 8, device=d)
         cache(x)
         cache.set_enabled(False)
-        assert torch.equal(cache(x), x + 1) and backend.replays == 1, "disabled: run the forward eagerly, no replay"
+        assert torch.allclose(cache(x), forward(x), atol=1e-5) and backend.replays == 1, "disabled: run it eagerly"
         assert cache.stats["eager_calls"] == 1, "count the disabled call as an eager call"
         cache.set_enabled(True)
         cache(x)
         assert backend.replays == 2 and backend.captures == 1, "enabled again: the recorded graph is replayed"
         before = reserved_now(backend)
+        held = backend.pool_bytes()
         cache.clear_cache()
         assert not cache.entries, "clear_cache() must drop every entry (their graphs and static buffers)"
         assert backend.pool_resets >= 1, (
@@ -375,10 +379,19 @@ def check_enable_clear(cls) -> None:
                 "capture, and a graph freed there breaks it (lesson 03): keep no cycle (nothing that refers back to "
                 "the cache or the entry) around your entries, so that clearing frees the graphs at once")
         after = reserved_now(backend)
-        assert after < before, (
+        left = backend.pool_bytes()
+        assert not backend.live_graphs(), (
             f"clear_cache() emptied self.entries, but the memory the graphs held did not come back ({before} bytes "
             f"reserved before, {after} after): something still references the old entries or their recordings. "
             "Keep no copy of them (no second dict or list, no saved entry): a graph's memory is freed only when "
             "nothing references it")
+        assert not left, (
+            f"the graphs are freed, but {left} of the {held} bytes their memory pool held stayed reserved: something "
+            "still references a tensor the capture made (a graph's static output, entry['output'], or a view of it), "
+            "and its memory keeps the pool's. Return copies (copy_out) and keep no reference to a static output "
+            "outside its entry")
+        assert before - after >= held, (
+            f"clear_cache() freed the graphs and their pool, but reserved memory fell by only {before - after} bytes "
+            f"({before} before, {after} after), less than the {held} bytes the pool held")
         cache(x)
         assert backend.captures == 2 and cache.stats["cache_misses"] == 2, "after clear_cache() the next call records"
