@@ -190,7 +190,8 @@ def run_one(cache: str = "answer", workspaces: str = "released", width: int = 20
     led = Ledger(cache, workspaces, _settle)
     led.step("start")
     weight = torch.randn(width, width, device="cuda")
-    state = {"weight": weight, "forward": lambda t: torch.relu(t @ weight) @ weight}
+    state = {"weight": weight}
+    state["forward"] = lambda t: torch.relu(t @ state["weight"]) @ state["weight"]  # the state holds the weight
     del weight
     led.step("weight", f"{width}x{width} float32")
     fwd = state["forward"]
@@ -233,7 +234,7 @@ def probe(caches=CACHES, workspaces=WORKSPACES, timeout: float = 100, **kw) -> d
     from course.core.isolate import run_isolated
 
     require_gpu("the graph cache memory probe (it reads a GPU's caching allocator)")
-    runs = [run_isolated(__name__, "run_one", timeout=timeout, cache=c, workspaces=w, **kw)
+    runs = [run_isolated("course.lessons.graph_cache.memory_probe", "run_one", timeout=timeout, cache=c, workspaces=w, **kw)
             for c in caches for w in workspaces]
     rows = [r for run in runs for r in run["rows"]]
     return {"runs": runs, "rows": rows, "releases": release_table(rows)}
