@@ -43,6 +43,13 @@ cg = course.graphs()
 DEV = course.device()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_garbage_graphs():
+    """Graphs that earlier test files left in reference cycles are freed now, not inside one of these captures."""
+    gc.collect()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _no_capture_left_behind():
     yield

@@ -6,6 +6,7 @@ must leave the parameters where the same number of eager steps leaves them. What
 the table in tests/test_torch_graph_behaviours.py.
 """
 import copy
+import gc
 
 import pytest
 import torch
@@ -17,6 +18,13 @@ from course.sim import graph as simgraph, parity_torch, stream as simstream
 ON_GPU = runtime().on_gpu
 cg = course.graphs()
 DEV = course.device()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_garbage_graphs():
+    """Graphs that earlier test files left in reference cycles are freed now, not inside one of these captures."""
+    gc.collect()
+    yield
 
 
 @pytest.fixture(autouse=True)
