@@ -74,9 +74,13 @@ def _train_step(model, opt, x, y, scaler=None):
 
 
 def _captured_matches_eager(make_opt, steps: int = 3, scalers=(None, None)):
-    """Warm up both twins alike, capture one's step, replay it ``steps`` times beside as many eager steps."""
+    """Warm up both twins alike, capture one's step, replay it ``steps`` times beside as many eager steps of the
+    same optimizer built with ``capturable=False`` (the control PyTorch's tests use)."""
     model, twin = _pair()
     opt, twin_opt = make_opt(model.parameters()), make_opt(twin.parameters())
+    for group in twin_opt.param_groups:
+        if "capturable" in group:  # SGD has no such flag
+            group["capturable"] = False  # read at every step: the twin steps as a plain eager optimizer
     x, y = torch.randn(4, 8, device=DEV), torch.randn(4, 2, device=DEV)
     warm_up(lambda: _train_step(model, opt, x, y, scalers[0]))
     warm_up(lambda: _train_step(twin, twin_opt, x, y, scalers[1]))
@@ -88,7 +92,7 @@ def _captured_matches_eager(make_opt, steps: int = 3, scalers=(None, None)):
         g.replay()
         _train_step(twin, twin_opt, x, y, scalers[1])
     moved = any(not torch.equal(p, s) for p, s in zip(model.parameters(), start))
-    same = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(model.parameters(), twin.parameters()))
+    same = all(torch.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(model.parameters(), twin.parameters()))
     return moved, same
 
 
