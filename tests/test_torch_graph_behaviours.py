@@ -406,3 +406,19 @@ def test_a_module_graphed_in_training_runs_its_own_forward_in_eval(collect):
     model.eval()
     twin.eval()
     assert torch.equal(model(x), twin(x))  # no dropout: the eager eval forward, not the training graph
+
+
+def test_a_graphed_module_with_dropout_trains_like_eager_from_the_same_seed(collect):
+    # mirrors: TestCuda.test_graph_make_graphed_callables (dropout draws the same masks after the same seed)
+    graphed, eager = _mlp(dropout=0.3), _mlp(dropout=0.3)
+    x = torch.randn(5, 8, device=DEV, requires_grad=True)
+    graphed = cg.make_graphed_callables(graphed, (x,))
+    data = [torch.randn(5, 8, device=DEV) for _ in range(3)]
+    for model in (graphed, eager):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(5)
+        for batch in data:
+            opt.zero_grad(set_to_none=True)
+            model(batch).square().mean().backward()
+            opt.step()
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(graphed.parameters(), eager.parameters()))
