@@ -8,23 +8,23 @@ grad-scaling tests are in tests/test_torch_graph_optims.py.
 PyTorch graph tests this file and its twin leave out, and why (the README and CAPTURE_RULES.md point here):
 
 =====================================================  ===========================================================
-PyTorch test                                           why the course does not mirror it
+PyTorch test                                           why the course does not mirror it here
 =====================================================  ===========================================================
 test_graph_error, test_cuda_graph_tensor_item_not_      already parity programs (course.sim.parity: default_stream,
 allowed, test_graph_manual_seed_mismatch_raises         item, manual_seed), run on both paths by test_simgraph.py
-test_cuda_graph_error_options (the thread part)        a second thread allocating during a capture: the simulator
-                                                       runs one thread (course.sim.graph, not modelled)
+test_cuda_graph_error_options (its thread)             a second thread allocating during a capture: the simulator
+                                                       runs one thread (not modelled, course/sim/graph.py)
 test_graph_cudnn_dropout                               cuDNN's RNN dropout state: no cuDNN on the simulator
-test_graph_memory_stats_and_use_result_after_          the memory statistics (torch.cuda.memory_stats) are not
-destroy_graph (the statistics part)                    modelled; the "use result after destroy" part is mirrored
+test_graph_memory_stats_and_use_result_after_          the allocator's statistics (torch.cuda.memory_stats) are
+destroy_graph (its statistics),                        not modelled; the "use the result after the graph is
+test_cuda_graph_allocator_propagates_stream            destroyed" part is mirrored below
 test_repeat_graph_capture_cublas_workspace_memory,     cuBLAS workspaces and cudaMallocAsync: libraries and
-test_graph_capture_oom with cudaMallocAsync            allocators a laptop does not have
-test_graph_debugdump, keep_graph, raw cudaGraph_t      the raw CUDA graph does not exist on the simulator
-test_graph_external_wait_and_record, conditional       CUDA features beyond the graph and stream API the course
-nodes, test_graph_*_expandable_segments                teaches (course.sim.graph lists them as not modelled)
-test_graph_optims over every torch.optim class         the course's optimizers (Adam, AdamW, SGD) and five more
-                                                       with ``capturable`` are mirrored; others (ASGD, Rprop,
-                                                       Adagrad) are not met in the course
+test_graph_capture_oom under cudaMallocAsync           allocators a laptop does not have
+test_graph_debugdump, test_cuda_graph_raw_graph*       ``debug_dump``, ``keep_graph`` and the raw cudaGraph_t do
+(keep_graph, instantiate, raw_cuda_graph_exec)         not exist on the simulator (not modelled)
+test_graph_optims for ASGD, Rprop; test_graph_rng_     the course's optimizers (Adam, AdamW, SGD) and five more
+functional for rrelu                                   with ``capturable`` are mirrored, and four random ops; the
+                                                       others are not met in the course
 =====================================================  ===========================================================
 """
 import gc

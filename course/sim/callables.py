@@ -40,8 +40,8 @@ AUTOCAST_CACHE = ("make_graphed_callables does not support the autocast caching.
 
 
 def _autocast_caching() -> bool:
-    """True under autocast with its cast cache on: the cache's casts would be made once, in the capture's pool, and
-    freed when autocast exits, so torch refuses (on the simulator the CPU's autocast is the device's)."""
+    """True under autocast with its cast cache on, which torch's ``make_graphed_callables`` refuses (on the
+    simulator the CPU's autocast is the device's)."""
     import torch
 
     return torch.is_autocast_cache_enabled() and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))

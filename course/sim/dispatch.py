@@ -121,7 +121,8 @@ def record_op(cap, func, args, kwargs):
     aliases = [r.alias_info for r in schema.returns]
     if any(aliases):
         result = [_aliased(schema, args, kwargs, a) if a is not None else m
-                  for a, m in zip(aliases, meta if len(aliases) > 1 else (meta,))]
+                  for a, m in zip(aliases, (meta if len(aliases) > 1 else (meta,)) if meta is not None
+                                  else (None,) * len(aliases))]
         result = tuple(result) if len(aliases) > 1 else result[0]
     else:
         result = meta
