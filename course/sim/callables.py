@@ -2,7 +2,8 @@
 
 Like ``torch.cuda.make_graphed_callables``: warm each callable up on a side stream, capture the forward passes in
 order and the backward passes in reverse into one shared pool, and return callables (or modules whose
-``forward`` is replaced) that copy their arguments into the static inputs and replay. A module whose
+``forward`` is replaced) that copy their arguments into the static inputs and replay. Under autocast with its cast
+cache on, it refuses with torch's error (``cache_enabled=False`` is the fix). A module whose
 ``training`` flag differs from the one it was graphed in runs its original forward. Gradients come from the
 captured backward graph when outputs require grad, as in torch.
 """
@@ -34,6 +35,18 @@ def _check(callables, sample_args):
     return flat
 
 
+AUTOCAST_CACHE = ("make_graphed_callables does not support the autocast caching. Please set "
+                  "`cache_enabled=False`.")
+
+
+def _autocast_caching() -> bool:
+    """True under autocast with its cast cache on, which torch's ``make_graphed_callables`` refuses (on the
+    simulator the CPU's autocast is the device's)."""
+    import torch
+
+    return torch.is_autocast_cache_enabled() and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+
+
 def _grads(outputs, surface, grad_outputs, allow_unused):
     import torch
 
@@ -47,6 +60,8 @@ def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3, al
     import torch
     from torch.utils._pytree import tree_flatten, tree_leaves
 
+    if _autocast_caching():
+        raise RuntimeError(AUTOCAST_CACHE)
     one = not isinstance(callables, tuple)
     callables, sample_args = ((callables,), (sample_args,)) if one else (callables, sample_args)
     flat = _check(callables, sample_args)

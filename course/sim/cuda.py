@@ -5,9 +5,10 @@ and replays on both: ``CUDAGraph``, ``graph``, ``graph_pool_handle``, ``make_gra
 ``Event``, ``stream``, ``current_stream``, ``default_stream``, ``set_stream``, ``synchronize``,
 ``is_current_stream_capturing``, and ``set_sync_debug_mode`` / ``get_sync_debug_mode`` (torch's sync debug
 mode). What the stand-in models, and what not: :mod:`course.sim.graph`.
-Importing it also lets ``capturable=True`` optimizers run on the CPU and be captured (:mod:`course.sim.optim`).
+Importing it also lets ``capturable=True`` optimizers run on the CPU and be captured (:mod:`course.sim.optim`), and
+``Tensor.record_stream`` take the simulated streams (:mod:`course.sim.memory`).
 """
-from course.sim import optim as simoptim
+from course.sim import memory as simmemory, optim as simoptim
 from course.sim.callables import make_graphed_callables
 from course.sim.graph import CUDAGraph, graph, graph_pool_handle
 from course.sim.patch import get_sync_debug_mode, set_sync_debug_mode
@@ -15,6 +16,7 @@ from course.sim.stream import (Event, Stream, StreamContext, current_stream, def
                                    is_current_stream_capturing, set_stream, stream, synchronize)
 
 simoptim.install()
+simmemory.install()
 
 SIMULATED = True  # torch.cuda has no such attribute: ``getattr(cg, "SIMULATED", False)`` tells the two apart
 

@@ -31,8 +31,12 @@ def _as_meta(x):
     return None if isinstance(x, torch.Generator) else x
 
 
+NO_META = object()  # _meta's answer for an op with no meta kernel (None is what an op returning nothing returns)
+
+
 def _meta(func, args, kwargs):
-    """``func`` run on meta tensors: the outputs' shapes, dtypes and strides (None when it has no meta kernel)."""
+    """``func`` run on meta tensors: the outputs' shapes, dtypes and strides (:data:`NO_META` when it has no meta
+    kernel)."""
     import torch
     from torch.utils._pytree import tree_map
 
@@ -44,7 +48,7 @@ def _meta(func, args, kwargs):
     try:
         return func(*margs, **mkwargs)
     except NotImplementedError:
-        return None
+        return NO_META
 
 
 def _real_error(func, args, kwargs):
@@ -105,17 +109,20 @@ def record_op(cap, func, args, kwargs):
         meta = _meta(func, args, kwargs)
     except Exception as e:  # noqa: BLE001 - a bad shape or dtype: raise what the real op raises, as a GPU does
         raise _real_error(func, args, kwargs) or e from None
-    if meta is None:
-        if writes:
+    if meta is NO_META:
+        if writes and not all(r.alias_info is not None for r in schema.returns):
             raise NotImplementedError(f"the simulated capture cannot record {schema.name} (no meta kernel)")
-        meta = tree_map(_as_meta, func(*args, **kwargs))  # functional: safe to run for its shapes
+        # in place with nothing new to allocate (a fused optimizer's step, ``_fused_sgd_``): record it as it is;
+        # functional: safe to run for its shapes
+        meta = None if writes else tree_map(_as_meta, func(*args, **kwargs))
     device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                   kwargs.get("device") or torch.device("cpu"))
     program, outs = cap.program, []
     aliases = [r.alias_info for r in schema.returns]
     if any(aliases):
         result = [_aliased(schema, args, kwargs, a) if a is not None else m
-                  for a, m in zip(aliases, meta if len(aliases) > 1 else (meta,))]
+                  for a, m in zip(aliases, (meta if len(aliases) > 1 else (meta,)) if meta is not None
+                                  else (None,) * len(aliases))]
         result = tuple(result) if len(aliases) > 1 else result[0]
     else:
         result = meta

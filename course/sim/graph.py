@@ -22,7 +22,13 @@ capture stream current when ``capture_end`` fails; streams fork into a capture a
 fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
 registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory; autograd's
 backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.sim.optim`
-lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU).
+lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU);
+fused optimizers (``fused=True``) and ``GradScaler``'s unscale, step and update record the same way, so a whole
+scaled training step captures; a state read with ``torch.get_rng_state()`` inside a capture and set back (activation
+checkpointing) makes a replay draw the same numbers again (:mod:`course.sim.rng`); a capture that allocates past
+the device's memory raises torch's ``OutOfMemoryError`` ("CUDA out of memory", :mod:`course.sim.memory`, whose
+``LIMIT`` you may lower); ``Tensor.record_stream`` takes the simulated streams; ``make_graphed_callables`` refuses
+autocast with its cast cache on, as torch does.
 
 A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local" mode is under way
 invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in a dead reference cycle, freed by the
@@ -36,7 +42,9 @@ device tensor (``host_tensor.to(course.device())``, pinned host memory: for the 
 inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
 keeps it alive, where a GPU would read freed memory); the allocator's block splitting (a freed block is reused
 whole); more than one thread; ``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions
-other than the graph and stream API and the sync debug mode.
+other than the graph and stream API and the sync debug mode (memory statistics included); memory allocated outside
+captures (it is the laptop's, not counted against the device's limit); cuDNN. PyTorch's own graph tests that the
+course mirrors, and the ones it leaves out with the reason: ``tests/test_torch_graph_behaviours.py``.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
+import course.sim.rng as simrng
 import course.sim.stream as ss
 
 _saved: list = []  # (owner, name, had its own attribute, original)
@@ -187,7 +188,7 @@ def install() -> None:
 
     _depth[0] += 1
     if _depth[0] == 1:
-        _apply(_tensor_patches(torch) + _torch_patches(torch) + _numba_patches())
+        _apply(_tensor_patches(torch) + _torch_patches(torch) + _numba_patches() + simrng.patches(torch))
 
 
 def uninstall() -> None:

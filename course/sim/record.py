@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
+import course.sim.memory as simmemory
 import course.sim.stream as ss
 
 ROUND, SMALL = 512, 1 << 20
@@ -73,6 +74,7 @@ class Pool:
                     and b.nbytes >= size and (best is None or b.nbytes < best.nbytes) and b.free()):
                 best = b
         if best is None:
+            simmemory.check(size, sum(b.nbytes for b in list(_BLOCKS.values())))
             best = Block(self, size, stream, device)
             self.blocks.append(best)
         return best
