@@ -136,6 +136,13 @@ def _probe_forward_graph(g, static_x, static_y, x0) -> None:
     """
     import torch
 
+    with torch.inference_mode(static_y.is_inference()):  # captured under inference_mode: its output is marked so
+        _probe(g, static_x, static_y, x0)
+
+
+def _probe(g, static_x, static_y, x0) -> None:
+    import torch
+
     static_y.fill_(float("nan"))
     static_x.copy_(x0)
     g.replay()
