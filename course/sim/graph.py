@@ -14,7 +14,8 @@ What is modelled, as a GPU does it: a capture records aten ops and Numba launche
 (:mod:`course.sim.record`); in-place writes happen at replay only; Python values, branches and side effects
 are frozen at capture; a replay reads the tensors the capture saw (rebinding a name changes nothing) and writes the
 same output tensors (a kept output is overwritten by the next replay); host reads, host copies, ``synchronize()``,
-``torch.manual_seed`` and Numba allocations are refused with the GPU's error (:mod:`course.sim.patch`), and
+``torch.manual_seed`` to a new seed (its current seed passes, as torch's CUDA generator lets it, and reseeds
+nothing) and Numba allocations are refused with the GPU's error (:mod:`course.sim.patch`), and
 a CUDA error invalidates the capture (``capture_end`` then fails, and the pool it recorded into stays claimed, so
 the next capture into that pool fails with ``beginAllocateToPool: already recording to mempool_id``, as on a GPU);
 capture on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves the
