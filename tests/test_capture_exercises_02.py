@@ -138,7 +138,7 @@ MUTANTS = [
      _edit("    cg.current_stream().wait_stream(side)\n", ""), ["the join", "cg.current_stream().wait_stream(side)"]),
     # 02.8: two graphs, one pool
     ("a private pool per graph", C, _edit("with cg.graph(graph, pool=pool):", "with cg.graph(graph):"),
-     ["do not share one pool"]),
+     ["do not share one pool", "each graph (batches 16, 64) has a pool of its own"]),
     ("a new pool handle per graph", C, _edit("with cg.graph(graph, pool=pool):",
                                              "with cg.graph(graph, pool=cg.graph_pool_handle()):"),
      ["do not share one pool"]),
@@ -204,6 +204,24 @@ def test_mutant_is_named(mutant, tmp_path):
     assert entry["status"] in ("fail", "crash"), f"{exercise} passed the mutant {name!r}: {entry}"
     missing = [w for w in words if w.lower() not in entry["message"].lower()]
     assert not missing, f"{exercise}'s ✗ for {name!r} does not say {missing}: {entry['message']!r}"
+
+
+def test_a_capture_refused_before_the_model_ran_leads_with_its_error(tmp_path):
+    """capture_begin on the default stream: the ✗ quotes the refusal first, not "the model never ran in a capture"."""
+    edits = _edit("    with cg.graph(graph):\n        static_y = model(static_x)",
+                  "    graph.capture_begin()\n    static_y = model(static_x)\n    graph.capture_end()")
+    message = run_exercise(A, edits, tmp_path)["message"]
+    assert message.startswith("your capture failed before the model ran in it: RuntimeError: CUDA graphs must be "
+                              "captured on a non-default stream"), message
+    assert "never ran during a capture" not in message and "cg.stream(side)" in message, message
+
+
+def test_separate_pools_are_said_in_words():
+    from course.lessons.capture_checks import _pools_in_words
+
+    assert _pools_in_words({16: (2, 0), 64: (1, 0)}) == "each graph (batches 16, 64) has a pool of its own"
+    assert _pools_in_words({8: (0, 1), 16: (0, 1), 64: (3, 0)}) == ("batches 8, 16 share one pool; the batch-64 graph "
+                                                                    "has a pool of its own")
 
 
 def test_every_exercise_has_at_least_four_mutants():

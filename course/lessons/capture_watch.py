@@ -109,6 +109,10 @@ def _watching(model, optimizers: bool = False, batch=None):
         raise
     except Exception as e:  # noqa: BLE001 - re-raised unless the hooks or the first error name the cause
         problem, root = watch.recipe_problem(batch, optimizers), _root(e)
+        if not any(c["capturing"] for c in watch.calls):  # it failed before the model ran in a capture: say that
+            advice = ("; capture on a side stream: `with cg.graph(g):` makes one for you (capture_begin() must run "
+                      "inside `with cg.stream(side):`)" if "non-default stream" in str(root) else "")
+            raise AssertionError(f"your capture failed before the model ran in it: {_line(root)}{advice}") from e
         if problem is None and optimizers:
             problem = watch.step_problem()
         if problem is not None:
