@@ -268,6 +268,21 @@ def test_lab4_answer_passes_every_check(tmp_path):
     assert not bad, bad
 
 
+# right work written another way: step 5 passes on both paths, as it does on an H100
+LAB4_RIGHT = [
+    ("warm-up and capture under inference_mode", L5, [
+        ("        with cg.stream(side):\n", "        with torch.inference_mode(), cg.stream(side):\n"),
+        ("        with cg.graph(self.graph):\n", "        with torch.inference_mode(), cg.graph(self.graph):\n")]),
+]
+
+
+@pytest.mark.parametrize("variant", LAB4_RIGHT, ids=[r[0] for r in LAB4_RIGHT])
+def test_lab4_right_work_written_another_way_passes(variant, tmp_path):
+    name, check, edits = variant
+    entry = run_notebook_checks(LAB4, edits, tmp_path, until=check).get(check)
+    assert entry is not None and entry["status"] == "pass", f"{name}: {entry}"
+
+
 @pytest.mark.parametrize("mutant", LAB4_MUTANTS, ids=[m[0] for m in LAB4_MUTANTS])
 def test_lab4_mutant_fails_a_check_that_names_it(mutant, tmp_path):
     run_mutant(LAB4, mutant, tmp_path)

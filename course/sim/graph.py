@@ -23,7 +23,9 @@ capture stream current when ``capture_end`` fails; streams fork into a capture a
 fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
 registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory; autograd's
 backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.sim.optim`
-lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU).
+lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU); a
+capture under ``torch.inference_mode()`` records what one under ``no_grad()`` records (:mod:`course.sim.dispatch`
+splits composite ops such as ``to`` and ``linear`` as autograd does outside inference mode).
 
 A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local" mode is under way
 invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in a dead reference cycle, freed by the
@@ -31,8 +33,11 @@ garbage collector in the middle of another capture: ``course.core.capture.collec
 mode (``set_sync_debug_mode``) reports the host reads and copies a capture refuses, outside captures too
 (:mod:`course.sim.patch`).
 
-Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation that a GPU cannot do inside
-a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
+Not modelled: timing (a replay costs what the ops cost on the CPU); ordering between streams outside a capture
+(every op runs at once, in program order, so a warm-up on a side stream that never waited for its data, the missing
+fork, or a capture begun before waiting for the warm-up, the missing join, races on a GPU and not here: the course's
+checks name both from the learner's calls to ``wait_stream``, ``wait_event`` and ``synchronize``, on both paths);
+lazy initialisation that a GPU cannot do inside a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
 device tensor (``host_tensor.to(course.device())``, pinned host memory: for the sync debug mode too); ``Event`` timing
 inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
 keeps it alive, where a GPU would read freed memory); the allocator's block splitting (a freed block is reused
