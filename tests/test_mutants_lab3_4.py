@@ -231,7 +231,7 @@ LAB4_MUTANTS = [
      ["whole gap"]),
     ("gap with the sign flipped", _one("return (slow_us - fast_us) / kernels", "return (fast_us - slow_us) / kernels"),
      L4, ["the sign"]),
-    # step 5, the hand capture: 12 mutants, the same verdict on the simulator and on a GPU
+    # step 5, the hand capture: 14 mutants, the same verdict on the simulator and on a GPU
     ("position a Python int, frozen at capture",
      [(_POS_BUF, _POS_BUF + "        self.position = 0\n"),
       ("        pos = self.pos\n",
@@ -251,6 +251,10 @@ LAB4_MUTANTS = [
     ("warm-up on the default stream",
      _one("        with cg.stream(side):\n" + _WARM, "        for _ in range(2):\n            self.one_token()\n"), L5,
      ["default stream", "side stream"]),
+    ("warm-up without the fork", _one("        side.wait_stream(cg.current_stream())\n", ""), L5,
+     ["the fork", "side.wait_stream(cg.current_stream())"]),
+    ("warm-up without the join", _one("        cg.current_stream().wait_stream(side)\n", ""), L5,
+     ["the join", "cg.current_stream().wait_stream(side)"]),
     ("next token rebound, not copied in", _one(_FEED, "            self.ids = self.next.clone()\n"), L5,
      ["rebound self.ids", "copy_"]),
     ("next token never fed back", _one(_FEED, ""), L5, ["first token again", "self.ids.copy_"]),

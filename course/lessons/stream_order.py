@@ -15,7 +15,8 @@ import os
 import sys
 
 FORK = ("the warm-up on a side stream did not wait for the stream your data was written on (the fork): on a GPU "
-        "the side stream may then read static_x and the weights before they are written, a race no error reports. "
+        "the side stream may then read your static inputs and the weights before they are written, a race no error "
+        "reports. "
         "Before `with cg.stream(side):` call side.wait_stream(cg.current_stream())")
 JOIN = ("the capture began before the stream it began on waited for the warm-up's side stream (the join): on a "
         "GPU the work queued after the warm-up may then run while the warm-up still runs, a race no error reports. "
