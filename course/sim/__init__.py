@@ -11,8 +11,9 @@ call (in :mod:`course.core.runtime`) stays the learner's single door. The module
 - :mod:`~course.sim.patch`: the calls intercepted outside aten (host reads, Numba launches, sync debug mode).
 - :mod:`~course.sim.callables`: ``make_graphed_callables`` on the stand-in graphs.
 - :mod:`~course.sim.optim`: ``capturable=True`` optimizers on CPU tensors that stand for device tensors.
-- :mod:`~course.sim.parity` (with :mod:`~course.sim.parity_streams`, :mod:`~course.sim.parity_sync` and their
-  tools :mod:`~course.sim.parity_tools`): small capture programs with the verdict a GPU gives, run on both paths.
+- :mod:`~course.sim.parity` (with :mod:`~course.sim.parity_streams`, :mod:`~course.sim.parity_sync`,
+  :mod:`~course.sim.parity_modes` and their tools :mod:`~course.sim.parity_tools`): small capture programs with
+  the verdict a GPU gives, run on both paths.
 
 The simulator depends on :mod:`course.core` only, never on a lesson.
 """
