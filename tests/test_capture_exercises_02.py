@@ -173,14 +173,17 @@ RIGHT = [
     ("02.6 the join by side.synchronize()", A, _edit(_JOIN, "    side.synchronize()\n")),
     ("02.6 captured on the warm-up's own stream", A, [(_JOIN, ""), ("with cg.graph(graph):",
                                                                    "with cg.graph(graph, stream=side):")]),
-    ("02.6 under inference_mode", A, _edit("    side = cg.Stream()\n" + _FORK + _WARM_A, "    with torch.inference_mode():\n"
+    ("02.6 under inference_mode", A, _edit("    side = cg.Stream()\n" + _FORK + _WARM_A,
+                                           "    with torch.inference_mode():\n"
                                            + _indented("    side = cg.Stream()\n" + _FORK + _WARM_A))),
     ("02.7 fork and join with events", B, [(_FORK, "    side.wait_event(cg.current_stream().record_event())\n"),
                                            (_JOIN, "    cg.current_stream().wait_event(side.record_event())\n")]),
     ("02.8 under inference_mode", C, [
         ("            for _ in range(3):\n                model(static_x)",
-         "            with torch.inference_mode():\n                for _ in range(3):\n                    model(static_x)"),
-        ("        with cg.graph(graph, pool=pool):", "        with torch.inference_mode(), cg.graph(graph, pool=pool):")]),
+         "            with torch.inference_mode():\n"
+         "                for _ in range(3):\n                    model(static_x)"),
+        ("        with cg.graph(graph, pool=pool):",
+         "        with torch.inference_mode(), cg.graph(graph, pool=pool):")]),
 ]
 
 

@@ -37,9 +37,9 @@ Not modelled: timing (a replay costs what the ops cost on the CPU); ordering bet
 (every op runs at once, in program order, so a warm-up on a side stream that never waited for its data, the missing
 fork, or a capture begun before waiting for the warm-up, the missing join, races on a GPU and not here: the course's
 checks name both from the learner's calls to ``wait_stream``, ``wait_event`` and ``synchronize``, on both paths);
-lazy initialisation that a GPU cannot do inside a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
-device tensor (``host_tensor.to(course.device())``, pinned host memory: for the sync debug mode too); ``Event`` timing
-inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
+lazy initialisation that a GPU cannot do inside a capture (cuBLAS handles, first kernel compiles); a host-to-device
+copy of a tensor the simulator cannot tell from a device tensor (``host_tensor.to(course.device())``, pinned host
+memory: for the sync debug mode too); ``Event`` timing inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
 keeps it alive, where a GPU would read freed memory); the allocator's block splitting (a freed block is reused
 whole); more than one thread; ``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions
 other than the graph and stream API and the sync debug mode.
