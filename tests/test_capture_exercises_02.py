@@ -6,8 +6,10 @@ runs them, in one namespace: the import cells, the 02.7 setup cell, then the ans
 that does not occur exactly once fails its test (the table must follow the answers).
 
 The same tests run on the simulator path and on a GPU (``cg = course.graphs()`` is torch.cuda there), with the
-same verdict on both: every mutant below fails on both paths, for the same named reason. Per exercise: 02.6 seven
-mutants, 02.7 eight, 02.8 six.
+same verdict on both: every mutant below fails on both paths, for the same named reason. Per exercise: 02.6 ten
+mutants, 02.7 ten, 02.8 eight. A missing fork or join of the warm-up's side stream is a race on a GPU that no error
+reports (and a laptop cannot show): the checks name it from the calls that order the streams, on both paths. Right
+work written another way (events, ``synchronize()``, ``inference_mode``) passes on both.
 """
 import json
 import re
@@ -106,6 +108,13 @@ MUTANTS = [
         "    with cg.graph(graph):\n        static_y = model(static_x)",
         "    graph.capture_begin()\n    static_y = model(static_x)\n    graph.capture_end()"),
      ["non-default stream"]),
+    ("warm-up without the fork (side stream never waits)", A,
+     _edit("    side.wait_stream(cg.current_stream())\n", ""), ["the fork", "side.wait_stream(cg.current_stream())"]),
+    ("warm-up without the join (capture never waits)", A,
+     _edit("    cg.current_stream().wait_stream(side)\n", ""), ["the join", "cg.current_stream().wait_stream(side)"]),
+    ("joined before the last warm-up call", A, _edit(_WARM_A, _WARM_A.replace(
+        "            model(static_x)\n    cg.current_stream().wait_stream(side)\n",
+        "            cg.current_stream().wait_stream(side)\n            model(static_x)\n")), ["the join"]),
     # 02.7: a whole training step
     ("no warm-up step", B, _edit(_WARM_B, "    with cg.stream(side):\n        pass"),
      ["never ran before its capture"]),
@@ -123,9 +132,13 @@ MUTANTS = [
     ("keeps the static loss tensor, not a copy", B, _edit("losses.append(static_loss.detach().clone())",
                                                           "losses.append(static_loss)"), ["last replay"]),
     ("copies x but not y", B, _edit("        static_y.copy_(y)\n", ""), ["static_y"]),
+    ("warm-up without the fork (side stream never waits)", B,
+     _edit("    side.wait_stream(cg.current_stream())\n", ""), ["the fork", "side.wait_stream(cg.current_stream())"]),
+    ("warm-up without the join (capture never waits)", B,
+     _edit("    cg.current_stream().wait_stream(side)\n", ""), ["the join", "cg.current_stream().wait_stream(side)"]),
     # 02.8: two graphs, one pool
     ("a private pool per graph", C, _edit("with cg.graph(graph, pool=pool):", "with cg.graph(graph):"),
-     ["do not share one pool"]),
+     ["do not share one pool", "each graph (batches 16, 64) has a pool of its own"]),
     ("a new pool handle per graph", C, _edit("with cg.graph(graph, pool=pool):",
                                              "with cg.graph(graph, pool=cg.graph_pool_handle()):"),
      ["do not share one pool"]),
@@ -137,6 +150,40 @@ MUTANTS = [
     ("rebinds the static input instead of copy_", C, _edit(_SERVE, _SERVE.replace("static_x.copy_(x)",
                                                                                   "static_x = x")),
      ["is not model(x)"]),
+    ("warm-up without the fork (side stream never waits)", C,
+     _edit("        side.wait_stream(cg.current_stream())\n", ""), ["the fork"]),
+    ("warm-up without the join (capture never waits)", C,
+     _edit("        cg.current_stream().wait_stream(side)\n", ""), ["the join"]),
+]
+
+
+def _indented(block: str) -> str:
+    return "".join("    " + line if line.strip() else line for line in block.splitlines(True))
+
+
+_FORK = "    side.wait_stream(cg.current_stream())\n"
+_JOIN = "    cg.current_stream().wait_stream(side)\n"
+# right work written another way: every one passes on both paths, as it does on a GPU
+RIGHT = [
+    ("02.6 fork and join with events", A, [(_FORK, "    side.wait_event(cg.current_stream().record_event())\n"),
+                                           (_JOIN, "    done = cg.Event()\n    done.record(side)\n"
+                                                   "    done.wait(cg.current_stream())\n")]),
+    ("02.6 synchronize() as the fork and the join", A, [(_FORK, "    cg.synchronize()\n"),
+                                                         (_JOIN, "    cg.synchronize()\n")]),
+    ("02.6 the join by side.synchronize()", A, _edit(_JOIN, "    side.synchronize()\n")),
+    ("02.6 captured on the warm-up's own stream", A, [(_JOIN, ""), ("with cg.graph(graph):",
+                                                                   "with cg.graph(graph, stream=side):")]),
+    ("02.6 under inference_mode", A, _edit("    side = cg.Stream()\n" + _FORK + _WARM_A,
+                                           "    with torch.inference_mode():\n"
+                                           + _indented("    side = cg.Stream()\n" + _FORK + _WARM_A))),
+    ("02.7 fork and join with events", B, [(_FORK, "    side.wait_event(cg.current_stream().record_event())\n"),
+                                           (_JOIN, "    cg.current_stream().wait_event(side.record_event())\n")]),
+    ("02.8 under inference_mode", C, [
+        ("            for _ in range(3):\n                model(static_x)",
+         "            with torch.inference_mode():\n"
+         "                for _ in range(3):\n                    model(static_x)"),
+        ("        with cg.graph(graph, pool=pool):",
+         "        with torch.inference_mode(), cg.graph(graph, pool=pool):")]),
 ]
 
 
@@ -146,6 +193,13 @@ def test_answer_passes(exercise, tmp_path):
     assert entry["status"] == "pass", entry
 
 
+@pytest.mark.parametrize("variant", RIGHT, ids=[r[0] for r in RIGHT])
+def test_right_work_written_another_way_passes(variant, tmp_path):
+    name, exercise, edits = variant
+    entry = run_exercise(exercise, edits, tmp_path)
+    assert entry["status"] == "pass", f"{name}: {entry}"
+
+
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[f"{m[1][:4]} {m[0]}" for m in MUTANTS])
 def test_mutant_is_named(mutant, tmp_path):
     name, exercise, edits, words = mutant
@@ -153,6 +207,24 @@ def test_mutant_is_named(mutant, tmp_path):
     assert entry["status"] in ("fail", "crash"), f"{exercise} passed the mutant {name!r}: {entry}"
     missing = [w for w in words if w.lower() not in entry["message"].lower()]
     assert not missing, f"{exercise}'s ✗ for {name!r} does not say {missing}: {entry['message']!r}"
+
+
+def test_a_capture_refused_before_the_model_ran_leads_with_its_error(tmp_path):
+    """capture_begin on the default stream: the ✗ quotes the refusal first, not "the model never ran in a capture"."""
+    edits = _edit("    with cg.graph(graph):\n        static_y = model(static_x)",
+                  "    graph.capture_begin()\n    static_y = model(static_x)\n    graph.capture_end()")
+    message = run_exercise(A, edits, tmp_path)["message"]
+    assert message.startswith("your capture failed before the model ran in it: RuntimeError: CUDA graphs must be "
+                              "captured on a non-default stream"), message
+    assert "never ran during a capture" not in message and "cg.stream(side)" in message, message
+
+
+def test_separate_pools_are_said_in_words():
+    from course.lessons.capture_checks import _pools_in_words
+
+    assert _pools_in_words({16: (2, 0), 64: (1, 0)}) == "each graph (batches 16, 64) has a pool of its own"
+    assert _pools_in_words({8: (0, 1), 16: (0, 1), 64: (3, 0)}) == ("batches 8, 16 share one pool; the batch-64 graph "
+                                                                    "has a pool of its own")
 
 
 def test_every_exercise_has_at_least_four_mutants():

@@ -193,6 +193,20 @@ def test_crash_summary_hides_library_frames(capsys):
     checks.reset()
 
 
+def test_crash_inside_the_course_never_says_look_at_your_line():
+    """A crash with no learner frame (the course's own code raised) names no line and never asks for one."""
+    try:
+        raise RuntimeError("refused")
+    except RuntimeError as e:
+        e.__traceback__ = None  # no frame of the learner's: as when the check's own code raised
+        info = checks.crash_summary(e)
+    assert info["where"] == "" and "your line" not in info["why"] and "course's code" in info["why"], info
+    try:
+        raise RuntimeError("refused")
+    except RuntimeError as e:
+        assert "look at your line" in checks.crash_summary(e)["why"]  # here the test is the learner's code
+
+
 def test_under_nbgrader_every_cross_and_todo_raises(monkeypatch, capsys):
     monkeypatch.setenv(checks.ENV_NBGRADER, "autograde")
     for body in (NotImplementedError, ZeroDivisionError, AssertionError):

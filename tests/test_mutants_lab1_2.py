@@ -167,6 +167,11 @@ MUTANTS = [
       ["must raise its error"]),
     M(2, CAPTURE, "no recover after a failure", [("        recover(stream=before, graph=g)\n", "")],
       ["capture stream is still current", "recover(stream=before, graph=g)"]),
+    M(2, CAPTURE, "no try/except around the capture", [
+        ("    try:\n        with collector_paused(), cg.graph(g):\n            out = fn(*static)\n"
+         "    except Exception:\n        recover(stream=before, graph=g)\n        raise\n",
+         "    with collector_paused(), cg.graph(g):\n        out = fn(*static)\n")],
+      ["capture stream is still current", "Wrap the capture in try/except", "recover(stream=before, graph=g)"]),
     # lab 2, exercise 6: the cpu-copy capture, refused
     M(2, CPU_FAILS, "captures the device lookup", [("capture(cpu_copy_lookup, static_ids, weight)",
                                                     "capture(device_lookup, static_ids, weight)")],

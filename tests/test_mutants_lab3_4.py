@@ -235,7 +235,7 @@ LAB4_MUTANTS = [
      ["whole gap"]),
     ("gap with the sign flipped", _one("return (slow_us - fast_us) / kernels", "return (fast_us - slow_us) / kernels"),
      L4, ["the sign"]),
-    # step 5, the hand capture: 12 mutants, the same verdict on the simulator and on a GPU
+    # step 5, the hand capture: 14 mutants, the same verdict on the simulator and on a GPU
     ("position a Python int, frozen at capture",
      [(_POS_BUF, _POS_BUF + "        self.position = 0\n"),
       ("        pos = self.pos\n",
@@ -255,6 +255,10 @@ LAB4_MUTANTS = [
     ("warm-up on the default stream",
      _one("        with cg.stream(side):\n" + _WARM, "        for _ in range(2):\n            self.one_token()\n"), L5,
      ["default stream", "side stream"]),
+    ("warm-up without the fork", _one("        side.wait_stream(cg.current_stream())\n", ""), L5,
+     ["the fork", "side.wait_stream(cg.current_stream())"]),
+    ("warm-up without the join", _one("        cg.current_stream().wait_stream(side)\n", ""), L5,
+     ["the join", "cg.current_stream().wait_stream(side)"]),
     ("next token rebound, not copied in", _one(_FEED, "            self.ids = self.next.clone()\n"), L5,
      ["rebound self.ids", "copy_"]),
     ("next token never fed back", _one(_FEED, ""), L5, ["first token again", "self.ids.copy_"]),
@@ -270,6 +274,21 @@ def test_lab4_answer_passes_every_check(tmp_path):
     assert set(got) == {L1, L2, L3, L4, L5}, sorted(got)
     bad = {k: v["message"] for k, v in got.items() if v["status"] != "pass"}
     assert not bad, bad
+
+
+# right work written another way: step 5 passes on both paths, as it does on an H100
+LAB4_RIGHT = [
+    ("warm-up and capture under inference_mode", L5, [
+        ("        with cg.stream(side):\n", "        with torch.inference_mode(), cg.stream(side):\n"),
+        ("        with cg.graph(self.graph):\n", "        with torch.inference_mode(), cg.graph(self.graph):\n")]),
+]
+
+
+@pytest.mark.parametrize("variant", LAB4_RIGHT, ids=[r[0] for r in LAB4_RIGHT])
+def test_lab4_right_work_written_another_way_passes(variant, tmp_path):
+    name, check, edits = variant
+    entry = run_notebook_checks(LAB4, edits, tmp_path, until=check).get(check)
+    assert entry is not None and entry["status"] == "pass", f"{name}: {entry}"
 
 
 @pytest.mark.parametrize("mutant", LAB4_MUTANTS, ids=[m[0] for m in LAB4_MUTANTS])

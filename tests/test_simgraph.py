@@ -37,6 +37,7 @@ EXPECTED = {
     "tolist": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
     "tensor_ctor": "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
     "manual_seed": "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed is the same as the original seed",
+    "manual_seed_same": "captured",
     "unregistered_generator": "Attempt to increase offset for a CUDA generator not in capture mode",
     "default_stream": "CUDA graphs must be captured on a non-default stream",
     "replay_before_capture": "Called CUDAGraph::replay without a preceding successful capture",
@@ -49,6 +50,7 @@ EXPECTED = {
     "numba_default_stream": "replay follows the input False, empty-graph warning True",
     "numba_alloc": "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
     "graphed_module": "forward matches eager True, gradients match True",
+    "inference_mode_replay": "replay follows the input: no_grad True, inference_mode True",
     "sync_debug_warns": "warn: item, if, mask, cpu, tolist, tensor(device=), stream sync; "
                         "quiet: synchronize, embedding, matmul",
     "sync_debug_error": "called a synchronizing CUDA operation; mode after 'default': 0",
@@ -92,6 +94,8 @@ def test_parity_program_gives_the_gpu_verdict(name):
     ("kernels run at capture", "numba_kernel"),
     ("no sync debug mode", "sync_debug_warns"),
     ("a freed graph breaks nothing", "graph_freed_during_capture"),
+    ("composite ops recorded whole", "inference_mode_replay"),  # under inference_mode: aten.to's return misread
+    ("every manual_seed refused", "manual_seed_same"),
 ])
 def test_the_programs_catch_a_wrong_stand_in(monkeypatch, sabotage, caught_by):
     warnings.simplefilter("ignore")  # a sabotaged stand-in records nothing: "the CUDA Graph is empty"
@@ -107,6 +111,10 @@ def test_the_programs_catch_a_wrong_stand_in(monkeypatch, sabotage, caught_by):
         monkeypatch.setattr(simstream, "graph_freed", lambda: None)
     elif sabotage == "no pool reuse":
         monkeypatch.setattr(simrecord.Block, "free", lambda self: False)
+    elif sabotage == "composite ops recorded whole":
+        monkeypatch.setattr(simdispatch, "_composite", lambda func: False)
+    elif sabotage == "every manual_seed refused":
+        monkeypatch.setattr(torch, "initial_seed", lambda: -1)
     else:
         monkeypatch.setattr(simrecord.Program, "record_kernel", lambda self, kernel, args, stream: None)
     assert simparity.run(caught_by, cg, DEV) != EXPECTED[caught_by]

@@ -188,6 +188,10 @@ def crash_summary(exc: BaseException) -> dict:
         where = (f"{func}(), " if func != "<module>" else "") + f"line {lineno} of its cell" + \
             (f": {text}" if text else "")
     why = _CRASH_HINTS.get(type(exc).__name__, "read the message and the line it points at.")
+    if not where:  # no line of the learner's in the traceback: never point them at one
+        what = why.split(":")[0].split(";")[0].rstrip(".") if type(exc).__name__ in _CRASH_HINTS else "an error"
+        why = (f"{what}. It was raised inside the course's code, with no line of yours in between: read the message "
+               "for what your code handed over (a tensor, a graph) and how it was made.")
     return {"message": message, "where": where, "why": why}
 
 

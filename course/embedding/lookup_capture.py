@@ -71,8 +71,22 @@ def check_capture(capture_fn, lookup, vocab: int = 1000, dim: int = 64) -> None:
         if left:
             recover(stream=before)
     assert not left, ("after a failed capture, the capture stream is still current: every later op would run on it. "
-                      "In your except: recover(stream=before, graph=g), then raise")
+                      + _where_to_recover(capture_fn))
     print("3 replays with new ids equal F.embedding; a failed capture raised its error and put the stream back")
+
+
+def _where_to_recover(capture_fn) -> str:
+    """Where the learner puts the stream back: in their ``except``, or in a try/except they have not written yet."""
+    import inspect
+
+    try:
+        has_except = "except" in inspect.getsource(capture_fn)
+    except (OSError, TypeError):  # source not available: say what holds either way
+        has_except = False
+    if has_except:
+        return "In your except: recover(stream=before, graph=g), then raise"
+    return ("Wrap the capture in try/except: on an error, recover(stream=before, graph=g), then raise (as is, "
+            "the error leaves your function with the capture stream current)")
 
 
 def _learner_frames(error, fn) -> list:

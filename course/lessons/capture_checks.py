@@ -136,6 +136,13 @@ def _probe_forward_graph(g, static_x, static_y, x0) -> None:
     """
     import torch
 
+    with torch.inference_mode(static_y.is_inference()):  # captured under inference_mode: its output is marked so
+        _probe(g, static_x, static_y, x0)
+
+
+def _probe(g, static_x, static_y, x0) -> None:
+    import torch
+
     static_y.fill_(float("nan"))
     static_x.copy_(x0)
     g.replay()
@@ -228,6 +235,17 @@ def check_train_step(capture_fn, train_fn, steps: int = 4) -> None:
 C = "02.8 two graphs, one pool"
 
 
+def _pools_in_words(pools: dict) -> str:
+    """``{batch: pool id}`` said in words: which graphs share a pool, which have one of their own."""
+    groups: dict = {}
+    for b in sorted(pools):
+        groups.setdefault(pools[b], []).append(b)
+    if all(len(g) == 1 for g in groups.values()):
+        return "each graph (batches " + ", ".join(map(str, sorted(pools))) + ") has a pool of its own"
+    return "; ".join(f"the batch-{g[0]} graph has a pool of its own" if len(g) == 1 else
+                     "batches " + ", ".join(map(str, g)) + " share one pool" for g in groups.values())
+
+
 def check_shared_pool(capture_fn, serve_fn, sizes=(16, 64)) -> None:
     """02.8: ``capture_fn(model, sizes) -> {batch: (graph, static_x, static_y)}`` sharing one pool, largest first;
     ``serve_fn(graphs, x)`` replays the graph for ``x``'s batch and returns a result that outlives later replays."""
@@ -254,8 +272,9 @@ def check_shared_pool(capture_fn, serve_fn, sizes=(16, 64)) -> None:
             f"captured batches {order}: capture the largest first, so the smaller graph fits in memory the larger "
             "one's capture already holds")
         pools = {b: tuple(graphs[b][0].pool()) for b in sizes}
-        assert len(set(pools.values())) == 1, (f"the graphs do not share one pool ({pools}): capture every graph with "
-                                               "the same pool= (cg.graph_pool_handle(), or the first graph's .pool())")
+        assert len(set(pools.values())) == 1, (f"the graphs do not share one pool: {_pools_in_words(pools)}; capture "
+                                               "every graph with the same pool= (cg.graph_pool_handle(), or the "
+                                               "first graph's .pool())")
         requests = [small, big, small, big]
         results = []
         for k, b in enumerate(requests):

@@ -2,7 +2,8 @@
 
 :class:`Watch` sees, on both paths alike, each call of the model (was a capture under way, was the default stream
 current, the batch, the output's dtype, were the gradients None) and each optimizer step (capturing, stream,
-whether its param groups are capturable): enough to name a missing warm-up, a warm-up on the default stream or a
+whether its param groups are capturable), and which stream waited for which (:mod:`course.lessons.stream_order`):
+enough to name a missing warm-up, a warm-up on the default stream, a missing fork or join of the side stream or a
 non-capturable optimizer inside a capture, whatever error CUDA raised first. :func:`restored` leaves the notebook
 usable however the learner's code ends, with the garbage collector off while it runs.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import course
+from course.lessons.stream_order import StreamOrder
 
 SIDE = ("warm up on a side stream: side = cg.Stream(); side.wait_stream(cg.current_stream()); "
         "with cg.stream(side): ...; then cg.current_stream().wait_stream(side)")
@@ -24,6 +26,7 @@ class Watch:
 
         self.cg, self.calls, self.steps = course.graphs(), [], []
         self.model = model
+        self.order = StreamOrder(self.cg)  # which stream waited for which: a missing fork or join
         self._handles = [model.register_forward_hook(self._forward)]
         if optimizers:
             self._handles.append(register_optimizer_step_pre_hook(self._step))
@@ -33,7 +36,9 @@ class Watch:
                 "default": self.cg.current_stream() == self.cg.default_stream()}
 
     def _forward(self, module, args, out) -> None:
-        self.calls.append({**self._where(), "batch": args[0].shape[0], "dtype": out.dtype,
+        where = self._where()
+        self.order.work(where["capturing"])
+        self.calls.append({**where, "batch": args[0].shape[0], "dtype": out.dtype,
                            "grads_none": all(p.grad is None for p in self.model.parameters())})
 
     def _step(self, optimizer, args, kwargs) -> None:
@@ -53,6 +58,7 @@ class Watch:
         """Remove the hooks."""
         for h in self._handles:
             h.remove()
+        self.order.close()
 
     def recipe_problem(self, batch=None, steps: bool = False):
         """What the calls say is missing from the recipe (for one batch size), or None."""
@@ -67,6 +73,8 @@ class Watch:
         if any(c["default"] for c in calls[:first]):
             return ("the warm-up ran on the default stream; PyTorch's notes say warmup must occur on a side stream: "
                     + SIDE)
+        if self.order.problem is not None:
+            return self.order.problem
         if steps:
             start = next((i for i, s in enumerate(self.steps) if s["capturing"]), len(self.steps))
             warm = self.steps[:start]
@@ -101,6 +109,10 @@ def _watching(model, optimizers: bool = False, batch=None):
         raise
     except Exception as e:  # noqa: BLE001 - re-raised unless the hooks or the first error name the cause
         problem, root = watch.recipe_problem(batch, optimizers), _root(e)
+        if not any(c["capturing"] for c in watch.calls):  # it failed before the model ran in a capture: say that
+            advice = ("; capture on a side stream: `with cg.graph(g):` makes one for you (capture_begin() must run "
+                      "inside `with cg.stream(side):`)" if "non-default stream" in str(root) else "")
+            raise AssertionError(f"your capture failed before the model ran in it: {_line(root)}{advice}") from e
         if problem is None and optimizers:
             problem = watch.step_problem()
         if problem is not None:

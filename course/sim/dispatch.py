@@ -137,6 +137,17 @@ def record_op(cap, func, args, kwargs):
     return tree_unflatten(leaves, spec)
 
 
+def _composite(func) -> bool:
+    """True for an op made of other aten ops (CompositeImplicitAutograd: ``linear``, ``to``, ``matmul``...).
+
+    Outside ``inference_mode`` autograd splits such an op before a dispatch mode sees it; under it the mode gets the
+    op whole, and its returns' alias annotations ("may alias") cannot say whether it made a new tensor. The recorder
+    splits it the same way, so a capture records the same ops in both modes."""
+    import torch
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
 def _recorder_class():
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -146,6 +157,11 @@ def _recorder_class():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             cap = ss.capturing()
+            if cap is not None and _composite(func):  # under inference_mode, autograd's decomposition is skipped
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
             if cap is None:
                 watch = _watch[0] or ss.sync_debug_mode()
                 why = watch and _host_read(func, func._schema.name.split("::")[-1], args, kwargs)

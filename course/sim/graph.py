@@ -14,7 +14,8 @@ What is modelled, as a GPU does it: a capture records aten ops and Numba launche
 (:mod:`course.sim.record`); in-place writes happen at replay only; Python values, branches and side effects
 are frozen at capture; a replay reads the tensors the capture saw (rebinding a name changes nothing) and writes the
 same output tensors (a kept output is overwritten by the next replay); host reads, host copies, ``synchronize()``,
-``torch.manual_seed`` and Numba allocations are refused with the GPU's error (:mod:`course.sim.patch`), and
+``torch.manual_seed`` to a new seed (its current seed passes, as torch's CUDA generator lets it, and reseeds
+nothing) and Numba allocations are refused with the GPU's error (:mod:`course.sim.patch`), and
 a CUDA error invalidates the capture (``capture_end`` then fails, and the pool it recorded into stays claimed, so
 the next capture into that pool fails with ``beginAllocateToPool: already recording to mempool_id``, as on a GPU);
 capture on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves the
@@ -28,7 +29,9 @@ scaled training step captures; a state read with ``torch.get_rng_state()`` insid
 checkpointing) makes a replay draw the same numbers again (:mod:`course.sim.rng`); a capture that allocates past
 the device's memory raises torch's ``OutOfMemoryError`` ("CUDA out of memory", :mod:`course.sim.memory`, whose
 ``LIMIT`` you may lower); ``Tensor.record_stream`` takes the simulated streams; ``make_graphed_callables`` refuses
-autocast with its cast cache on, as torch does.
+autocast with its cast cache on, as torch does; a
+capture under ``torch.inference_mode()`` records what one under ``no_grad()`` records (:mod:`course.sim.dispatch`
+splits composite ops such as ``to`` and ``linear`` as autograd does outside inference mode).
 
 A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local" mode is under way
 invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in a dead reference cycle, freed by the
@@ -36,10 +39,13 @@ garbage collector in the middle of another capture: ``course.core.capture.collec
 mode (``set_sync_debug_mode``) reports the host reads and copies a capture refuses, outside captures too
 (:mod:`course.sim.patch`).
 
-Not modelled: timing (a replay costs what the ops cost on the CPU); lazy initialisation that a GPU cannot do inside
-a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a tensor the simulator cannot tell from a
-device tensor (``host_tensor.to(course.device())``, pinned host memory: for the sync debug mode too); ``Event`` timing
-inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
+Not modelled: timing (a replay costs what the ops cost on the CPU); ordering between streams outside a capture
+(every op runs at once, in program order, so a warm-up on a side stream that never waited for its data, the missing
+fork, or a capture begun before waiting for the warm-up, the missing join, races on a GPU and not here: the course's
+checks name both from the learner's calls to ``wait_stream``, ``wait_event`` and ``synchronize``, on both paths);
+lazy initialisation that a GPU cannot do inside a capture (cuBLAS handles, first kernel compiles); a host-to-device
+copy of a tensor the simulator cannot tell from a device tensor (``host_tensor.to(course.device())``, pinned host
+memory: for the sync debug mode too); ``Event`` timing inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
 keeps it alive, where a GPU would read freed memory); the allocator's block splitting (a freed block is reused
 whole); more than one thread; ``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions
 other than the graph and stream API and the sync debug mode (memory statistics included); memory allocated outside

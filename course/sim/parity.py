@@ -5,7 +5,7 @@ GPU: a laptop ✓ then means a GPU ✓. ``tests/test_simgraph.py`` runs them on 
 simulator in CI; torch.cuda on a GPU). :func:`run` runs one and returns its verdict; :data:`PROGRAMS` lists them
 (these: what a replay reads and writes, and what a capture refuses; :mod:`course.sim.parity_streams`: streams,
 pools, Numba launches and ``make_graphed_callables``; :mod:`course.sim.parity_sync`: torch's sync debug mode and
-a graph freed during a capture).
+a graph freed during a capture; :mod:`course.sim.parity_modes`: inference mode and the seed in a capture).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+import course.sim.parity_modes as modes
 import course.sim.parity_streams as streams
 import course.sim.parity_sync as sync
 from course.sim.parity_tools import PHRASES, capture, capture_error, clean_up, close, phrase, x8
@@ -173,9 +174,17 @@ def synchronize(cg, dev):
 
 
 def manual_seed(cg, dev):
-    """torch.manual_seed inside the capture: refused by the CUDA generator."""
+    """torch.manual_seed to a new seed inside the capture: refused by the CUDA generator."""
     x = x8(dev)
-    return capture_error(cg, lambda: (x * 2, torch.manual_seed(0)))
+    torch.manual_seed(29)
+    return capture_error(cg, lambda: (x * 2, torch.manual_seed(30)))
+
+
+def manual_seed_same(cg, dev):
+    """torch.manual_seed to the generator's current seed inside the capture: accepted (torch's rule)."""
+    x = x8(dev)
+    torch.manual_seed(29)
+    return capture_error(cg, lambda: (x * 2, torch.manual_seed(29)))
 
 
 def unregistered_generator(cg, dev):
@@ -250,7 +259,8 @@ PROGRAMS = tuple(Program(*p) for p in (
     ("item", item, PHRASES[0]), ("if_tensor", if_tensor, PHRASES[0]), ("nonzero", nonzero, PHRASES[0]),
     ("print_tensor", print_tensor, PHRASES[0]), ("synchronize", synchronize, PHRASES[0]),
     ("cpu_copy", cpu_copy, PHRASES[1]), ("tolist", tolist, PHRASES[1]), ("tensor_ctor", tensor_ctor, PHRASES[1]),
-    ("manual_seed", manual_seed, PHRASES[5]), ("unregistered_generator", unregistered_generator, PHRASES[9]),
+    ("manual_seed", manual_seed, PHRASES[5]), ("manual_seed_same", manual_seed_same, "captured"),
+    ("unregistered_generator", unregistered_generator, PHRASES[9]),
     ("default_stream", default_stream, PHRASES[3]), ("replay_before_capture", replay_before_capture, PHRASES[7]),
     ("capture_twice", capture_twice, PHRASES[8]), ("failed_capture_claims_pool", failed_capture_claims_pool,
                                                    PHRASES[6]),
@@ -261,6 +271,8 @@ PROGRAMS = tuple(Program(*p) for p in (
     ("numba_default_stream", streams.numba_default_stream, "replay follows the input False, empty-graph warning True"),
     ("numba_alloc", streams.numba_alloc, PHRASES[4]),
     ("graphed_module", streams.graphed_module, "forward matches eager True, gradients match True"),
+    ("inference_mode_replay", modes.inference_mode_replay, "replay follows the input: no_grad True, "
+                                                           "inference_mode True"),
     ("sync_debug_warns", sync.sync_debug_warns, SYNC_WARNS),
     ("sync_debug_error", sync.sync_debug_error, "called a synchronizing CUDA operation; mode after 'default': 0"),
     ("graph_freed_during_capture", sync.graph_freed_during_capture, PHRASES[10]),

@@ -4,7 +4,8 @@ On the CPU, ``.cpu()``, ``.tolist()`` or ``print(t)`` need no aten op, so the re
 patches, in force only while a capture is under way (:func:`install` / :func:`uninstall`), refuse them on a
 capturing stream with the GPU's error (:mod:`course.sim.stream`). They also route a Numba simulator launch
 ``kernel[grid, block, stream](...)`` on a capturing stream into the capture instead of running it, and refuse
-Numba's allocations and ``torch.manual_seed`` as CUDA and torch do. :func:`host_reads_refused` is the same
+Numba's allocations and ``torch.manual_seed`` to a new seed as CUDA and torch do (the generator's current seed
+passes, as torch's CUDA generator lets it: nothing is reseeded). :func:`host_reads_refused` is the same
 refusal outside any capture (the graph cache's ``host_read_watch``).
 
 The simulator cannot tell a host tensor from a device tensor (both are CPU tensors), so: ``.to("cpu")`` written
@@ -104,16 +105,20 @@ def _torch_patches(torch):
                 return orig(data, *a, **k)
         return make
 
-    def seeding(orig):
+    def seeding(orig, name):
         def seed(*a, **k):
             if ss.capturing() is not None:
+                new = (a[0] if a else k.get("seed")) if name == "manual_seed" else None
+                if new is not None and int(new) & 0xFFFF_FFFF_FFFF_FFFF == torch.initial_seed():
+                    return torch.random.default_generator  # the same seed: torch's CUDA generator lets it pass
                 raise RuntimeError(ss.SEED)
             return orig(*a, **k)
         return seed
 
     out = [(torch, "tensor", ctor(torch.tensor, "tensor")), (torch, "as_tensor", ctor(torch.as_tensor, "as_tensor"))]
     for owner in (torch, torch.random):
-        out += [(owner, "manual_seed", seeding(owner.manual_seed)), (owner, "seed", seeding(owner.seed))]
+        out += [(owner, "manual_seed", seeding(owner.manual_seed, "manual_seed")),
+                (owner, "seed", seeding(owner.seed, "seed"))]
     return out
 
 

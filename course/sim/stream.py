@@ -11,7 +11,7 @@ with the error text a GPU gives, to what a capturing stream cannot do:
   device=...)``): ``Cannot copy between CPU and CUDA tensors during CUDA graph capture ...``, raised by
   torch before any CUDA call (the capture stays valid);
 - a Numba allocation (``cuda.device_array``, ``cuda.to_device``) in "global" or "thread_local" mode;
-  reseeding the generator (``torch.manual_seed``).
+  reseeding the generator (``torch.manual_seed`` to a seed other than its current one; the same seed passes).
 
 Streams: the legacy default stream cannot capture; ``s.wait_stream(capturing)`` forks ``s`` into the capture,
 and the capturing stream must wait on ``s`` again (join) before the capture ends, or it fails with

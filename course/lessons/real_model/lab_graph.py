@@ -7,7 +7,9 @@ its verdict is the GPU's on both. What it sees, besides the tokens:
 
 - a forward pre-hook on the model (:class:`CallSpy`) records every forward that ran in Python: on which stream,
   inside a capture or not, with which KV cache. Replays run no Python, so it sees the warm-up (there must be
-  one, on a side stream), the capture, and any forward that ``generate`` ran eagerly instead of replaying;
+  one, on a side stream, forked from the stream the buffers were written on and joined before the capture:
+  :mod:`course.lessons.stream_order`), the capture, and any forward that ``generate`` ran eagerly instead of
+  replaying;
 - the learner's tensor attributes before and after ``generate``: one rebound instead of copied into is named;
 - the KV cache's own counter after a sequence: a cache left to advance it writes where it counts, not at the
   position.
@@ -28,6 +30,7 @@ from course.sim.parity_tools import phrase
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.generate import greedy
 from course.lessons.real_model.lab import lab_model
+from course.lessons.stream_order import StreamOrder
 
 NAME = "lab 4.5 the token loop, captured by hand"
 RUNS = ((3, 64), (11, 16))  # (first token, greedy tokens): a sequence, then a second one on the same graph
@@ -55,6 +58,7 @@ class CallSpy:
 
     def __init__(self, cg):
         self.cg, self.calls = cg, []
+        self.order = None  # a StreamOrder while the learner's class is built: a missing fork or join
 
     def __call__(self, module, args, kwargs) -> None:
         """Record one forward (the hook's signature: ``with_kwargs=True``)."""
@@ -63,6 +67,8 @@ class CallSpy:
             where = "capture"
         else:
             where = "default" if cg.current_stream() == cg.default_stream() else "side"
+        if self.order is not None:
+            self.order.work(where == "capture")
         cache = kwargs.get("past_key_values")
         self.calls.append((where, "none" if cache is None else type(cache).__name__))
 
@@ -84,6 +90,8 @@ class CallSpy:
                     "(s = cg.Stream(); s.wait_stream(cg.current_stream()); with cg.stream(s): ...; "
                     "cg.current_stream().wait_stream(s)). Lazy set-up (cuBLAS handles, first-use allocations) must "
                     "not happen inside a capture, and torch's rule is a side stream")
+        if self.order is not None and self.order.problem is not None:
+            return self.order.problem
         return ""
 
 
@@ -102,6 +110,7 @@ def _build(cls, dec, spy, cg):
     """``cls(dec)``, the collector paused; a failed capture becomes an AssertionError that names it."""
     before = cg.current_stream()
     gc.collect()  # a graph freed by the collector in the middle of a capture would invalidate it (GPU)
+    spy.order = StreamOrder(cg)
     try:
         with collector_paused():
             return cls(dec)
@@ -122,6 +131,8 @@ def _build(cls, dec, spy, cg):
         advice = HOST_READ if "not permitted when stream is capturing" in key else (
             HOST_COPY if "Cannot copy between CPU and CUDA" in key else "look at the line the capture reached")
         raise AssertionError(f"the capture failed ({key}): {advice}") from None
+    finally:
+        spy.order.close()  # the order it found stays for spy.problem()
 
 
 def _diagnose(loop, dec, got, want, first, n, run, attrs) -> str:
