@@ -160,12 +160,62 @@ def test_two_chunks_in_flight_and_small_chunks_give_the_same_logits(tiny):
 
 
 @needs_triton
-def test_sixty_four_greedy_float32_tokens_equal_eager(tiny):
-    from course.lessons.last_mile.decoder import TritonDecoder
+def test_sixty_four_greedy_float32_tokens_equal_eager_with_every_option(tiny):
+    """The fastest variant (split-K down, packed weights, split-KV attention in 2 pieces) decodes as eager does."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
 
+    cfg = config_for(tiny, split_k=True, packed=True, split_kv=True)
+    assert cfg.down_split >= 2 and cfg.packed and cfg.kv_chunk
     first = torch.tensor([11], device=DEV)
     want = greedy(StaticDecoder(tiny, 128).step, first, 64)
-    assert torch.equal(greedy(TritonDecoder(tiny, 128).step, first, 64), want)
+    dec = TritonDecoder(tiny, 128, config=dataclasses.replace(cfg, kv_chunk=64, block_t=32))
+    assert dec.kv_pieces == 2
+    assert torch.equal(greedy(dec.step, first, 64), want)
+    assert not dec.down_count.any() and not dec.attn_count.any()
+
+
+@needs_triton
+def test_an_odd_tied_shape_with_every_option_matches_eager():
+    """SmolLM2's peculiarities at laptop size: hidden 48 (no power of two), 3 query heads on 1 KV head, tied
+    embeddings; the kernels take every size from the config."""
+    from course.lessons.last_mile.decoder import Launch, TritonDecoder, config_for
+    from course.lessons.last_mile.shapes import build_shape
+
+    model = build_shape("tiny-tied")
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.head_dim == 16
+    cfg = dataclasses.replace(config_for(model, split_k=True, packed=True, split_kv=True), kv_chunk=16, block_t=8,
+                              down=Launch(32, 32), down_split=3)
+    eager, dec = StaticDecoder(model, 64), TritonDecoder(model, 64, config=cfg)
+    for p in (0, 1, 37):
+        ids, pos = eager.example_args(1, p, seed=p)
+        want = eager.step(ids, pos)
+        assert (dec.step(ids, pos) - want).abs().max() <= 1e-5 * want.abs().max(), f"position {p}"
+
+
+def test_sizes_pack_and_config_for():
+    from types import SimpleNamespace
+
+    from course.lessons.last_mile.decoder import config_for, pack, sizes
+
+    base = dict(hidden_size=576, intermediate_size=1536, vocab_size=49152, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=64, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    assert sizes(SimpleNamespace(**base)) == (576, 1536, 49152, 9, 3, 64)
+    assert sizes(SimpleNamespace(**{**base, "head_dim": None}))[-1] == 64  # hidden / heads when the config has none
+    for bad, match in (({"head_dim": 48}, "power of two"), ({"num_key_value_heads": 2}, "multiple"),
+                       ({"attention_bias": True}, "bias"), ({"hidden_act": "gelu"}, "SiLU")):
+        with pytest.raises(ValueError, match=match):
+            sizes(SimpleNamespace(**{**base, **bad}))
+    w = torch.arange(5 * 8.0).view(5, 8)
+    p = pack(w, 2, 4)
+    assert p.shape == (3, 2, 2, 4) and p.is_contiguous()
+    assert torch.equal(p[1, 0, 1], w[3, :4]) and torch.equal(p[0, 1, 0], w[0, 4:]) and not p[2, :, 1].any()
+    with pytest.raises(ValueError, match="multiple"):
+        pack(w, 2, 3)
+    model = build_model("tiny")
+    plain, full = config_for(model, interpret=False), config_for(model, split_k=True, packed=True, split_kv=True,
+                                                                 interpret=False)
+    assert (plain.down_split, plain.packed, plain.kv_chunk) == (1, False, 0)
+    assert full.packed and full.kv_chunk == 4 * full.block_t and full.down_split >= 2
 
 
 @needs_triton
@@ -229,8 +279,42 @@ def test_each_kernel_against_torch():
         assert torch.allclose(args[4].cpu()[h * d:(h + 1) * d], s @ vc[kv, :p + 1], atol=1e-5), f"head {h}"
     w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
     xd = x.clone().to(DEV)  # the kernel adds in place
-    K.proj_residual[(3,)](a.to(DEV), w.to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32)
+    K.proj_residual[(3,)](a.to(DEV), w.to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32, VEC=0)
     assert torch.allclose(xd.cpu(), x + w @ a, atol=1e-4)
+
+
+@needs_triton
+def test_packed_and_split_kernels_against_torch():
+    """proj_residual on packed weights, the split-K product (an empty last split too) and split attention."""
+    from course.lessons.last_mile import kernels as K, split as S
+    from course.lessons.last_mile.decoder import pack
+
+    g = torch.Generator().manual_seed(4)
+    w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
+    want = x + w @ a
+    xd = x.clone().to(DEV)
+    K.proj_residual[(3,)](a.to(DEV), pack(w, 16, 4).to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32,
+                          VEC=4)
+    assert torch.allclose(xd.cpu(), want, atol=1e-4), "packed weights"
+    for split, vec, wt in ((2, 0, w), (4, 4, pack(w, 16, 4))):  # 3 chunks of 32 in 4 splits: the last one is empty
+        xd, part, count = x.clone().to(DEV), torch.zeros(split, 40).to(DEV), torch.zeros(3, dtype=torch.int32).to(DEV)
+        S.proj_residual_split[(3, split)](a.to(DEV), wt.to(DEV), xd, part, count, 40, 72, PDL=False, DEPTH=1,
+                                          BLOCK_N=16, BLOCK_K=32, VEC=vec, SPLIT=split)
+        assert torch.allclose(xd.cpu(), want, atol=1e-4), f"split {split}, VEC {vec}"
+        assert not count.any(), "the last program of each row block must set its counter back to 0"
+    nh, nkv, d, max_len, p, chunk = 4, 2, 16, 64, 40, 16
+    q = torch.randn(nh * d, generator=g)
+    kc, vc = torch.randn(nkv, max_len, d, generator=g), torch.randn(nkv, max_len, d, generator=g)
+    pieces = max_len // chunk
+    out, part, count = torch.zeros(nh * d), torch.zeros(nh, pieces, d + 2), torch.zeros(nh, dtype=torch.int32)
+    args = [t.clone().to(DEV) for t in (q, kc, vc, torch.tensor([p]), out, part, count)]
+    S.attention_split[(nh, pieces)](*args, max_len, d ** -0.5, NH=nh, NKV=nkv, D=d, PDL=False, BLOCK_T=8,
+                                    CHUNK=chunk, SPLITS=pieces)
+    for h in range(nh):
+        kv = h // (nh // nkv)
+        sm = torch.softmax(kc[kv, :p + 1] @ q[h * d:(h + 1) * d] * d ** -0.5, 0)
+        assert torch.allclose(args[4].cpu()[h * d:(h + 1) * d], sm @ vc[kv, :p + 1], atol=1e-5), f"head {h}"
+    assert not args[6].any()
 
 
 @needs_triton
@@ -244,9 +328,9 @@ def test_norm_gate_up_and_norm_lm_head_against_torch():
     normed = nw * (x * torch.rsqrt((x * x).mean() + eps))
     act, logits = torch.zeros(n), torch.zeros(n)
     d = [t.clone().to(DEV) for t in (x, nw, wg, wu, act, logits)]
-    K.norm_gate_up[(3,)](d[0], d[1], d[2], d[3], d[4], n, k, eps, PDL=False, DEPTH=1, BLOCK_N=16, BLOCK_K=32)
+    K.norm_gate_up[(3,)](d[0], d[1], d[2], d[3], d[4], n, k, eps, PDL=False, DEPTH=1, BLOCK_N=16, BLOCK_K=32, VEC=0)
     assert torch.allclose(d[4].cpu(), torch.nn.functional.silu(wg @ normed) * (wu @ normed), atol=1e-4)
-    K.norm_lm_head[(5,)](d[0], d[1], d[2], d[5], n, k, eps, PDL=False, DEPTH=2, BLOCK_N=8, BLOCK_K=16)
+    K.norm_lm_head[(5,)](d[0], d[1], d[2], d[5], n, k, eps, PDL=False, DEPTH=2, BLOCK_N=8, BLOCK_K=16, VEC=0)
     assert torch.allclose(d[5].cpu(), wg @ normed, atol=1e-4)
 
 

@@ -81,6 +81,32 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
     return dataclasses.replace(cfg, **over)
 
 
+OPTIONS = ("split_k", "packed", "split_kv")  # the last mile's options, in the order the waterfall adds them
+
+
+def config_for(model, *, split_k: bool = False, packed: bool = False, split_kv: bool = False,
+               interpret: bool | None = None) -> Config:
+    """:func:`default_config` for ``model``'s sizes, with the last mile's options (:data:`OPTIONS`) on or off.
+
+    ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before
+    its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
+    pieces of 256 positions (4 x ``block_t``).
+    """
+    from course.core.triton_path import interpreting
+
+    h, i, v, _, _, d = sizes(model.config)
+    cfg = default_config(h, i, d, v, interpret=interpreting() if interpret is None else interpret)
+    over = {}
+    if split_k:
+        chunks = -(-i // cfg.down.block_k)
+        over["down_split"] = max(2, -(-chunks // cfg.down.depth))
+    if packed:
+        over["packed"] = True
+    if split_kv:
+        over["kv_chunk"] = 4 * cfg.block_t
+    return dataclasses.replace(cfg, **over)
+
+
 class TritonDecoder:
     """Batch-1 decode of a transformers Llama with five Triton kernels per layer (see the module doc)."""
 
