@@ -272,7 +272,9 @@ def test_sweep_helpers_build_rows_the_cell_measures(model):
         with pytest.raises(ValueError, match="positive ints"):
             E.sweep_batches(bad)
     eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16)
-    assert list(variants) == ["eager", "graph-cached"] and not set(variants) & set(E.COMPILED)
+    assert list(variants) == ["eager", "graph-cached", E.TRITON] and not set(variants) & set(E.COMPILED)
+    na = E.na_row(4, E.TRITON, E.BATCH1_ONLY[E.TRITON])
+    assert na["status"].startswith("n/a: ") and na["us"] != na["us"] and na["batch"] == 4
     args = eager_dec.example_args(2, 3, seed=2)
     with torch.no_grad():
         want, got = variants["eager"](*args), variants["graph-cached"](*args)
