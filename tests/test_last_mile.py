@@ -192,6 +192,52 @@ def test_an_odd_tied_shape_with_every_option_matches_eager():
         assert (dec.step(ids, pos) - want).abs().max() <= 1e-5 * want.abs().max(), f"position {p}"
 
 
+COMPILE = """
+import os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import course.core.triton_path as TP
+TP.interpreting = lambda: False  # compile for a GPU that is not here: no launch, only the compiler
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from course.lessons.last_mile import kernels as K, split as S
+
+def compiled(fn, sig, consts):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)), ptx.count("atom."), ptx.count("griddepcontrol")
+
+bf, mm = "*bf16", dict(PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=8)
+print(*compiled(S.proj_residual_split, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, part_ptr="*fp32", count_ptr="*i32",
+                                            N="i32"), dict(K=5632, SPLIT=3, **mm)))
+print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, **mm)))
+print(*compiled(S.attention_split, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, part_ptr="*fp32",
+                                        count_ptr="*i32", max_len="i32", scale="fp32"),
+                dict(NH=32, NKV=4, D=64, PDL=True, BLOCK_T=64, CHUNK=256, SPLITS=9)))
+"""
+
+
+@needs_triton
+def test_new_kernels_compile_for_hopper_without_a_gpu():
+    """Triton's compiler (no GPU needed) builds the split kernels and the packed product for sm_90: 16-byte loads,
+    one atomic ticket in each split kernel, PDL's two instructions in each."""
+    import subprocess
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
+        pytest.skip("Triton's ptxas is not installed here")
+    assert out.returncode == 0, out.stderr[-3000:]
+    split_k, packed, attn = ([int(v) for v in line.split()] for line in out.stdout.split("\n")[-4:-1])
+    assert split_k[0] > 0 and packed[0] > 0, "the weights are read in 16-byte loads"
+    assert split_k[1] == attn[1] == 1 and packed[1] == 0, "one ticket per program in the split kernels"
+    assert split_k[2] == packed[2] == attn[2] == 2
+
+
 def test_sizes_pack_and_config_for():
     from types import SimpleNamespace
 
@@ -439,8 +485,45 @@ def test_waterfall_summary_from_timings():
 
 def test_experiments_are_registered_gpu_only():
     reg = reference.load_all()
-    for name in ("last_mile_waterfall", "last_mile_timeline"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
         assert reg[name].gpu_only and reg[name].quick
+    if not ON_GPU:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            reg["last_mile_shapes"].fn(**reg["last_mile_shapes"].quick)
+
+
+def test_sweep_rows_attention_share_and_per_step():
+    from course.core.timing import Timing
+    from course.lessons.last_mile.sweeps import COLUMNS, VARIANTS, _per_step, attention_share, row
+    from course.lessons.last_mile.waterfall import LAST_MILE
+
+    assert list(VARIANTS)[1:] == list(LAST_MILE) and all(VARIANTS[n] == LAST_MILE[n] for n in LAST_MILE)
+    t = Timing(1e-3, 0.9e-3, 1.2e-3, 0.8e-3, 1.5e-3, 5, 1, "cuda-events")
+    r = row("tinyllama", "32", "+ split-K down", t, 800.0, first_call_s=4.0)
+    assert set(r) == set(COLUMNS) and r["us"] == pytest.approx(1000.0) and r["x_floor"] == pytest.approx(1.25)
+    assert r["q3_us"] == pytest.approx(1200.0) and r["first_call_s"] == 4.0 and r["status"] == "ok"
+    fl = row("tinyllama", "32", "floor", None, 800.0, status="computed", x_floor=1.0, us=800.0)
+    assert fl["us"] == 800.0 and fl["q1_us"] != fl["q1_us"]
+    per = _per_step(t, 4)
+    assert per.us == pytest.approx(250.0) and per.q1 == pytest.approx(0.225e-3) and _per_step(None, 4) is None
+    events = [("norm_qkv_rope", 0.0, 3.0), ("attention_split", 3.0, 4.0), ("attention", 5.0, 6.0), ("x", 6.0, 10.0)]
+    assert attention_share(events) == pytest.approx(2.0 / 9.0) and attention_share([]) != attention_share([])
+
+
+def test_shapes_are_the_models_they_name():
+    from course.lessons.last_mile.shapes import EXTRA, SHAPES, build_shape
+    from course.lessons.last_mile.decoder import sizes
+    from course.lessons.real_model.model import llama_config
+
+    smol, llama = SHAPES["smollm2-135m"], SHAPES["llama-3.2-1b"]
+    assert (smol.layers, smol.hidden, smol.heads, smol.kv_heads, smol.head_dim, smol.intermediate, smol.vocab) == \
+        (30, 576, 9, 3, 64, 1536, 49152)
+    assert (llama.layers, llama.hidden, llama.intermediate, llama.heads, llama.kv_heads, llama.vocab) == \
+        (16, 2048, 8192, 32, 8, 128256)
+    assert EXTRA["smollm2-135m"]["tie_word_embeddings"] and EXTRA["llama-3.2-1b"]["tie_word_embeddings"]
+    assert sizes(llama_config(smol)) == (576, 1536, 49152, 9, 3, 64)
+    with pytest.raises(KeyError, match="unknown shape"):
+        build_shape("llama-70b")
 
 
 def test_recorded_waterfall_and_timeline_if_present():
@@ -488,6 +571,48 @@ def test_gpu_tinyllama_logits_within_tolerance_with_and_without_pdl():
 
 
 @gpu
+def test_gpu_last_mile_options_on_tinyllama_are_correct_and_deterministic():
+    """Each option's graph (PDL) against eager in bfloat16; the split kernels' sums are in a fixed order, so two
+    replays on the same inputs give the same logits bit for bit, and every ticket counter is back at zero."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+    from course.lessons.last_mile.waterfall import LAST_MILE
+    from course.lessons.real_model.generate import tolerance
+
+    model = build_model("tinyllama")
+    eager = StaticDecoder(model, 640)
+    args = eager.example_args(1, 600)  # past 2 pieces of split-KV attention
+    decs = {n: TritonDecoder(model, 640, pdl=True, config=config_for(model, **o)) for n, o in LAST_MILE.items()}
+    steps = {n: graphed(d, *args) for n, d in decs.items()}
+    want = eager.step(*args)
+    for name, step in steps.items():
+        a = step(*args).clone()
+        for _ in range(20):
+            assert torch.equal(step(*args), a), f"{name}: a replay changed the logits"
+        assert (a - want).abs().max() <= tolerance(model.dtype) * want.abs().max(), name
+        assert not decs[name].down_count.any() and not decs[name].attn_count.any(), name
+    res = check_variants(steps, eager.step, torch.tensor([11], device=DEV), 16, model.dtype)
+    assert all(r["ok"] for r in res.rows), res.rows
+
+
+@gpu
+def test_gpu_other_llama_shapes_run_correctly():
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+    from course.lessons.last_mile.shapes import build_shape
+
+    for shape in ("smollm2-135m", "llama-3.2-1b"):
+        model = build_shape(shape)
+        eager = StaticDecoder(model, 128)
+        args = eager.example_args(1, 3)
+        steps = {"plain": graphed(TritonDecoder(model, 128, pdl=True), *args),
+                 "all options": graphed(TritonDecoder(model, 128, pdl=True, config=config_for(
+                     model, split_k=True, packed=True, split_kv=True)), *args)}
+        res = check_variants(steps, eager.step, torch.tensor([11], device=DEV), 8, model.dtype)
+        assert all(r["ok"] for r in res.rows), (shape, res.rows)
+        del steps, model, eager
+        torch.cuda.empty_cache()
+
+
+@gpu
 def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
     from course.lessons.last_mile.decoder import TritonDecoder, captured
 
@@ -500,12 +625,14 @@ def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
 def test_gpu_quick_experiments_and_ptx_vector_loads(tiny):
     from course.lessons.last_mile.waterfall import vector_loads
 
-    for name in ("last_mile_waterfall", "last_mile_timeline"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
         exp = reference.get(name)
         res = exp.fn(**exp.quick, log=lambda *a: None)
         assert res.rows and res.provenance["path"] == "cuda"
-    v4, loads = vector_loads(build_model("tinyllama"))
-    assert 0 < v4 <= loads
+        assert all(not str(r.get("status", "ok")).startswith("FAILED") for r in res.rows), (name, res.rows)
+    for packed in (False, True):
+        v4, loads = vector_loads(build_model("tinyllama"), packed)
+        assert 0 < v4 <= loads
     from course.lessons.last_mile.timeline import kernel_events
 
     a = torch.ones(1 << 20, device=DEV)
