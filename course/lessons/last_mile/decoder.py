@@ -1,6 +1,6 @@
 """The decode step of lesson 06's model, run by the Triton kernels of :mod:`~course.lessons.last_mile.kernels`.
 
-:class:`TritonDecoder` reads **the same weight tensors** as the transformers model (no copy, no
+:class:`TritonDecoder` reads **the same weight tensors** as the transformers model (with ``packed`` off: no copy, no
 re-layout: q, k and v stay three matrices, gate and up two; a program picks the matrix its rows
 belong to), keeps its KV cache as two static tensors ``[layers, kv_heads, max_len, head_dim]``
 and its activations in static buffers, and launches ``2 + 5 * layers`` kernels per token
@@ -11,6 +11,12 @@ and its activations in static buffers, and launches ``2 + 5 * layers`` kernels p
 lesson 04's GraphCache take it as they take :class:`~course.lessons.real_model.decode.StaticDecoder`'s.
 It returns the decoder's logits buffer ``[1, vocab]`` (float32), overwritten by the next step (as a CUDA
 graph's outputs are): clone it to keep it. Batch 1 only: for batches, lesson 06's fused step.
+
+Every size comes from the model's config (:func:`sizes`: hidden, MLP, vocabulary, heads, KV heads, head_dim),
+so any Llama shape runs (tied embeddings too); what the kernels cannot compute (biases, another activation) is
+refused with the reason. The last mile's options (:func:`config_for`: split-K down_proj, packed weights,
+split-KV attention, :mod:`.split`) are fields of :class:`Config`; with them off the weight tensors are the
+model's own, with ``packed`` the decoder keeps packed copies.
 
 ``pdl=True`` launches every kernel with programmatic dependent launch (Hopper and later; not under
 Triton's interpreter). :class:`Config` holds the launch shapes (rows per program, columns per chunk,

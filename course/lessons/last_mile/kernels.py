@@ -21,6 +21,11 @@ chunks of ``BLOCK_K`` columns, multiplies in float32 and sums at the end. The ne
 loaded before the current one is used (two chunks in flight per program), and the first chunk is
 loaded before the program waits for the kernel before it (below).
 
+**Packed weights** (``VEC`` > 0, VEC values = 16 bytes): a product's weights repacked by the decoder
+(:func:`~course.lessons.last_mile.decoder.pack`) so that each program's rows are one contiguous block
+``[K / VEC, BLOCK_N, VEC]``, loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` tiles; ``VEC`` 0 reads the model's own
+row-major matrices. Every kernel takes ``VEC``.
+
 **Rounding as transformers rounds**: every value transformers keeps in the model's dtype (a
 projection's output, a normalized vector, the residual stream, RoPE's two products and their sum) is
 rounded to that dtype here too (``.to(DT)``), and everything else is float32. In float32 the
