@@ -160,12 +160,108 @@ def test_two_chunks_in_flight_and_small_chunks_give_the_same_logits(tiny):
 
 
 @needs_triton
-def test_sixty_four_greedy_float32_tokens_equal_eager(tiny):
-    from course.lessons.last_mile.decoder import TritonDecoder
+def test_sixty_four_greedy_float32_tokens_equal_eager_with_every_option(tiny):
+    """The fastest variant (split-K down, packed weights, split-KV attention in 2 pieces) decodes as eager does."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
 
+    cfg = config_for(tiny, split_k=True, packed=True, split_kv=True)
+    assert cfg.down_split >= 2 and cfg.packed and cfg.kv_chunk
     first = torch.tensor([11], device=DEV)
     want = greedy(StaticDecoder(tiny, 128).step, first, 64)
-    assert torch.equal(greedy(TritonDecoder(tiny, 128).step, first, 64), want)
+    dec = TritonDecoder(tiny, 128, config=dataclasses.replace(cfg, kv_chunk=64, block_t=32))
+    assert dec.kv_pieces == 2
+    assert torch.equal(greedy(dec.step, first, 64), want)
+    assert not dec.down_count.any() and not dec.attn_count.any()
+
+
+@needs_triton
+def test_an_odd_tied_shape_with_every_option_matches_eager():
+    """SmolLM2's peculiarities at laptop size: hidden 48 (no power of two), 3 query heads on 1 KV head, tied
+    embeddings; the kernels take every size from the config."""
+    from course.lessons.last_mile.decoder import Launch, TritonDecoder, config_for
+    from course.lessons.last_mile.shapes import build_shape
+
+    model = build_shape("tiny-tied")
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.head_dim == 16
+    cfg = dataclasses.replace(config_for(model, split_k=True, packed=True, split_kv=True), kv_chunk=16, block_t=8,
+                              down=Launch(32, 32), down_split=3)
+    eager, dec = StaticDecoder(model, 64), TritonDecoder(model, 64, config=cfg)
+    for p in (0, 1, 37):
+        ids, pos = eager.example_args(1, p, seed=p)
+        want = eager.step(ids, pos)
+        assert (dec.step(ids, pos) - want).abs().max() <= 1e-5 * want.abs().max(), f"position {p}"
+
+
+COMPILE = """
+import os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import course.core.triton_path as TP
+TP.interpreting = lambda: False  # compile for a GPU that is not here: no launch, only the compiler
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from course.lessons.last_mile import kernels as K, split as S
+
+def compiled(fn, sig, consts):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)), ptx.count("atom."), ptx.count("griddepcontrol")
+
+bf, mm = "*bf16", dict(PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=8)
+print(*compiled(S.proj_residual_split, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, part_ptr="*fp32", count_ptr="*i32",
+                                            N="i32"), dict(K=5632, SPLIT=3, **mm)))
+print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, **mm)))
+print(*compiled(S.attention_split, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, part_ptr="*fp32",
+                                        count_ptr="*i32", max_len="i32", scale="fp32"),
+                dict(NH=32, NKV=4, D=64, PDL=True, BLOCK_T=64, CHUNK=256, SPLITS=9)))
+"""
+
+
+@needs_triton
+def test_new_kernels_compile_for_hopper_without_a_gpu():
+    """Triton's compiler (no GPU needed) builds the split kernels and the packed product for sm_90: 16-byte loads,
+    one atomic ticket in each split kernel, PDL's two instructions in each."""
+    import subprocess
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
+        pytest.skip("Triton's ptxas is not installed here")
+    assert out.returncode == 0, out.stderr[-3000:]
+    split_k, packed, attn = ([int(v) for v in line.split()] for line in out.stdout.split("\n")[-4:-1])
+    assert split_k[0] > 0 and packed[0] > 0, "the weights are read in 16-byte loads"
+    assert split_k[1] == attn[1] == 1 and packed[1] == 0, "one ticket per program in the split kernels"
+    assert split_k[2] == packed[2] == attn[2] == 2
+
+
+def test_sizes_pack_and_config_for():
+    from types import SimpleNamespace
+
+    from course.lessons.last_mile.decoder import config_for, pack, sizes
+
+    base = dict(hidden_size=576, intermediate_size=1536, vocab_size=49152, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=64, hidden_act="silu", attention_bias=False, mlp_bias=False)
+    assert sizes(SimpleNamespace(**base)) == (576, 1536, 49152, 9, 3, 64)
+    assert sizes(SimpleNamespace(**{**base, "head_dim": None}))[-1] == 64  # hidden / heads when the config has none
+    for bad, match in (({"head_dim": 48}, "power of two"), ({"num_key_value_heads": 2}, "multiple"),
+                       ({"attention_bias": True}, "bias"), ({"hidden_act": "gelu"}, "SiLU")):
+        with pytest.raises(ValueError, match=match):
+            sizes(SimpleNamespace(**{**base, **bad}))
+    w = torch.arange(5 * 8.0).view(5, 8)
+    p = pack(w, 2, 4)
+    assert p.shape == (3, 2, 2, 4) and p.is_contiguous()
+    assert torch.equal(p[1, 0, 1], w[3, :4]) and torch.equal(p[0, 1, 0], w[0, 4:]) and not p[2, :, 1].any()
+    with pytest.raises(ValueError, match="multiple"):
+        pack(w, 2, 3)
+    model = build_model("tiny")
+    plain, full = config_for(model, interpret=False), config_for(model, split_k=True, packed=True, split_kv=True,
+                                                                 interpret=False)
+    assert (plain.down_split, plain.packed, plain.kv_chunk) == (1, False, 0)
+    assert full.packed and full.kv_chunk == 4 * full.block_t and full.down_split >= 2
 
 
 @needs_triton
@@ -229,8 +325,42 @@ def test_each_kernel_against_torch():
         assert torch.allclose(args[4].cpu()[h * d:(h + 1) * d], s @ vc[kv, :p + 1], atol=1e-5), f"head {h}"
     w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
     xd = x.clone().to(DEV)  # the kernel adds in place
-    K.proj_residual[(3,)](a.to(DEV), w.to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32)
+    K.proj_residual[(3,)](a.to(DEV), w.to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32, VEC=0)
     assert torch.allclose(xd.cpu(), x + w @ a, atol=1e-4)
+
+
+@needs_triton
+def test_packed_and_split_kernels_against_torch():
+    """proj_residual on packed weights, the split-K product (an empty last split too) and split attention."""
+    from course.lessons.last_mile import kernels as K, split as S
+    from course.lessons.last_mile.decoder import pack
+
+    g = torch.Generator().manual_seed(4)
+    w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
+    want = x + w @ a
+    xd = x.clone().to(DEV)
+    K.proj_residual[(3,)](a.to(DEV), pack(w, 16, 4).to(DEV), xd, 40, 72, PDL=False, DEPTH=2, BLOCK_N=16, BLOCK_K=32,
+                          VEC=4)
+    assert torch.allclose(xd.cpu(), want, atol=1e-4), "packed weights"
+    for split, vec, wt in ((2, 0, w), (4, 4, pack(w, 16, 4))):  # 3 chunks of 32 in 4 splits: the last one is empty
+        xd, part, count = x.clone().to(DEV), torch.zeros(split, 40).to(DEV), torch.zeros(3, dtype=torch.int32).to(DEV)
+        S.proj_residual_split[(3, split)](a.to(DEV), wt.to(DEV), xd, part, count, 40, 72, PDL=False, DEPTH=1,
+                                          BLOCK_N=16, BLOCK_K=32, VEC=vec, SPLIT=split)
+        assert torch.allclose(xd.cpu(), want, atol=1e-4), f"split {split}, VEC {vec}"
+        assert not count.any(), "the last program of each row block must set its counter back to 0"
+    nh, nkv, d, max_len, p, chunk = 4, 2, 16, 64, 40, 16
+    q = torch.randn(nh * d, generator=g)
+    kc, vc = torch.randn(nkv, max_len, d, generator=g), torch.randn(nkv, max_len, d, generator=g)
+    pieces = max_len // chunk
+    out, part, count = torch.zeros(nh * d), torch.zeros(nh, pieces, d + 2), torch.zeros(nh, dtype=torch.int32)
+    args = [t.clone().to(DEV) for t in (q, kc, vc, torch.tensor([p]), out, part, count)]
+    S.attention_split[(nh, pieces)](*args, max_len, d ** -0.5, NH=nh, NKV=nkv, D=d, PDL=False, BLOCK_T=8,
+                                    CHUNK=chunk, SPLITS=pieces)
+    for h in range(nh):
+        kv = h // (nh // nkv)
+        sm = torch.softmax(kc[kv, :p + 1] @ q[h * d:(h + 1) * d] * d ** -0.5, 0)
+        assert torch.allclose(args[4].cpu()[h * d:(h + 1) * d], sm @ vc[kv, :p + 1], atol=1e-5), f"head {h}"
+    assert not args[6].any()
 
 
 @needs_triton
@@ -244,9 +374,9 @@ def test_norm_gate_up_and_norm_lm_head_against_torch():
     normed = nw * (x * torch.rsqrt((x * x).mean() + eps))
     act, logits = torch.zeros(n), torch.zeros(n)
     d = [t.clone().to(DEV) for t in (x, nw, wg, wu, act, logits)]
-    K.norm_gate_up[(3,)](d[0], d[1], d[2], d[3], d[4], n, k, eps, PDL=False, DEPTH=1, BLOCK_N=16, BLOCK_K=32)
+    K.norm_gate_up[(3,)](d[0], d[1], d[2], d[3], d[4], n, k, eps, PDL=False, DEPTH=1, BLOCK_N=16, BLOCK_K=32, VEC=0)
     assert torch.allclose(d[4].cpu(), torch.nn.functional.silu(wg @ normed) * (wu @ normed), atol=1e-4)
-    K.norm_lm_head[(5,)](d[0], d[1], d[2], d[5], n, k, eps, PDL=False, DEPTH=2, BLOCK_N=8, BLOCK_K=16)
+    K.norm_lm_head[(5,)](d[0], d[1], d[2], d[5], n, k, eps, PDL=False, DEPTH=2, BLOCK_N=8, BLOCK_K=16, VEC=0)
     assert torch.allclose(d[5].cpu(), wg @ normed, atol=1e-4)
 
 
@@ -355,8 +485,45 @@ def test_waterfall_summary_from_timings():
 
 def test_experiments_are_registered_gpu_only():
     reg = reference.load_all()
-    for name in ("last_mile_waterfall", "last_mile_timeline"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
         assert reg[name].gpu_only and reg[name].quick
+    if not ON_GPU:
+        with pytest.raises(Exception, match="needs a real GPU"):
+            reg["last_mile_shapes"].fn(**reg["last_mile_shapes"].quick)
+
+
+def test_sweep_rows_attention_share_and_per_step():
+    from course.core.timing import Timing
+    from course.lessons.last_mile.sweeps import COLUMNS, VARIANTS, _per_step, attention_share, row
+    from course.lessons.last_mile.waterfall import LAST_MILE
+
+    assert list(VARIANTS)[1:] == list(LAST_MILE) and all(VARIANTS[n] == LAST_MILE[n] for n in LAST_MILE)
+    t = Timing(1e-3, 0.9e-3, 1.2e-3, 0.8e-3, 1.5e-3, 5, 1, "cuda-events")
+    r = row("tinyllama", "32", "+ split-K down", t, 800.0, first_call_s=4.0)
+    assert set(r) == set(COLUMNS) and r["us"] == pytest.approx(1000.0) and r["x_floor"] == pytest.approx(1.25)
+    assert r["q3_us"] == pytest.approx(1200.0) and r["first_call_s"] == 4.0 and r["status"] == "ok"
+    fl = row("tinyllama", "32", "floor", None, 800.0, status="computed", x_floor=1.0, us=800.0)
+    assert fl["us"] == 800.0 and fl["q1_us"] != fl["q1_us"]
+    per = _per_step(t, 4)
+    assert per.us == pytest.approx(250.0) and per.q1 == pytest.approx(0.225e-3) and _per_step(None, 4) is None
+    events = [("norm_qkv_rope", 0.0, 3.0), ("attention_split", 3.0, 4.0), ("attention", 5.0, 6.0), ("x", 6.0, 10.0)]
+    assert attention_share(events) == pytest.approx(2.0 / 9.0) and attention_share([]) != attention_share([])
+
+
+def test_shapes_are_the_models_they_name():
+    from course.lessons.last_mile.shapes import EXTRA, SHAPES, build_shape
+    from course.lessons.last_mile.decoder import sizes
+    from course.lessons.real_model.model import llama_config
+
+    smol, llama = SHAPES["smollm2-135m"], SHAPES["llama-3.2-1b"]
+    assert (smol.layers, smol.hidden, smol.heads, smol.kv_heads, smol.head_dim, smol.intermediate, smol.vocab) == \
+        (30, 576, 9, 3, 64, 1536, 49152)
+    assert (llama.layers, llama.hidden, llama.intermediate, llama.heads, llama.kv_heads, llama.vocab) == \
+        (16, 2048, 8192, 32, 8, 128256)
+    assert EXTRA["smollm2-135m"]["tie_word_embeddings"] and EXTRA["llama-3.2-1b"]["tie_word_embeddings"]
+    assert sizes(llama_config(smol)) == (576, 1536, 49152, 9, 3, 64)
+    with pytest.raises(KeyError, match="unknown shape"):
+        build_shape("llama-70b")
 
 
 def test_recorded_waterfall_and_timeline_if_present():
@@ -404,6 +571,48 @@ def test_gpu_tinyllama_logits_within_tolerance_with_and_without_pdl():
 
 
 @gpu
+def test_gpu_last_mile_options_on_tinyllama_are_correct_and_deterministic():
+    """Each option's graph (PDL) against eager in bfloat16; the split kernels' sums are in a fixed order, so two
+    replays on the same inputs give the same logits bit for bit, and every ticket counter is back at zero."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+    from course.lessons.last_mile.waterfall import LAST_MILE
+    from course.lessons.real_model.generate import tolerance
+
+    model = build_model("tinyllama")
+    eager = StaticDecoder(model, 640)
+    args = eager.example_args(1, 600)  # past 2 pieces of split-KV attention
+    decs = {n: TritonDecoder(model, 640, pdl=True, config=config_for(model, **o)) for n, o in LAST_MILE.items()}
+    steps = {n: graphed(d, *args) for n, d in decs.items()}
+    want = eager.step(*args)
+    for name, step in steps.items():
+        a = step(*args).clone()
+        for _ in range(20):
+            assert torch.equal(step(*args), a), f"{name}: a replay changed the logits"
+        assert (a - want).abs().max() <= tolerance(model.dtype) * want.abs().max(), name
+        assert not decs[name].down_count.any() and not decs[name].attn_count.any(), name
+    res = check_variants(steps, eager.step, torch.tensor([11], device=DEV), 16, model.dtype)
+    assert all(r["ok"] for r in res.rows), res.rows
+
+
+@gpu
+def test_gpu_other_llama_shapes_run_correctly():
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+    from course.lessons.last_mile.shapes import build_shape
+
+    for shape in ("smollm2-135m", "llama-3.2-1b"):
+        model = build_shape(shape)
+        eager = StaticDecoder(model, 128)
+        args = eager.example_args(1, 3)
+        steps = {"plain": graphed(TritonDecoder(model, 128, pdl=True), *args),
+                 "all options": graphed(TritonDecoder(model, 128, pdl=True, config=config_for(
+                     model, split_k=True, packed=True, split_kv=True)), *args)}
+        res = check_variants(steps, eager.step, torch.tensor([11], device=DEV), 8, model.dtype)
+        assert all(r["ok"] for r in res.rows), (shape, res.rows)
+        del steps, model, eager
+        torch.cuda.empty_cache()
+
+
+@gpu
 def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
     from course.lessons.last_mile.decoder import TritonDecoder, captured
 
@@ -416,12 +625,14 @@ def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
 def test_gpu_quick_experiments_and_ptx_vector_loads(tiny):
     from course.lessons.last_mile.waterfall import vector_loads
 
-    for name in ("last_mile_waterfall", "last_mile_timeline"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
         exp = reference.get(name)
         res = exp.fn(**exp.quick, log=lambda *a: None)
         assert res.rows and res.provenance["path"] == "cuda"
-    v4, loads = vector_loads(build_model("tinyllama"))
-    assert 0 < v4 <= loads
+        assert all(not str(r.get("status", "ok")).startswith("FAILED") for r in res.rows), (name, res.rows)
+    for packed in (False, True):
+        v4, loads = vector_loads(build_model("tinyllama"), packed)
+        assert 0 < v4 <= loads
     from course.lessons.last_mile.timeline import kernel_events
 
     a = torch.ones(1 << 20, device=DEV)

@@ -257,7 +257,8 @@ def test_experiment_quick_run_on_gpu(name):
     exp = reference.get(name)
     res = exp.fn(**exp.quick)
     assert res.rows and res.live and not any(str(r["status"]).startswith("FAILED") for r in res.rows
-                                              if r["variant"] in ("eager", "graph-cached", "fused + GEMV"))
+                                              if r["variant"] in ("eager", "graph-cached", "fused + GEMV",
+                                                                  "Triton, fused per layer (07)"))
     if name == "real_model_decode":  # the twin (stacked projections, the Numba GEMV) ran and decoded like eager
         fast = next(r for r in res.rows if r["variant"] == "fused + GEMV")
         assert fast["correct"] is True and fast["us"] > 0
@@ -272,7 +273,9 @@ def test_sweep_helpers_build_rows_the_cell_measures(model):
         with pytest.raises(ValueError, match="positive ints"):
             E.sweep_batches(bad)
     eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16)
-    assert list(variants) == ["eager", "graph-cached"] and not set(variants) & set(E.COMPILED)
+    assert list(variants) == ["eager", "graph-cached", E.TRITON] and not set(variants) & set(E.COMPILED)
+    na = E.na_row(4, E.TRITON, E.BATCH1_ONLY[E.TRITON])
+    assert na["status"].startswith("n/a: ") and na["us"] != na["us"] and na["batch"] == 4
     args = eager_dec.example_args(2, 3, seed=2)
     with torch.no_grad():
         want, got = variants["eager"](*args), variants["graph-cached"](*args)

@@ -64,7 +64,7 @@ CATALOG = (
           "make the step capturable, wrap it in the graph cache, predict tokens/s, explain the gap per kernel"),
     Entry("notebooks/07_last_mile.ipynb", "The last mile to the floor", "lesson",
           "five fused Triton kernels per layer, PDL in the CUDA graph, the waterfall from eager to the floor",
-          ("course.lessons.last_mile.waterfall",), experiment_cells=True),
+          ("course.lessons.last_mile.waterfall", "course.lessons.last_mile.sweeps"), experiment_cells=True),
     Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
           "lesson 01 with its exercise answered; generates notebooks/01_launch_overhead.ipynb"),
     Entry("solutions/02_capture_and_replay.ipynb", "Lesson 02 with answers", "solution",

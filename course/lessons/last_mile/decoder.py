@@ -1,6 +1,6 @@
 """The decode step of lesson 06's model, run by the Triton kernels of :mod:`~course.lessons.last_mile.kernels`.
 
-:class:`TritonDecoder` reads **the same weight tensors** as the transformers model (no copy, no
+:class:`TritonDecoder` reads **the same weight tensors** as the transformers model (with ``packed`` off: no copy, no
 re-layout: q, k and v stay three matrices, gate and up two; a program picks the matrix its rows
 belong to), keeps its KV cache as two static tensors ``[layers, kv_heads, max_len, head_dim]``
 and its activations in static buffers, and launches ``2 + 5 * layers`` kernels per token
@@ -11,6 +11,12 @@ and its activations in static buffers, and launches ``2 + 5 * layers`` kernels p
 lesson 04's GraphCache take it as they take :class:`~course.lessons.real_model.decode.StaticDecoder`'s.
 It returns the decoder's logits buffer ``[1, vocab]`` (float32), overwritten by the next step (as a CUDA
 graph's outputs are): clone it to keep it. Batch 1 only: for batches, lesson 06's fused step.
+
+Every size comes from the model's config (:func:`sizes`: hidden, MLP, vocabulary, heads, KV heads, head_dim),
+so any Llama shape runs (tied embeddings too); what the kernels cannot compute (biases, another activation) is
+refused with the reason. The last mile's options (:func:`config_for`: split-K down_proj, packed weights,
+split-KV attention, :mod:`.split`) are fields of :class:`Config`; with them off the weight tensors are the
+model's own, with ``packed`` the decoder keeps packed copies.
 
 ``pdl=True`` launches every kernel with programmatic dependent launch (Hopper and later; not under
 Triton's interpreter). :class:`Config` holds the launch shapes (rows per program, columns per chunk,
@@ -49,6 +55,9 @@ class Config:
     down: Launch
     lm_head: Launch
     block_t: int = 64
+    packed: bool = False  # every product's weights repacked: a program's rows one run of 16-byte groups
+    down_split: int = 1  # down_proj's columns split this many ways (split-K, :mod:`.split`); 1: not split
+    kv_chunk: int = 0  # attention's positions split into pieces of this many (flash-decoding); 0: not split
 
 
 def _p2(n: int) -> int:
@@ -78,6 +87,32 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
     return dataclasses.replace(cfg, **over)
 
 
+OPTIONS = ("split_k", "packed", "split_kv")  # the last mile's options, in the order the waterfall adds them
+
+
+def config_for(model, *, split_k: bool = False, packed: bool = False, split_kv: bool = False,
+               interpret: bool | None = None) -> Config:
+    """:func:`default_config` for ``model``'s sizes, with the last mile's options (:data:`OPTIONS`) on or off.
+
+    ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before
+    its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
+    pieces of 256 positions (4 x ``block_t``).
+    """
+    from course.core.triton_path import interpreting
+
+    h, i, v, _, _, d = sizes(model.config)
+    cfg = default_config(h, i, d, v, interpret=interpreting() if interpret is None else interpret)
+    over = {}
+    if split_k:
+        chunks = -(-i // cfg.down.block_k)
+        over["down_split"] = max(2, -(-chunks // cfg.down.depth))
+    if packed:
+        over["packed"] = True
+    if split_kv:
+        over["kv_chunk"] = 4 * cfg.block_t
+    return dataclasses.replace(cfg, **over)
+
+
 class TritonDecoder:
     """Batch-1 decode of a transformers Llama with five Triton kernels per layer (see the module doc)."""
 
@@ -98,15 +133,18 @@ class TritonDecoder:
             raise ValueError("pdl=True needs a Hopper (sm_90) or later GPU with compiled Triton kernels; "
                              "here use pdl=False")
         self.model, self.max_len, self.pdl = model, max_len, pdl
-        self.H, self.I, self.V = c.hidden_size, c.intermediate_size, c.vocab_size
-        self.NH, self.NKV = c.num_attention_heads, c.num_key_value_heads
-        self.D = self.H // self.NH
+        self.H, self.I, self.V, self.NH, self.NKV, self.D = sizes(c)
         self.L, self.eps = c.num_hidden_layers, float(c.rms_norm_eps)
-        if self.D % 2 or self.D & (self.D - 1):
-            raise ValueError(f"head_dim must be a power of two, got {self.D}")
-        self.config = config or default_config(self.H, self.I, self.D, self.V, interpret=interpreting())
-        if (self.D // 2) % self.config.qkv.rows:
-            raise ValueError(f"config.qkv.rows ({self.config.qkv.rows}) must divide head_dim / 2 ({self.D // 2})")
+        self.config = cfg = config or default_config(self.H, self.I, self.D, self.V, interpret=interpreting())
+        if (self.D // 2) % cfg.qkv.rows:
+            raise ValueError(f"config.qkv.rows ({cfg.qkv.rows}) must divide head_dim / 2 ({self.D // 2})")
+        self.vec = 16 // torch.tensor([], dtype=self.dtype).element_size() if cfg.packed else 0
+        if cfg.packed and (self.H % self.vec or self.I % self.vec):
+            raise ValueError(f"packed weights need hidden ({self.H}) and intermediate ({self.I}) sizes that are "
+                             f"multiples of {self.vec} (16 bytes); use packed=False")
+        if cfg.down_split < 1 or cfg.kv_chunk < 0 or (cfg.kv_chunk and cfg.kv_chunk % cfg.block_t):
+            raise ValueError(f"down_split must be >= 1 and kv_chunk 0 or a multiple of block_t ({cfg.block_t}), got "
+                             f"{cfg.down_split} and {cfg.kv_chunk}")
         m = model.model
         self.emb, self.final_norm, self.lm = m.embed_tokens.weight, m.norm.weight, model.lm_head.weight
         self.layers = [(l.input_layernorm.weight, l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
@@ -114,6 +152,8 @@ class TritonDecoder:
                         l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight) for l in m.layers]
         if any(not w.is_contiguous() for ws in self.layers for w in ws):
             raise ValueError("the Triton step needs contiguous weights (a model as transformers builds it)")
+        if cfg.packed:
+            self.layers, self.lm = self._packed(cfg)
         dev, dt = self.device, self.dtype
         with torch.no_grad():
             pos = torch.arange(max_len, device=dev).view(1, -1)
@@ -127,18 +167,36 @@ class TritonDecoder:
         self.k_cache = torch.zeros(self.L, self.NKV, max_len, self.D, device=dev, dtype=dt)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.scale = self.D ** -0.5
-        from course.lessons.last_mile import kernels
+        # scratch of the split kernels: float32 parts, and one ticket counter per output (zero between calls)
+        self.down_part = torch.zeros(cfg.down_split, self.H, device=dev, dtype=torch.float32)
+        self.down_count = torch.zeros(-(-self.H // cfg.down.rows), device=dev, dtype=torch.int32)
+        self.kv_pieces = -(-max_len // cfg.kv_chunk) if cfg.kv_chunk else 1
+        self.attn_part = torch.zeros(self.NH, self.kv_pieces, self.D + 2, device=dev, dtype=torch.float32)
+        self.attn_count = torch.zeros(self.NH, device=dev, dtype=torch.int32)
+        from course.lessons.last_mile import kernels, split
 
-        self._kernels = kernels  # imported here: Triton decides interpreted or compiled as it loads
+        self._kernels, self._split = kernels, split  # imported here: Triton decides interpreted or compiled as it loads
+
+    def _packed(self, cfg: Config) -> tuple:
+        """Every product's weights as :func:`pack` lays them out for its kernel's rows per program (copies)."""
+        v, half = self.vec, self.D // 2
+        out = []
+        for n1, wq, wk, wv, wo, n2, wg, wu, wd in self.layers:
+            heads = torch.cat([wq, wk, wv]).view(-1, self.D, self.H)  # q, k, v heads: each program's rows, both halves
+            lo = pack(heads[:, :half].reshape(-1, self.H), cfg.qkv.rows, v)
+            hi = pack(heads[:, half:].reshape(-1, self.H), cfg.qkv.rows, v)
+            out.append((n1, lo, hi, lo, pack(wo, cfg.o.rows, v), n2, pack(wg, cfg.gate_up.rows, v),
+                        pack(wu, cfg.gate_up.rows, v), pack(wd, cfg.down.rows, v)))
+        return out, pack(self.lm, cfg.lm_head.rows, v)
 
     @property
     def kernels_per_token(self) -> int:
         """Kernels one step launches: the embedding, five per layer, the final norm with lm_head."""
         return 2 + KERNELS_PER_LAYER * self.L
 
-    def _go(self, kernel, grid: int, *args, warps: int = 4, **meta):
+    def _go(self, kernel, grid, *args, warps: int = 4, **meta):
         extra = {"launch_pdl": True} if self.pdl else {}
-        kernel[(grid,)](*args, PDL=self.pdl, num_warps=warps, **meta, **extra)
+        kernel[grid if isinstance(grid, tuple) else (grid,)](*args, PDL=self.pdl, num_warps=warps, **meta, **extra)
 
     # one method per kernel, so a benchmark can launch any one of them alone
     def embed(self, ids) -> None:
@@ -153,37 +211,51 @@ class TritonDecoder:
         self._go(self._kernels.norm_qkv_rope, (self.NH + 2 * self.NKV) * (self.D // 2 // r), self.x, n1, wq, wk, wv,
                  self.cos, self.sin, position, self.q, self.k_cache[layer], self.v_cache[layer], self.H, self.eps,
                  self.max_len, NH=self.NH, NKV=self.NKV, D=self.D, R=r, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=c.depth)
+                 DEPTH=c.depth, VEC=self.vec)
 
     def attend(self, layer: int, position) -> None:
-        """Kernel 2 of ``layer``: attention over positions 0..position."""
+        """Kernel 2 of ``layer``: attention over positions 0..position (split into pieces if ``kv_chunk``)."""
+        cfg = self.config
+        if cfg.kv_chunk:
+            self._go(self._split.attention_split, (self.NH, self.kv_pieces), self.q, self.k_cache[layer],
+                     self.v_cache[layer], position, self.attn, self.attn_part, self.attn_count, self.max_len,
+                     self.scale, NH=self.NH, NKV=self.NKV, D=self.D, BLOCK_T=cfg.block_t, CHUNK=cfg.kv_chunk,
+                     SPLITS=self.kv_pieces)
+            return
         self._go(self._kernels.attention, self.NH, self.q, self.k_cache[layer], self.v_cache[layer], position,
-                 self.attn, self.max_len, self.scale, NH=self.NH, NKV=self.NKV, D=self.D, BLOCK_T=self.config.block_t)
+                 self.attn, self.max_len, self.scale, NH=self.NH, NKV=self.NKV, D=self.D, BLOCK_T=cfg.block_t)
 
     def o_proj(self, layer: int) -> None:
         """Kernel 3 of ``layer``: o_proj, added to the residual stream."""
         c = self.config.o
         self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.attn, self.layers[layer][4], self.x, self.H,
-                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
+                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec)
 
     def gate_up(self, layer: int) -> None:
         """Kernel 4 of ``layer``: RMSNorm, gate and up, SiLU(gate) * up."""
         n2, wg, wu = self.layers[layer][5:8]
         c = self.config.gate_up
         self._go(self._kernels.norm_gate_up, -(-self.I // c.rows), self.x, n2, wg, wu, self.act, self.I, self.H,
-                 self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
+                 self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec)
 
     def down(self, layer: int) -> None:
-        """Kernel 5 of ``layer``: down_proj, added to the residual stream."""
-        c = self.config.down
-        self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.act, self.layers[layer][8], self.x, self.H,
-                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
+        """Kernel 5 of ``layer``: down_proj, added to the residual stream (split-K if ``down_split`` > 1)."""
+        c, n = self.config.down, self.config.down_split
+        blocks = -(-self.H // c.rows)
+        if n > 1:
+            self._go(self._split.proj_residual_split, (blocks, n), self.act, self.layers[layer][8], self.x,
+                     self.down_part, self.down_count, self.H, self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k,
+                     warps=c.warps, DEPTH=c.depth, VEC=self.vec, SPLIT=n)
+            return
+        self._go(self._kernels.proj_residual, blocks, self.act, self.layers[layer][8], self.x, self.H,
+                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec)
 
     def head(self) -> None:
         """The last kernel: final RMSNorm and lm_head into the logits buffer."""
         c = self.config.lm_head
         self._go(self._kernels.norm_lm_head, -(-self.V // c.rows), self.x, self.final_norm, self.lm, self.logits,
-                 self.V, self.H, self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth)
+                 self.V, self.H, self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth,
+                 VEC=self.vec)
 
     def step(self, ids, position):
         """Logits ``[1, vocab]`` (float32, the decoder's buffer) after ``ids`` ``[1, 1]`` at ``position`` ``[1]``.
@@ -208,6 +280,38 @@ class TritonDecoder:
         """Zero the KV cache (not needed between sequences: a step writes its position before it reads it)."""
         self.k_cache.zero_()
         self.v_cache.zero_()
+
+
+def sizes(config) -> tuple:
+    """``(hidden, intermediate, vocab, heads, kv_heads, head_dim)`` of a Llama config; what the kernels cannot run
+    (biases, another activation, a head width that is not a power of two, heads not in KV groups) is refused."""
+    c = config
+    h, nh, nkv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or h // nh
+    if d % 2 or d & (d - 1):
+        raise ValueError(f"the Triton step needs a head_dim that is a power of two, got {d}")
+    if nh % nkv:
+        raise ValueError(f"num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ValueError("the Triton step has no bias terms: the model's config sets attention_bias or mlp_bias")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ValueError(f"the Triton step computes SiLU(gate) * up; the model uses {c.hidden_act!r}")
+    return h, c.intermediate_size, c.vocab_size, nh, nkv, d
+
+
+def pack(w, rows: int, vec: int):
+    """``w [N, K]`` laid out for programs of ``rows`` rows: ``[N / rows, K / vec, rows, vec]``, contiguous.
+
+    A program's block is one run of memory in the order its loads walk it (for each group of ``vec`` columns,
+    16 bytes, every row of the program), rows past ``N`` zero.
+    """
+    n, k = w.shape
+    if k % vec:
+        raise ValueError(f"pack: K ({k}) must be a multiple of vec ({vec})")
+    pad = (-n) % rows
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    return w.view(-1, rows, k // vec, vec).permute(0, 2, 1, 3).contiguous()
 
 
 def captured(decoder: TritonDecoder):

@@ -21,6 +21,11 @@ chunks of ``BLOCK_K`` columns, multiplies in float32 and sums at the end. The ne
 loaded before the current one is used (two chunks in flight per program), and the first chunk is
 loaded before the program waits for the kernel before it (below).
 
+**Packed weights** (``VEC`` > 0, VEC values = 16 bytes): a product's weights repacked by the decoder
+(:func:`~course.lessons.last_mile.decoder.pack`) so that each program's rows are one contiguous block
+``[K / VEC, BLOCK_N, VEC]``, loaded as ``[BLOCK_N, BLOCK_K / VEC, VEC]`` tiles; ``VEC`` 0 reads the model's own
+row-major matrices. Every kernel takes ``VEC``.
+
 **Rounding as transformers rounds**: every value transformers keeps in the model's dtype (a
 projection's output, a normalized vector, the residual stream, RoPE's two products and their sum) is
 rounded to that dtype here too (``.to(DT)``), and everything else is float32. In float32 the
@@ -60,7 +65,8 @@ def _rstd(x_ptr, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
 
 @tr.jit
 def _normed(x_ptr, nw_ptr, c, K, rstd, NORM: tl.constexpr):
-    """The chunk ``c`` of x, normalized as transformers' LlamaRMSNorm does (``w * (x * rstd).to(dtype)``) if NORM."""
+    """The values ``c`` (any shape) of x, normalized as transformers' LlamaRMSNorm does (``w * (x * rstd).to(dtype)``)
+    if NORM."""
     DT = x_ptr.dtype.element_ty
     v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
     if NORM:
@@ -70,38 +76,71 @@ def _normed(x_ptr, nw_ptr, c, K, rstd, NORM: tl.constexpr):
 
 
 @tr.jit
-def _chunk(w_ptr, rows, rmask, K: tl.constexpr, i, BLOCK_K: tl.constexpr):
-    """Chunk ``i`` (columns ``i*BLOCK_K ..``) of ``rows``; past the row's end, nothing is read."""
-    c = i * BLOCK_K + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=rmask[:, None] & (c[None, :] < K), other=0.0)
+def _cols(i, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """The columns of chunk ``i``: ``[BLOCK_K]`` (VEC 0), or ``[BLOCK_K / VEC, VEC]`` (packed: VEC per 16 bytes)."""
+    if VEC == 0:
+        return i * BLOCK_K + tl.arange(0, BLOCK_K)
+    else:
+        G: tl.constexpr = BLOCK_K // VEC
+        return (i * G + tl.arange(0, G))[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+@tr.jit
+def _chunk(w_ptr, rows, rmask, K: tl.constexpr, i, lim, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """Chunk ``i`` of the weights, nothing read at or past column ``lim`` (a multiple of VEC).
+
+    VEC 0: ``w_ptr`` is the matrix ``[N, K]`` and ``rows`` the program's rows: ``[BLOCK_N, BLOCK_K]``.
+    Packed: ``w_ptr`` is the program's own block ``[K / VEC, BLOCK_N, VEC]`` (one contiguous run of memory, VEC
+    values = 16 bytes per row and group): ``[BLOCK_N, BLOCK_K / VEC, VEC]``.
+    """
+    if VEC == 0:
+        c = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=rmask[:, None] & (c[None, :] < lim), other=0.0)
+    else:
+        G: tl.constexpr = BLOCK_K // VEC
+        g = i * G + tl.arange(0, G)  # 16-byte groups
+        r = tl.arange(0, BLOCK_N)
+        e = tl.arange(0, VEC)
+        return tl.load(w_ptr + g[None, :, None] * (BLOCK_N * VEC) + r[:, None, None] * VEC + e[None, None, :],
+                       mask=(g * VEC < lim)[None, :, None], other=0.0)
 
 
 @tr.jit
 def _gemv(w_ptr, rows, rmask, x_ptr, nw_ptr, rstd, K: tl.constexpr, wa, wb, NORM: tl.constexpr, DEPTH: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, i0, NCH: tl.constexpr, lim):
     """``sum_k w[rows, k] * x[k]`` in float32 (x normalized if NORM), ``DEPTH`` chunks of weights in flight.
 
-    ``wa`` (and with DEPTH 2 ``wb``) are the first chunks, already loaded (before the PDL wait).
+    ``wa`` (and with DEPTH 2 ``wb``) are the first chunks, already loaded (before the PDL wait). Chunks
+    ``i0 .. i0 + NCH`` (NCH 0: all of the row), columns below ``lim`` (a split of K, :mod:`.split`).
     """
-    acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    for i in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        w_new = _chunk(w_ptr, rows, rmask, K, i + DEPTH, BLOCK_K)
-        x = _normed(x_ptr, nw_ptr, i * BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, NORM)
-        acc += wa.to(tl.float32) * x[None, :]
+    N_CH: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K if NCH == 0 else NCH
+    if VEC == 0:
+        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
+    else:
+        acc = tl.full([BLOCK_N, BLOCK_K // VEC, VEC], 0.0, tl.float32)
+    for i in range(0, N_CH):
+        w_new = _chunk(w_ptr, rows, rmask, K, i0 + i + DEPTH, lim, BLOCK_K, VEC, BLOCK_N)
+        x = _normed(x_ptr, nw_ptr, _cols(i0 + i, BLOCK_K, VEC), lim, rstd, NORM)
+        acc += wa.to(tl.float32) * tl.expand_dims(x, 0)
         if DEPTH == 2:
             wa = wb
             wb = w_new
         else:
             wa = w_new
-    return tl.sum(acc, axis=1)
+    if VEC == 0:
+        return tl.sum(acc, axis=1)
+    else:
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @tr.jit
-def _prefetch(w_ptr, rows, rmask, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The first ``DEPTH`` chunks of ``rows`` (the second is the first again when DEPTH is 1)."""
-    wa = _chunk(w_ptr, rows, rmask, K, 0, BLOCK_K)
+def _prefetch(w_ptr, rows, rmask, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+              BLOCK_N: tl.constexpr, i0, lim):
+    """The first ``DEPTH`` chunks (from chunk ``i0``) of ``rows`` (the second is the first again when DEPTH is 1)."""
+    wa = _chunk(w_ptr, rows, rmask, K, i0, lim, BLOCK_K, VEC, BLOCK_N)
     if DEPTH == 2:
-        wb = _chunk(w_ptr, rows, rmask, K, 1, BLOCK_K)
+        wb = _chunk(w_ptr, rows, rmask, K, i0 + 1, lim, BLOCK_K, VEC, BLOCK_N)
     else:
         wb = wa
     return wa, wb
@@ -123,10 +162,12 @@ def embed(ids_ptr, emb_ptr, x_ptr, K, PDL: tl.constexpr, BLOCK: tl.constexpr):
 @tr.jit
 def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr):
+                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """RMSNorm, q/k/v products, RoPE, the KV-cache write. Program: rows ``j..j+R`` and ``j+D/2..`` of one head.
 
     Heads ``0..NH-1`` are q's (result to ``q_ptr``), then NKV of k, NKV of v (to the caches at ``position``).
+    Packed (VEC > 0): ``wq_ptr`` holds every program's first rows and ``wk_ptr`` their RoPE partners, each
+    program's block ``[K / VEC, R, VEC]`` (``pack_qkv`` in the decoder); ``wv_ptr`` is unused.
     """
     DT = x_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
@@ -136,20 +177,32 @@ def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_p
     j = (pid % per_head) * R + tl.arange(0, R)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if head < NH:
-        w_ptr = wq_ptr + head * D * K
-    elif head < NH + NKV:
-        w_ptr = wk_ptr + (head - NH) * D * K
+    if VEC == 0:
+        if head < NH:
+            w_ptr = wq_ptr + head * D * K
+        elif head < NH + NKV:
+            w_ptr = wk_ptr + (head - NH) * D * K
+        else:
+            w_ptr = wv_ptr + (head - NH - NKV) * D * K
+        lo_ptr = w_ptr
+        hi_ptr = w_ptr
+        lo_rows = j
+        hi_rows = j + HALF
     else:
-        w_ptr = wv_ptr + (head - NH - NKV) * D * K
+        lo_ptr = wq_ptr + pid * (K * R)
+        hi_ptr = wk_ptr + pid * (K * R)
+        lo_rows = j
+        hi_rows = j
     ok = j < HALF
-    lo_a, lo_b = _prefetch(w_ptr, j, ok, K, DEPTH, BLOCK_K)
-    hi_a, hi_b = _prefetch(w_ptr, j + HALF, ok, K, DEPTH, BLOCK_K)
+    lo_a, lo_b = _prefetch(lo_ptr, lo_rows, ok, K, DEPTH, BLOCK_K, VEC, R, 0, K)
+    hi_a, hi_b = _prefetch(hi_ptr, hi_rows, ok, K, DEPTH, BLOCK_K, VEC, R, 0, K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    lo = _gemv(w_ptr, j, ok, x_ptr, nw_ptr, rstd, K, lo_a, lo_b, True, DEPTH, R, BLOCK_K).to(DT).to(tl.float32)
-    hi = _gemv(w_ptr, j + HALF, ok, x_ptr, nw_ptr, rstd, K, hi_a, hi_b, True, DEPTH, R, BLOCK_K).to(DT).to(tl.float32)
+    lo = _gemv(lo_ptr, lo_rows, ok, x_ptr, nw_ptr, rstd, K, lo_a, lo_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
+               K).to(DT).to(tl.float32)
+    hi = _gemv(hi_ptr, hi_rows, ok, x_ptr, nw_ptr, rstd, K, hi_a, hi_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
+               K).to(DT).to(tl.float32)
     p = tl.load(pos_ptr)
     if head < NH + NKV:  # RoPE: (q * cos) + (rotate_half(q) * sin), rounded as transformers rounds
         cos_lo = tl.load(cos_ptr + p * D + j).to(tl.float32)
@@ -208,54 +261,74 @@ def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.co
 
 
 @tr.jit
+def _rows(N, BLOCK_N: tl.constexpr):
+    """The program's rows ``pid * BLOCK_N ..`` and which of them exist (< N)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < N
+
+
+@tr.jit
+def _block(w_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """Where the program's weights start: the matrix itself (VEC 0), or its own packed block of ``K * BLOCK_N``."""
+    if VEC == 0:
+        return w_ptr
+    else:
+        return w_ptr + tl.program_id(0) * (K * BLOCK_N)
+
+
+@tr.jit
 def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """``x[rows] = x[rows] + (W @ a)[rows]``: a product added to the residual stream in place (o_proj, down_proj)."""
     DT = x_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
+    rows, ok = _rows(N, BLOCK_N)
+    w_ptr = _block(w_ptr, K, BLOCK_N, VEC)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    y = _gemv(w_ptr, rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N, BLOCK_K).to(DT).to(tl.float32)
+    y = _gemv(w_ptr, rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
+              K).to(DT).to(tl.float32)
     r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
 
 
 @tr.jit
 def norm_gate_up(x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr,
-                 DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """``act[rows] = silu(gate(n)) * up(n)`` with ``n = RMSNorm(x)``: the same rows of both matrices per program."""
     DT = x_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
+    rows, ok = _rows(N, BLOCK_N)
+    wg_ptr = _block(wg_ptr, K, BLOCK_N, VEC)
+    wu_ptr = _block(wu_ptr, K, BLOCK_N, VEC)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    ga, gb = _prefetch(wg_ptr, rows, ok, K, DEPTH, BLOCK_K)
-    ua, ub = _prefetch(wu_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    ga, gb = _prefetch(wg_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
+    ua, ub = _prefetch(wu_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    g = _gemv(wg_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N, BLOCK_K).to(DT).to(tl.float32)
-    u = _gemv(wu_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N, BLOCK_K).to(DT).to(tl.float32)
+    g = _gemv(wg_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
+              K).to(DT).to(tl.float32)
+    u = _gemv(wu_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
+              K).to(DT).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
     tl.store(act_ptr + rows, act.to(DT), mask=ok)
 
 
 @tr.jit
 def norm_lm_head(x_ptr, nw_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """Logits (float32, rounded through the model's dtype, as transformers' lm_head output is): RMSNorm, lm_head."""
     DT = x_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < N
+    rows, ok = _rows(N, BLOCK_N)
+    w_ptr = _block(w_ptr, K, BLOCK_N, VEC)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K)
+    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
     if PDL:
         tl.extra.cuda.gdc_wait()
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    y = _gemv(w_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N, BLOCK_K)
+    y = _gemv(w_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0, K)
     tl.store(out_ptr + rows, y.to(DT).to(tl.float32), mask=ok)

@@ -6,13 +6,15 @@ every step of the way at batch 1 (:data:`STEPS`): transformers' eager step, the 
 (graph-cached), torch.compile's fused kernels captured (fused), stacked projections with the Numba GEMV
 (fused + GEMV), the course's Triton kernels, five per layer, captured (Triton), the same with
 programmatic dependent launch (Triton + PDL), and that graph replayed by hand instead of through the
-GraphCache (Triton + PDL, plain graph: what the cache's bookkeeping costs per token). Each row also
+GraphCache (Triton + PDL, plain graph: what the cache's bookkeeping costs per token); then the last mile's
+options (:data:`LAST_MILE`, :func:`~course.lessons.last_mile.decoder.config_for`), one more per row: down_proj
+split over K, the weights packed, attention split over positions. Each row also
 has its kernels per token (profiler), its first call (compile and capture included; Triton compiles
 into an empty cache, so that is its real build time), its correctness against eager (greedy tokens, logits within lesson 06's bfloat16
 tolerance) and its ratio to the floor. transformers' own compiled ``generate`` ("HF: auto-compile")
 is timed in the same run by its own method (a long minus a short ``generate``; it cannot be interleaved).
-The summary also counts the 16-byte loads in the PTX of one compiled Triton kernel: the reason the
-lesson does not repack the weights.
+The summary also counts the 16-byte loads in the PTX of one compiled Triton kernel, on the model's weights and
+on their packed copy.
 """
 from __future__ import annotations
 
@@ -33,12 +35,17 @@ STEPS = (
     ("Triton", "one Triton kernel per fused group, 5 per layer, captured"),
     ("Triton + PDL", "the same kernels with programmatic dependent launch"),
     ("Triton + PDL, plain graph", "the same graph replayed by hand: inputs copied in, no cache lookup, no output copy"),
+    ("+ split-K down", "down_proj's columns split over several programs per row block (the last one adds the parts)"),
+    ("+ packed weights", "every product's weights repacked: a program's rows one contiguous run of 16-byte groups"),
+    ("+ split-KV attention", "attention's positions split into pieces of 256, merged by the last program per head"),
 )
+LAST_MILE = {"+ split-K down": {"split_k": True}, "+ packed weights": {"split_k": True, "packed": True},
+             "+ split-KV attention": {"split_k": True, "packed": True, "split_kv": True}}  # each row adds one option
 HF = "HF: auto-compile"
 
 
 def _builders(model, max_len: int, compiled: bool, args) -> dict:
-    from course.lessons.last_mile.decoder import TritonDecoder, captured, graphed
+    from course.lessons.last_mile.decoder import TritonDecoder, captured, config_for, graphed
     from course.lessons.real_model.decode import StaticDecoder, graph_cached
     from course.lessons.real_model.projections import gemv_model
 
@@ -50,23 +57,27 @@ def _builders(model, max_len: int, compiled: bool, args) -> dict:
     out["Triton"] = lambda: captured(TritonDecoder(model, max_len))
     out["Triton + PDL"] = lambda: captured(TritonDecoder(model, max_len, pdl=True))
     out["Triton + PDL, plain graph"] = lambda: graphed(TritonDecoder(model, max_len, pdl=True), *args)
+    for name, opts in LAST_MILE.items():
+        out[name] = lambda opts=opts: graphed(TritonDecoder(model, max_len, pdl=True, config=config_for(model, **opts)),
+                                              *args)
     return out
 
 
-def vector_loads(model) -> tuple:
-    """(16-byte loads, all global loads) in the PTX Triton compiled for the o_proj kernel of ``model`` (GPU)."""
+def vector_loads(model, packed: bool = False) -> tuple:
+    """(16-byte loads, all global loads) in the PTX Triton compiled for the o_proj kernel of ``model`` (GPU),
+    on the model's own weights or (``packed``) on their packed copy."""
     import re
 
     import torch
 
     from course.lessons.last_mile import kernels as K
-    from course.lessons.last_mile.decoder import TritonDecoder
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
 
-    d = TritonDecoder(model, 8)
+    d = TritonDecoder(model, 8, config=config_for(model, packed=packed))
     c = d.config.o
     w = d.layers[0][4]
     k = K.proj_residual.warmup(d.attn, w, d.x, d.H, d.NH * d.D, PDL=False, DEPTH=c.depth, BLOCK_N=c.rows,
-                               BLOCK_K=c.block_k, num_warps=c.warps, grid=(1,))
+                               BLOCK_K=c.block_k, VEC=d.vec, num_warps=c.warps, grid=(1,))
     ptx = k.asm["ptx"]
     torch.cuda.synchronize()
     return len(re.findall(r"ld\.global[.\w:]*\.v4", ptx)), len(re.findall(r"ld\.global", ptx))
@@ -121,7 +132,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     for name, build in _builders(model, max_len, compiled, args).items():
         log(f"last_mile_waterfall: {name}: building, first call (compile and capture) ...")
         try:
-            if name.startswith("Triton"):
+            if name.startswith(("Triton", "+")):
                 s, fn = _first_call_fresh_cache(build, args, first_call)
             else:
                 fn = build()
@@ -179,12 +190,13 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     res.title = (f"LlamaForCausalLM, {s.name} shape ({s.layers} layers, hidden {s.hidden}, {s.dtype}), random "
                  f"weights, batch 1 at position {position}: time per token, every variant interleaved (CUDA events)")
     _summarize(res, t, floor, bw, nbytes)
-    try:
-        v4, loads = vector_loads(model)
-        res.add_summary("o_proj_ptx_16B_loads", v4, "count")
-        res.add_summary("o_proj_ptx_global_loads", loads, "count")
-    except Exception as e:  # noqa: BLE001 - evidence, not the measurement
-        res.add_summary("o_proj_ptx_16B_loads", _reason(e), "")
+    for packed, tag in ((False, ""), (True, "packed_")):
+        try:
+            v4, loads = vector_loads(model, packed)
+            res.add_summary(f"o_proj_{tag}ptx_16B_loads", v4, "count")
+            res.add_summary(f"o_proj_{tag}ptx_global_loads", loads, "count")
+        except Exception as e:  # noqa: BLE001 - evidence, not the measurement
+            res.add_summary(f"o_proj_{tag}ptx_16B_loads", _reason(e), "")
     from course.lessons.real_model.experiments import _transformers_version
     from course.core.provenance import package_version
 

@@ -3,8 +3,8 @@
 - :func:`decode_experiment` ("real_model_decode"): batch 1, eager (:class:`StaticDecoder`), graph-cached
   (its eager kernels captured by the GraphCache), fused (``torch.compile`` default mode, captured by the
   GraphCache), fused + GEMV (the same, on the twin whose q/k/v and gate/up products are stacked and whose
-  batch-1 products run the course's Numba GEMV: :mod:`~course.lessons.real_model.gemv`) and transformers'
-  own compiled ``generate`` path: time per token (median and IQR, CUDA
+  batch-1 products run the course's Numba GEMV: :mod:`~course.lessons.real_model.gemv`), lesson 07's Triton step
+  (:data:`TRITON`) and transformers' own compiled ``generate`` path: time per token (median and IQR, CUDA
   events, interleaved), kernels per token (profiler), time to the first token (compile and capture
   included), tokens and logits against eager, and the weight-read floor from a measured copy bandwidth.
 - "real_model_batch_sweep": tokens/s for batch 1..64, eager vs graph-cached vs fused vs fused + GEMV (above
@@ -62,6 +62,24 @@ def _mode(fn) -> str:
 
 
 FAST = "fused + GEMV"  # the fastest variant: compiled, stacked projections, the Numba GEMV at batch 1
+TRITON = "Triton, fused per layer (07)"  # lesson 07's step: five Triton kernels per layer, PDL, one sequence
+BATCH1_ONLY = {TRITON: "n/a: lesson 07's Triton step decodes one sequence (its kernels are matrix-vector products)"}
+
+
+def triton_step(model, max_len: int):
+    """Lesson 07's step on ``model``, captured by the GraphCache (PDL on Hopper and later GPUs): batch 1 only."""
+    import torch
+
+    from course.lessons.last_mile.decoder import TritonDecoder, captured
+
+    pdl = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return captured(TritonDecoder(model, max_len, pdl=pdl))
+
+
+def na_row(batch: int, name: str, reason: str) -> dict:
+    """The sweep's row of a variant that does not serve ``batch``: its status says why, its times are NaN."""
+    return {"batch": batch, "variant": name, "status": reason, "us": NAN, "q1_us": NAN, "q3_us": NAN,
+            "tokens_per_s": NAN, "first_call_s": NAN}
 
 
 def _builders(model, max_len: int, autotune: bool):
@@ -79,7 +97,7 @@ def _builders(model, max_len: int, autotune: bool):
     out = {"eager": lambda: StaticDecoder(model, max_len).step,
            "graph-cached": lambda: graph_cached(StaticDecoder(model, max_len)),
            "fused": lambda: graph_cached(StaticDecoder(model, max_len), fusion=True),
-           FAST: fast}
+           FAST: fast, TRITON: lambda: triton_step(model, max_len)}
     if autotune:
         def tuned():
             d = StaticDecoder(model, max_len)
@@ -208,7 +226,8 @@ def sweep_batches(batches) -> list:
 def sweep_variants(model, batches, fused_batches, max_len: int) -> tuple:
     """``(eager decoder, {variant: step})`` of the batch sweep, each variant on a decoder of its own.
 
-    Eager and graph-cached (one GraphCache bucket per batch size) always; the compiled variants (:data:`COMPILED`:
+    Eager, graph-cached (one GraphCache bucket per batch size) and lesson 07's Triton step (:data:`TRITON`, batch 1
+    only: :data:`BATCH1_ONLY`) always; the compiled variants (:data:`COMPILED`:
     fused, and fused + GEMV on the twin with stacked projections) only when ``fused_batches`` is not empty, each
     ``torch.compile``-d once and captured per batch size.
     """
@@ -222,6 +241,12 @@ def sweep_variants(model, batches, fused_batches, max_len: int) -> tuple:
         fast_dec = StaticDecoder(gemv_model(model, fuse=True), max_len)
         variants["fused"] = graph_cached(fused_dec, buckets=batches, fused=torch.compile(fused_dec.step))
         variants[FAST] = graph_cached(fast_dec, buckets=batches, fused=torch.compile(fast_dec.step))
+    try:
+        variants[TRITON] = triton_step(model, max_len)
+    except Exception as e:  # noqa: BLE001 - no Triton here: the row says why at its first call
+        def broken(*args, e=e):
+            raise e
+        variants[TRITON] = broken
     return eager_dec, variants
 
 
