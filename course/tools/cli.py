@@ -59,7 +59,7 @@ def _verify(args) -> int:
 
 def _workspace(args) -> int:
     from course.tools.workspace import main as workspace_main
-    return workspace_main(lab=args.lab, reset=args.reset, port=args.port, ip=args.ip)
+    return workspace_main(lab=args.lab, reset=args.reset, port=args.port, ip=args.ip, dest=args.dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--reset", nargs="*", default=[], metavar="NAME", help="replace these copies with fresh ones")
     w.add_argument("--port", type=int, default=8888, help="JupyterLab's port (default 8888)")
     w.add_argument("--ip", default="127.0.0.1", help="JupyterLab's address (default 127.0.0.1)")
+    w.add_argument("--dir", default=None, help="where the workspace lives (default: work/ in the course's folder)")
     w.set_defaults(func=_workspace)
     return p
 
