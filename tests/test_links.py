@@ -31,6 +31,10 @@ def test_every_notebook_links_the_rules_and_the_links_break_without_the_copy(tmp
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert [t for _, t in links.broken_links(tmp_path)] == ["../CAPTURE_RULES.md"] * 2
     assert links.linked_files(ROOT, rules) == ["CAPTURE_RULES.md"]
+    assert links.copy_linked(ROOT, rules[:2], tmp_path, html=True) == ["CAPTURE_RULES.md"]
+    assert links.broken_links(tmp_path, suffixes=(".ipynb",)) == []
+    copied = (tmp_path / "CAPTURE_RULES.md").read_text()
+    assert copied == links.as_html_links((ROOT / "CAPTURE_RULES.md").read_text()) and ".html#" in copied
 
 
 def test_every_link_resolves_in_the_workspace(tmp_path):

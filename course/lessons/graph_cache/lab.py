@@ -363,8 +363,7 @@ def check_enable_clear(cls) -> None:
                 " the cache or in the backend's pool",
                 "set_enabled stores the flag and __call__ runs self.fn eagerly while it is off; clear_cache empties "
                 "self.entries, keeps no other reference to them, and calls self.backend.reset_pool()",
-                "a smaller example: a dict d that you clear() while another name still refers to one of its values "
-                "keeps that value alive: the graph and its memory stay"],
+                "a smaller example: d.clear() while another name still holds one of d's graphs keeps it alive"],
             answer="self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"), \
             counting() as _counted:
         d = _dev()
