@@ -171,8 +171,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigterm_stops_jupyterlab_too(tmp_path):
-    """`python -m course workspace --lab` stopped with SIGTERM passes it on to jupyter-lab and waits: no child left."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_sigterm_stops_jupyterlab_too(tmp_path, signame):
+    """`python -m course workspace --lab` stopped with SIGTERM (or Ctrl-C's SIGINT) stops jupyter-lab and waits for
+    it: no child is left."""
     pytest.importorskip("jupyterlab")
     if not Path("/proc/self/task").is_dir():
         pytest.skip("reads the process tree from /proc (Linux)")
@@ -207,7 +209,7 @@ def test_sigterm_stops_jupyterlab_too(tmp_path):
                     assert parent.poll() is None and time.time() < deadline, \
                         f"JupyterLab did not start: {(tmp_path / 'lab.log').read_text()[-2000:]}"
                     time.sleep(0.3)
-            parent.send_signal(signal.SIGTERM)
+            parent.send_signal(getattr(signal, signame))
             assert parent.wait(timeout=60) == 0
             end = time.time() + 10
             while any(_alive(p) for p in lab) and time.time() < end:
@@ -225,6 +227,29 @@ def test_sigterm_stops_jupyterlab_too(tmp_path):
 def test_serve_waits_for_its_child_and_returns_its_code(tmp_path):
     import sys
     assert workspace.serve([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+def test_serve_kills_a_child_that_will_not_stop(tmp_path):
+    """A child that ignores SIGTERM is killed `timeout` seconds after the signal: serve never hangs nor leaves it."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("reads the process tree from /proc (Linux)")
+    import signal
+    import sys
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(120)"
+    code = f"import sys; from course.tools.workspace import serve; sys.exit(serve([sys.executable, '-c', {stubborn!r}], " \
+           "timeout=1))"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert parent.stdout.readline().strip() == "up"
+        (child,) = _children(parent.pid)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 0
+        assert not _alive(child), "the child that ignored SIGTERM still runs"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
 
 
 def test_learners_copy_says_it_is_theirs(tmp_path):
@@ -300,3 +325,19 @@ def test_course_check_works_on_a_workspace_copy(tmp_path, capsys):
     assert check_notebook(dest / "notebooks" / "00_start_here.ipynb", timeout=300) == 0
     out = capsys.readouterr().out
     assert str(tmp_path / "work") in out and "no exercise checks" in out
+
+
+def test_readme_starts_where_a_learner_starts():
+    """The README's first screen says what to run and what to open; its course map lists the learner's copies."""
+    import re
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first_screen = "\n".join(readme.splitlines()[:30])
+    assert "## Start learning" in first_screen and "make lab" in first_screen, "the first screen: what to run"
+    assert "notebooks/00_start_here.ipynb" in first_screen, "the first screen: what to open"
+    order = [readme.index(h) for h in ("## Start learning", "## Course map", "## Two commands", "## GPU or no GPU")]
+    assert order == sorted(order), "start learning, the map, then the commands of CI and the GPU lane"
+    course_map = readme[readme.index("## Course map"):readme.index("## Who it is for")]
+    rows = re.findall(r"^\| [^|]+ \| `([^`]+)` \|", course_map, re.M)
+    in_order = [e.path for e in catalog.CATALOG if e.kind in workspace.KINDS]
+    assert rows == [f"{workspace.WORKDIR}/{rel}" for rel in in_order], \
+        "the course map lists every lesson and lab, in the course's order, as the learner's copy in work/"

@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -194,38 +195,39 @@ def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str 
 
 
 def serve(cmd: list, env: dict | None = None, timeout: float = 30.0) -> int:
-    """Run ``cmd`` (JupyterLab) until it exits; SIGTERM and SIGINT sent to this process are passed on to it.
+    """Run ``cmd`` (JupyterLab) until it exits; on SIGTERM or SIGINT (Ctrl-C) sent to this process, stop it too.
 
-    Then this process waits for it (``timeout`` seconds after a signal, then kills it), so stopping
-    ``python -m course workspace --lab`` never leaves a ``jupyter-lab`` running. Returns its exit code
-    (0 after Ctrl-C or SIGTERM).
+    Either signal is passed on as SIGTERM, JupyterLab's "shut down now" (a SIGINT alone makes it ask for
+    confirmation, and a background process may ignore SIGINT). Then this process waits for it (``timeout``
+    seconds, then kills it), so stopping ``python -m course workspace --lab`` never leaves a ``jupyter-lab``
+    running. Returns its exit code (0 when stopped by a signal).
     """
     child = subprocess.Popen(cmd, env=env)
     stopped = []
 
     def forward(signum, frame):  # noqa: ARG001 - signal handler signature
-        stopped.append(signum)
-        if child.poll() is None:
-            child.send_signal(signum)
+        if not stopped and child.poll() is None:
+            child.terminate()
+        stopped.append(time.monotonic())
 
-    wanted = [s for s in (signal.SIGTERM, signal.SIGINT) if s is not None]
-    old = {s: signal.signal(s, forward) for s in wanted}
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while True:
-            try:
-                code = child.wait(timeout=timeout if stopped else None)
-                break
-            except subprocess.TimeoutExpired:  # asked to stop, and still running after `timeout` s
+        while child.poll() is None:
+            if stopped and time.monotonic() - stopped[0] > timeout:  # asked to stop, still running: kill
                 child.kill()
-            except KeyboardInterrupt:  # a Ctrl-C that reached Python before the handler: pass it on
+            try:
+                child.wait(timeout=0.2)  # short waits: a handler runs between them
+            except subprocess.TimeoutExpired:
+                continue
+            except KeyboardInterrupt:  # a Ctrl-C that reached Python before the handler was set
                 forward(signal.SIGINT, None)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         if child.poll() is None:
             child.kill()
-            child.wait()
-    return 0 if stopped else code
+        child.wait()
+    return 0 if stopped else child.returncode
 
 
 def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1", dest=None) -> int:
