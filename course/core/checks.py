@@ -2,7 +2,7 @@
 
 Usage in a notebook::
 
-    with exercise("1. launch cost", hint=["a nudge", "the idea", "the line"]):
+    with exercise("1. launch cost", hint=["the rule", "where", "a smaller example"], answer="the line"):
         assert my_answer > 0, "your launch cost should be positive"
 
 - no exception: ✓ (pass);

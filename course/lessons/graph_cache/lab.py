@@ -8,8 +8,8 @@ replay read, pool resets, and the graphs still alive. The messages diagnose the 
 lookups) that ignore the dtype, a capture without a warm-up on a side stream or with the collector on, graphs not in
 the cache's pool, inputs not copied into the static buffers, outputs overwritten by the next replay, padding rows
 that hold anything but ``pad_value``, eager keys counted as hits, a failed capture that escapes or leaves its stream
-current, a clear that keeps the graphs (or leaves them to the garbage collector). Hints are staged: a nudge, then
-the idea, then the line.
+current, a clear that keeps the graphs (or leaves them to the garbage collector). Hints are staged: the rule, where,
+a smaller example; the answer on request.
 """
 from __future__ import annotations
 

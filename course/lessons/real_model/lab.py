@@ -12,7 +12,7 @@
    per token and the kernel count.
 
 The ✗ of 3 and 4 names the usual slips when the answer matches one (steps for tokens, GB/s as bytes/s, the
-whole gap for its share per kernel, the sign). Hints are staged: a nudge, the idea, the line.
+whole gap for its share per kernel, the sign). Hints are staged: the rule, where, a smaller example; the answer on request.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ they write with ``cg = course.graphs()`` and the error it raises (03.4), then fi
 (03.5). Every check runs on both paths: ``cg`` is ``torch.cuda`` on a GPU and the simulator's graphs otherwise, and
 the suspects' verdicts are the GPU's on both. A :class:`Probe` (a function with no hazard that records how it was
 called, :mod:`course.core.capturecheck`) lets 03.4's check see whether the learner's capture warmed up on a side
-stream, kept the collector off, copied the new inputs in and replayed. Hints are staged: a nudge, the idea, the line.
+stream, kept the collector off, copied the new inputs in and replayed. Hints are staged: the rule, where, a smaller example; the answer on request.
 """
 from __future__ import annotations
 
