@@ -5,6 +5,7 @@ decision (real GPU or Numba CUDA simulator) before numba is imported.
 """
 from course.core.runtime import (CourseEnvironmentError, as_numba, cuda, graphs, numba_stream, runtime,
                                  synchronize, torch_device)
+from course.core.answers import show_answer  # an exercise's answer, on request only (course.core.answers)
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,4 @@ def header() -> None:
 
 
 __all__ = ["CourseEnvironmentError", "as_numba", "cuda", "device", "graphs", "header", "numba_stream",
-           "runtime", "synchronize", "torch_device", "__version__"]
+           "runtime", "show_answer", "synchronize", "torch_device", "__version__"]

@@ -1,12 +1,18 @@
 """`python -m course check` shows what the notebook shows, and its staged hints advance from run to run."""
 import json
 
+from pathlib import Path
+
 import nbformat
 import pytest
 
-from course.core import checks
+import course
+from course.core import answers, checks
 from course.tools import grade as G
 from course.tools import hints
+from course.tools.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WRONG = 'with exercise("t.1 wrong", hint=["nudge", "idea", "line"]):\n    assert 1 == 2, "one is not two"'
 CRASH = 'def f(xs):\n    return xs[5]\nwith exercise("t.2 crash", hint=["look at the index", "len is 3"]):\n    f([1, 2, 3])'
@@ -130,3 +136,100 @@ def test_all_pass_says_so(tmp_path, capsys, monkeypatch, statuses, line):
     path = _notebook(tmp_path / "t.ipynb")
     assert G.check_notebook(path) == 0
     assert line in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the answer comes only when asked for
+ANSWER = "return 42"
+STAGED = ('with exercise("t.4 staged", hint=["the rule", "where in your code", "a smaller example"], '
+          f'answer={ANSWER!r}):\n    assert 1 == 2, "one is not two"')
+
+
+def test_three_wrong_tries_teach_and_never_tell(tmp_path, capsys, monkeypatch):
+    """A learner's three wrong tries climb the hints to the last one, which offers the answer but does not give it;
+    the answer comes with --show-answer, and not at all when the teacher turned answers off."""
+    monkeypatch.delenv(answers.ENV_ANSWERS, raising=False)
+    path = _notebook(tmp_path / "t.ipynb", STAGED)
+    seen = []
+    for _ in range(3):
+        assert G.check_notebook(path, timeout=60) == 1
+        seen.append(capsys.readouterr().out)
+    assert all(ANSWER not in out for out in seen), "a wrong try printed the answer"
+    assert "hint: [1/3] the rule" in seen[0] and "hint: [2/3] where in your code" in seen[1]
+    assert "hint: [3/3] a smaller example (that was the last hint" in seen[2]
+    assert '--show-answer "t.4 staged"' in seen[2] and "course.show_answer('t.4 staged')" in seen[2]
+    assert G.check_notebook(path, timeout=60, show_answer=["t.4"]) == 1  # the start of its name is enough
+    out = capsys.readouterr().out
+    assert f"answer (you asked for it): {ANSWER}" in out
+    assert G.check_notebook(path, timeout=60, show_answer=["t.9"]) == 2
+    assert "names no exercise" in capsys.readouterr().out
+    monkeypatch.setenv(answers.ENV_ANSWERS, "off")
+    assert G.check_notebook(path, timeout=60, show_answer=["t.4"]) == 2
+    assert "turned off" in capsys.readouterr().out
+    assert G.check_notebook(path, timeout=60) == 1
+    out = capsys.readouterr().out
+    assert "hint: [3/3] a smaller example" in out and ANSWER not in out and "show-answer" not in out
+    assert build_parser().parse_args(["check", "n.ipynb", "--show-answer", "02.3", "--show-answer", "02.4"]
+                                     ).show_answer == ["02.3", "02.4"]
+
+
+def test_show_answer_in_the_notebook(capsys, monkeypatch):
+    monkeypatch.delenv(answers.ENV_ANSWERS, raising=False)
+    monkeypatch.delenv(answers.ENV_SHOW, raising=False)
+    checks.reset()
+    assert answers.show_answer("z.1") is None and "run an exercise's check cell first" in capsys.readouterr().out
+    for _ in range(2):
+        with checks.exercise("z.1 one", hint="the rule", answer="x = 1"):
+            assert False
+        with checks.exercise("z.10 ten", answer="x = 10"):
+            pass
+    out = capsys.readouterr().out
+    assert "x = 1" not in out and "course.show_answer('z.1 one')" in out
+    assert answers.show_answer("z.1") is None and "more than one" in capsys.readouterr().out
+    assert answers.show_answer("z.1 one") == "x = 1" and course.show_answer("z.10") == "x = 10"
+    assert answers.match("z.1", ["z.1 one", "z.10 ten"]) == ["z.1 one", "z.10 ten"]
+    monkeypatch.setenv(answers.ENV_SHOW, json.dumps(["z.1 one"]))
+    assert answers.requested("z.1 one") and not answers.requested("z.10 ten")
+    with checks.exercise("z.1 one", hint="the rule", answer="x = 1"):
+        assert False
+    assert "answer (you asked for it): x = 1" in capsys.readouterr().out
+    monkeypatch.setenv(answers.ENV_ANSWERS, "off")
+    assert answers.answers_off() and not answers.requested("z.1 one") and answers.offer("z.1 one") == ""
+    assert answers.show_answer("z.1 one") is None and "turned off" in capsys.readouterr().out
+    monkeypatch.setenv(answers.ENV_SHOW, "not json")
+    monkeypatch.delenv(answers.ENV_ANSWERS)
+    assert not answers.requested("z.1 one")
+    answers.remember("z.2", "")  # no answer: nothing to offer
+    assert answers.offer("z.2") == ""
+    checks.reset()
+
+
+def _staged_hints():
+    """(where, exercise name or expression, hint stages, answer node or None) for every staged hint in the course."""
+    import ast
+
+    sources = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted((ROOT / "course").rglob("*.py"))]
+    for p in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for i, c in enumerate(nbformat.read(p, as_version=4).cells):
+            if c.cell_type == "code" and "exercise(" in c.source:
+                sources.append((f"{p.relative_to(ROOT)} cell {i}", c.source))
+    for where, src in sources:
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "exercise":
+                kw = {k.arg: k.value for k in node.keywords}
+                if isinstance(kw.get("hint"), ast.List) and len(kw["hint"].elts) >= 2:
+                    yield where, ast.unparse(node.args[0]), [ast.literal_eval(e) for e in kw["hint"].elts], \
+                        kw.get("answer")
+
+
+def test_every_staged_hint_teaches_and_keeps_its_answer_apart():
+    """Every staged hint of the course has at least three stages of explanation and its answer in answer=, which
+    no stage repeats."""
+    import ast
+
+    found = list(_staged_hints())
+    assert len(found) >= 30, len(found)
+    for where, name, stages, answer in found:
+        assert answer is not None, f"{where}: {name}'s staged hint needs its answer in answer=, not as a stage"
+        assert len(stages) >= 3, f"{where}: {name}: the rule, where in the code, a smaller example"
+        if isinstance(answer, ast.Constant):
+            assert all(answer.value not in s for s in stages), f"{where}: {name}: a stage gives the answer away"

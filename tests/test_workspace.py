@@ -80,9 +80,10 @@ def test_learners_lab_turns_nbgrader_off(tmp_path, monkeypatch):
     assert workspace.learner_config_dir(tmp_path) == cfg
     assert env["JUPYTER_CONFIG_PATH"].split(os.pathsep) == [str(cfg), "/elsewhere"], "ours must come first"
     page = json.loads((cfg / "labconfig" / "page_config.json").read_text())
-    assert page["disabledExtensions"] == {n: True for n in lab}
-    srv = json.loads((cfg / "jupyter_server_config.json").read_text())["ServerApp"]["jpserver_extensions"]
-    assert srv == {n: False for n in server}
+    assert page["disabledExtensions"] == {n: True for n in [*lab, workspace.ANNOUNCEMENTS]}
+    srv = json.loads((cfg / "jupyter_server_config.json").read_text())
+    assert srv["ServerApp"]["jpserver_extensions"] == {n: False for n in server}
+    assert srv["LabApp"] == {"news_url": None}, "no news feed fetched for the learner"
 
 
 def _free_port() -> int:
@@ -135,6 +136,9 @@ def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
             data = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
                                         page, re.S).group(1))
             assert "@jupyter/nbgrader" in data["disabledExtensions"], data["disabledExtensions"]
+            # JupyterLab 4.6 asks "get notified about official Jupyter news?" from this plugin: it is off
+            assert workspace.ANNOUNCEMENTS in data["disabledExtensions"], data["disabledExtensions"]
+            assert data["news"] == {"disabled": True}, data.get("news")
             status, body = get("/lab/api/extensions")
             if status == 200:  # the extension manager's view agrees
                 listed = {e["name"]: e["enabled"] for e in json.loads(body)}
@@ -148,9 +152,126 @@ def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
     assert "nbgrader_config.py" not in (tmp_path / "server.log").read_text()
 
 
+def _children(pid: int) -> list:
+    """The pids of the live children of ``pid`` (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_sigterm_stops_jupyterlab_too(tmp_path, signame):
+    """`python -m course workspace --lab` stopped with SIGTERM (or Ctrl-C's SIGINT) stops jupyter-lab and waits for
+    it: no child is left."""
+    pytest.importorskip("jupyterlab")
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("reads the process tree from /proc (Linux)")
+    import signal
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    port = _free_port()
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTER_CONFIG_DIR=str(tmp_path / "user-config"), PYTHONPATH=str(ROOT))
+    with open(tmp_path / "lab.log", "w") as log:
+        parent = subprocess.Popen([sys.executable, "-m", "course", "workspace", "--lab", "--dir", str(tmp_path / "w"),
+                                   "--port", str(port)], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline, lab, found = time.time() + 90, [], []
+            while not lab:
+                lab = _children(parent.pid)
+                found[:] = lab
+                up = False
+                if lab:
+                    try:
+                        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=5).close()
+                        up = True
+                    except urllib.error.HTTPError:  # 403 without the token: it is up
+                        up = True
+                    except OSError:
+                        pass
+                if not up:
+                    lab = []
+                    assert parent.poll() is None and time.time() < deadline, \
+                        f"JupyterLab did not start: {(tmp_path / 'lab.log').read_text()[-2000:]}"
+                    time.sleep(0.3)
+            parent.send_signal(getattr(signal, signame))
+            assert parent.wait(timeout=60) == 0
+            end = time.time() + 10
+            while any(_alive(p) for p in lab) and time.time() < end:
+                time.sleep(0.2)
+            assert not [p for p in lab if _alive(p)], f"jupyter-lab {lab} still runs after its parent stopped"
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+            for p in found:  # never leave a server behind, even when the test fails
+                if _alive(p):
+                    os.kill(p, signal.SIGKILL)
+    assert (tmp_path / "w" / "notebooks" / "00_start_here.ipynb").exists(), "--dir is where the workspace goes"
+
+
+def test_serve_waits_for_its_child_and_returns_its_code(tmp_path):
+    import sys
+    assert workspace.serve([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+def test_serve_kills_a_child_that_will_not_stop(tmp_path):
+    """A child that ignores SIGTERM is killed `timeout` seconds after the signal: serve never hangs nor leaves it."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("reads the process tree from /proc (Linux)")
+    import signal
+    import sys
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(120)"
+    code = f"import sys; from course.tools.workspace import serve; sys.exit(serve([sys.executable, '-c', {stubborn!r}], " \
+           "timeout=1))"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert parent.stdout.readline().strip() == "up"
+        (child,) = _children(parent.pid)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 0
+        assert not _alive(child), "the child that ignored SIGTERM still runs"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_learners_copy_says_it_is_theirs(tmp_path):
+    """The contributors' note (a change goes into solutions/..., then regenerate) stays out of the learner's copy."""
+    from course.tools.learner_versions import source_note
+    dest = workspace.create(dest=tmp_path / "work", quiet=True)
+    for rel in workspace.shipped():
+        first = nbformat.read(dest / rel, as_version=4).cells[0]
+        assert first.cell_type == "markdown" and "regenerate" not in first.source, rel
+        assert first.source.rstrip().endswith(workspace.your_copy_note(rel)), rel
+        assert f"python -m course check work/{rel}" in first.source
+    rel = "labs/lab1_embedding_kernel.ipynb"
+    assert source_note("solutions/lab1_embedding_kernel.ipynb") in (ROOT / rel).read_text(), "shipped: unchanged"
+    bare = tmp_path / "bare.ipynb"  # a notebook that starts with code gets the note as a first cell
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]), bare)
+    workspace.make_yours(bare, "notebooks/bare.ipynb")
+    assert nbformat.read(bare, as_version=4).cells[0].source == workspace.your_copy_note("notebooks/bare.ipynb")
+
+
 def test_cli_workspace(monkeypatch, tmp_path):
-    args = build_parser().parse_args(["workspace", "--lab", "--port", "9000"])
-    assert args.lab and args.port == 9000
+    args = build_parser().parse_args(["workspace", "--lab", "--port", "9000", "--dir", "elsewhere"])
+    assert args.lab and args.port == 9000 and args.dir == "elsewhere"
     monkeypatch.setattr(workspace, "ROOT", tmp_path)
     monkeypatch.setattr(workspace, "workspace_dir", lambda root=tmp_path: tmp_path / "work")
     monkeypatch.setattr(workspace, "shipped", lambda root=tmp_path: [])
@@ -204,3 +325,19 @@ def test_course_check_works_on_a_workspace_copy(tmp_path, capsys):
     assert check_notebook(dest / "notebooks" / "00_start_here.ipynb", timeout=300) == 0
     out = capsys.readouterr().out
     assert str(tmp_path / "work") in out and "no exercise checks" in out
+
+
+def test_readme_starts_where_a_learner_starts():
+    """The README's first screen says what to run and what to open; its course map lists the learner's copies."""
+    import re
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first_screen = "\n".join(readme.splitlines()[:30])
+    assert "## Start learning" in first_screen and "make lab" in first_screen, "the first screen: what to run"
+    assert "notebooks/00_start_here.ipynb" in first_screen, "the first screen: what to open"
+    order = [readme.index(h) for h in ("## Start learning", "## Course map", "## Two commands", "## GPU or no GPU")]
+    assert order == sorted(order), "start learning, the map, then the commands of CI and the GPU lane"
+    course_map = readme[readme.index("## Course map"):readme.index("## Who it is for")]
+    rows = re.findall(r"^\| [^|]+ \| `([^`]+)` \|", course_map, re.M)
+    in_order = [e.path for e in catalog.CATALOG if e.kind in workspace.KINDS]
+    assert rows == [f"{workspace.WORKDIR}/{rel}" for rel in in_order], \
+        "the course map lists every lesson and lab, in the course's order, as the learner's copy in work/"

@@ -2,7 +2,7 @@
 
 Usage in a notebook::
 
-    with exercise("1. launch cost", hint=["a nudge", "the idea", "the line"]):
+    with exercise("1. launch cost", hint=["the rule", "where", "a smaller example"], answer="the line"):
         assert my_answer > 0, "your launch cost should be positive"
 
 - no exception: ✓ (pass);
@@ -20,8 +20,11 @@ its grade cells score 0 for them. The test suite's gate (:mod:`course.tools.gate
 ``COURSE_GATE`` for the kernels it starts: ``learner`` makes every ✗ (failed or crashed) raise,
 ``answers`` (the solutions) every ✗ and "not done yet" too, so nbval fails that cell.
 
-Hints can be staged: pass a list (a nudge, then the idea, then the line). The first ✗ shows
-the first stage, each further ✗ of the same exercise in this session the next one. A fresh
+Hints can be staged: pass a list that teaches before it tells (what the rule is, where in the
+learner's code it applies, a smaller example). The first ✗ shows the first stage, each further ✗
+of the same exercise in this session the next one, and the last stage stays. The answer is not a
+stage: ``exercise(name, hint=[...], answer="...")`` keeps it apart, shown only on request
+(:mod:`course.core.answers`: ``show_answer(name)``, ``course check --show-answer NAME``). A fresh
 kernel starts every exercise at the first stage, unless ``COURSE_HINT_STAGES`` holds a JSON
 object {exercise name: ✗ so far}: ``python -m course check`` carries the count from one run
 to the next that way (:mod:`course.tools.grade`), so its hints advance too.
@@ -40,6 +43,8 @@ import os
 import sys
 import sysconfig
 import traceback
+
+from course.core.answers import remember, requested, offer, show_answer  # noqa: F401 - show_answer: notebooks' door
 
 ENV_LOG = "COURSE_CHECK_LOG"
 ENV_TRACEBACK = "COURSE_TRACEBACK"
@@ -87,10 +92,13 @@ def _hint_stage(name: str, hint, more: bool = True) -> str:
     if not hint:
         return ""
     if isinstance(hint, str):
-        return hint
+        return hint + (offer(name) if more else "")
     stages = list(hint)
     i = min(failures(name), len(stages) - 1)
-    tail = " (run the check again after a change for the next hint)" if more and i < len(stages) - 1 else ""
+    if more and i < len(stages) - 1:
+        tail = " (run the check again after a change for the next hint)"
+    else:
+        tail = offer(name) if more else ""
     return f"[{i + 1}/{len(stages)}] {stages[i]}{tail}"
 
 
@@ -112,6 +120,8 @@ def record(name: str, status: str, message: str = "", hint: str = "", **extra) -
         print(f"  why: {extra['why']}")
     if status != PASS and hint:
         print(f"  hint: {hint}")
+    if extra.get("answer"):
+        print(f"  answer (you asked for it): {extra['answer']}")
     _SESSION[name] = {"status": status, "message": message, "failures": count}
     path = os.environ.get(ENV_LOG)
     if path:
@@ -209,8 +219,13 @@ def raising_statuses(raise_on_fail: bool = False) -> set:
 
 
 @contextlib.contextmanager
-def exercise(name: str, hint="", *, raise_on_fail: bool = False):
-    """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done."""
+def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = False):
+    """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done.
+
+    ``answer`` is printed only when this run was asked for it (:func:`course.core.answers.requested`).
+    """
+    remember(name, answer)
+    shown = {"answer": answer} if answer and requested(name) else {}
     raising = raising_statuses(raise_on_fail)
     strict = raise_on_fail or CRASH in raising  # a ✗ re-raised: no "the notebook goes on" note
     caught = None
@@ -218,19 +233,20 @@ def exercise(name: str, hint="", *, raise_on_fail: bool = False):
         yield
     except NotImplementedError as e:
         entry = record(name, TODO, str(e) or "the TODO still raises NotImplementedError",
-                       _hint_stage(name, hint, more=False))
+                       _hint_stage(name, hint, more=False), **shown)
     except AssertionError as e:
-        entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint))
+        entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint), **shown)
     except Exception as e:  # noqa: BLE001 - any crash of the learner's code is a ✗, not a stop
         caught = e
         info = crash_summary(e)
-        entry = record(name, CRASH, info["message"], _hint_stage(name, hint), where=info["where"], why=info["why"])
+        entry = record(name, CRASH, info["message"], _hint_stage(name, hint), where=info["where"], why=info["why"],
+                       **shown)
         if os.environ.get(ENV_TRACEBACK):
             traceback.print_exception(e)
         elif not strict:
             print("  (library frames hidden; the notebook goes on. COURSE_TRACEBACK=1 shows the full traceback.)")
     else:
-        record(name, PASS)
+        record(name, PASS, **shown)
         return
     if entry["status"] in raising:
         gate = os.environ.get(ENV_GATE)

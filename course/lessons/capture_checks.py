@@ -84,13 +84,15 @@ def check_capture_forward(capture_fn, run_fn) -> None:
     """02.6: ``capture_fn(model, static_x) -> (graph, static_y)``; ``run_fn(g, static_x, static_y, x)`` replays."""
     import torch
 
-    with exercise(A, hint=["a capture records what the model does to static_x; what must run before it, and where?",
-                           "warm up on a side stream, capture `static_y = model(static_x)` inside cg.graph(g), "
-                           "return the graph and that very tensor; to run, copy new data into static_x and replay",
-                           "side = cg.Stream(); side.wait_stream(cg.current_stream()); with cg.stream(side): "
-                           "model(static_x) three times; cg.current_stream().wait_stream(side); g = cg.CUDAGraph(); "
-                           "with cg.graph(g): static_y = model(static_x); in run: static_x.copy_(new_x); g.replay(); "
-                           "return static_y"]), restored(), torch.no_grad():
+    with exercise(A, hint=[
+                "a capture records what the model does to static_x; what must run before it, and where?",
+                "warm up on a side stream, capture `static_y = model(static_x)` inside cg.graph(g), return the graph "
+                "and that very tensor; to run, copy new data into static_x and replay",
+                "a smaller example: the recipe of section 1 above, on the lesson's model, is the same three steps: "
+                "warm-up on a side stream, capture, replay after copy_"],
+            answer="side = cg.Stream(); side.wait_stream(cg.current_stream()); with cg.stream(side): model(static_x) "
+                   "three times; cg.current_stream().wait_stream(side); g = cg.CUDAGraph(); with cg.graph(g): static_y ="
+                   " model(static_x); in run: static_x.copy_(new_x); g.replay(); return static_y"), restored(), torch.no_grad():
         model = mlp(seed=6)
         static_x = torch.randn(8, 16, device=course.device())
         first_x = static_x.clone()
@@ -177,14 +179,16 @@ def check_train_step(capture_fn, train_fn, steps: int = 4) -> None:
     import torch
 
     dev = course.device()
-    with exercise(B, hint=["which of the recipe's steps does the check name? warm-up, side stream, grads, autocast",
-                           "Adam(..., capturable=True); a few train_step calls on a side stream; "
-                           "optimizer.zero_grad(set_to_none=True); then capture forward (under autocast), "
-                           "backward and step; to train, copy each batch into static_x and static_y and replay",
-                           "with cg.graph(g): with torch.autocast(AMP_DEVICE, AMP_DTYPE, cache_enabled=False): "
-                           "static_loss = train_loss(model, static_x, static_y); then static_loss.backward(); "
-                           "opt.step(); and per batch: copy_, g.replay(), losses.append(static_loss.detach().clone())"
-                           ]), restored():
+    with exercise(B, hint=[
+                "which of the recipe's steps does the check name? warm-up, side stream, grads, autocast",
+                "Adam(..., capturable=True); a few train_step calls on a side stream; "
+                "optimizer.zero_grad(set_to_none=True); then capture forward (under autocast), backward and step; to "
+                "train, copy each batch into static_x and static_y and replay",
+                "a smaller example: the whole-step capture of section 6 above captures forward, backward and step in "
+                "one graph; its losses come out of one static tensor, cloned after every replay"],
+            answer="with cg.graph(g): with torch.autocast(AMP_DEVICE, AMP_DTYPE, cache_enabled=False): static_loss = "
+                   "train_loss(model, static_x, static_y); then static_loss.backward(); opt.step(); and per batch: "
+                   "copy_, g.replay(), losses.append(static_loss.detach().clone())"), restored():
         model = mlp(seed=7)
         twin = copy.deepcopy(model)
         static_x, static_y = torch.randn(32, 16, device=dev), torch.randn(32, 4, device=dev)
@@ -253,12 +257,14 @@ def check_shared_pool(capture_fn, serve_fn, sizes=(16, 64)) -> None:
 
     dev = course.device()
     big, small = max(sizes), min(sizes)
-    with exercise(C, hint=["the check says what happened to the first result when the other graph replayed",
-                           "one pool for both captures, the largest first; a result you return must not be a "
-                           "graph's static output (the other graph may reuse that memory as scratch)",
-                           "pool = cg.graph_pool_handle(); for b in sorted(sizes, reverse=True): ... "
-                           "with cg.graph(g, pool=pool): static_y = model(static_x); serve: copy_, replay, "
-                           "return static_y.clone()"]), restored(), torch.no_grad():
+    with exercise(C, hint=[
+                "the check says what happened to the first result when the other graph replayed",
+                "one pool for both captures, the largest first; a result you return must not be a graph's static "
+                "output (the other graph may reuse that memory as scratch)",
+                "a smaller example: y8 = serve(8 rows); serve(4 rows) may overwrite y8's memory if y8 is graph 8's "
+                "static output; y8 = static_y.clone() keeps it"],
+            answer="pool = cg.graph_pool_handle(); for b in sorted(sizes, reverse=True): ... with cg.graph(g, "
+                   "pool=pool): static_y = model(static_x); serve: copy_, replay, return static_y.clone()"), restored(), torch.no_grad():
         model = mlp(seed=8)
         with _watching(model) as watch:
             graphs = capture_fn(model, sizes)

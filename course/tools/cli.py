@@ -5,7 +5,8 @@
   bench             run the GPU experiments on a real GPU and write reference data
   build-labs        regenerate the learner versions (labs/, the lessons in notebooks/) from solutions/
   check NOTEBOOK    run a notebook in a fresh kernel and report each check; exit 1 on a ✗ or an
-                    exercise not reached (--answers: also on "not done yet")
+                    exercise not reached (--answers: also on "not done yet"; --show-answer EXERCISE:
+                    that exercise's answer too)
   grade DIR         run every notebook under DIR; write grades.csv and feedback/STUDENT.html
   verify-embedding  the embedding capture report (--impl cpu-copy|device)
   workspace         copy the lessons and labs into work/ (yours to edit); --lab opens JupyterLab there
@@ -44,7 +45,8 @@ def _build_labs(args) -> int:
 
 def _check(args) -> int:
     from course.tools.grade import check_notebook
-    return check_notebook(args.notebook, timeout=args.timeout, total_timeout=args.total_timeout, answers=args.answers)
+    return check_notebook(args.notebook, timeout=args.timeout, total_timeout=args.total_timeout, answers=args.answers,
+                          show_answer=args.show_answer)
 
 
 def _grade(args) -> int:
@@ -59,7 +61,7 @@ def _verify(args) -> int:
 
 def _workspace(args) -> int:
     from course.tools.workspace import main as workspace_main
-    return workspace_main(lab=args.lab, reset=args.reset, port=args.port, ip=args.ip)
+    return workspace_main(lab=args.lab, reset=args.reset, port=args.port, ip=args.ip, dest=args.dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--total-timeout", type=int, default=None, help="limit for the whole notebook in seconds")
     c.add_argument("--answers", action="store_true", help="judge an answer version: 'not done yet' fails too "
                    "(every exercise must pass, or be skipped with a reason)")
+    c.add_argument("--show-answer", action="append", default=[], metavar="EXERCISE",
+                   help="also print this exercise's answer (its name or the start of it, e.g. 02.3; repeatable). "
+                        "The hints teach; the answer comes only when asked for")
     c.set_defaults(func=_check)
     g = sub.add_parser("grade", help="run every submitted notebook in DIR; write a CSV and feedback pages")
     g.add_argument("folder")
@@ -105,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--reset", nargs="*", default=[], metavar="NAME", help="replace these copies with fresh ones")
     w.add_argument("--port", type=int, default=8888, help="JupyterLab's port (default 8888)")
     w.add_argument("--ip", default="127.0.0.1", help="JupyterLab's address (default 127.0.0.1)")
+    w.add_argument("--dir", default=None, help="where the workspace lives (default: work/ in the course's folder)")
     w.set_defaults(func=_workspace)
     return p
 

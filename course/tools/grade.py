@@ -20,7 +20,9 @@ Points come from the nbgrader metadata of the exercise's cell (``points``), else
 "why:" and the hint. Staged hints advance from one ``course check`` to the next: the count of
 ✗ per exercise is kept in ``.course_hints.json`` beside the notebook (git-ignored; reset when
 the exercise passes) and handed to the kernel in ``COURSE_HINT_STAGES``. ``--answers`` and
-``course grade`` neither read nor write it.
+``course grade`` neither read nor write it. The hints teach; an exercise's answer is printed only
+for the exercises named with ``--show-answer`` (``COURSE_SHOW_ANSWER``, see :mod:`course.core.answers`),
+and never when ``COURSE_ANSWERS=off``.
 """
 from __future__ import annotations
 
@@ -113,17 +115,20 @@ def _points(cell) -> float:
     return float(meta.get("points", 1)) if meta.get("grade") else 1.0
 
 
-def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, stages: dict | None = None) -> dict:
+def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, stages: dict | None = None,
+               show=()) -> dict:
     """Run the notebook at ``path`` in a fresh kernel; return its exercises, stray cell errors and timings.
 
     Result: ``{"exercises": [{"name", "status", "message", "hint", "where", "why", "failures", "points",
     "max_points"}], "stray": [(cell, ename, evalue)], "error": None or a reason, "seconds": float}``.
-    ``stages`` (exercise -> ✗ in earlier runs) makes staged hints start where the last run left them.
+    ``stages`` (exercise -> ✗ in earlier runs) makes staged hints start where the last run left them;
+    ``show`` names the exercises whose answer this run prints (in their row's ``answer``).
     Raises ``OSError``/``ValueError`` if the file cannot be read as a notebook.
     """
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
+    from course.core.answers import ENV_SHOW
     from course.core.checks import ENV_LOG, ENV_STAGES, PASS
 
     path = Path(path)
@@ -131,11 +136,14 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
     cells = exercise_cells(nb)
     fd, log_path = tempfile.mkstemp(prefix="course-check-", suffix=".jsonl")
     os.close(fd)
-    old = {k: os.environ.get(k) for k in (ENV_LOG, ENV_STAGES)}
+    old = {k: os.environ.get(k) for k in (ENV_LOG, ENV_STAGES, ENV_SHOW)}
     os.environ[ENV_LOG] = log_path
     os.environ.pop(ENV_STAGES, None)  # the kernel inherits it: only this run's stages, never a stale value
+    os.environ.pop(ENV_SHOW, None)  # and only the answers asked for in this run
     if stages:
         os.environ[ENV_STAGES] = json.dumps(stages)
+    if show:
+        os.environ[ENV_SHOW] = json.dumps(list(show))
     expose_course_to_kernels()  # the kernel imports this checkout's course, installed or not
     start, stopped, ran = time.monotonic(), None, set()
     deadline = start + total_timeout if total_timeout else None
@@ -186,7 +194,7 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
             row = {"status": "timed out", "message": f"cell {i} was interrupted after its time limit "
                                                      f"({client.timeout} s): an endless loop?"}
         elif e is not None:
-            row = {k: e.get(k, "") for k in ("status", "message", "hint", "where", "why")}
+            row = {k: e.get(k, "") for k in ("status", "message", "hint", "where", "why", "answer")}
             row["failures"] = e.get("failures", 0)
         elif err:
             row = {"status": "not reached", "message": f"cell {i} raised {err[0]}: {err[1]} before the check ran"}
@@ -194,7 +202,7 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
             row = {"status": "not reached", "message": stopped or f"cell {i} did not run"}
         else:
             row = {"status": "not reached", "message": "its cell ran but the check did not (inside an if?)"}
-        row = {"name": name, "hint": "", "where": "", "why": "", **row, "max_points": maxp}
+        row = {"name": name, "hint": "", "where": "", "why": "", "answer": "", **row, "max_points": maxp}
         row.setdefault("failures", (stages or {}).get(name, 0))
         if row["status"] == "skip":
             maxp = 0.0  # cannot be done on this machine: not counted
@@ -228,26 +236,41 @@ def judge(exercises, answers: bool = False) -> list:
     return out
 
 
-def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, answers: bool = False) -> int:
+def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, answers: bool = False,
+                   show_answer=()) -> int:
     """Run the notebook at ``path`` in a fresh kernel and print each exercise's status.
 
     Prints what the notebook prints: ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's line,
     why and the hint) / "not done yet" / "timed out" / "not reached" (with why) per exercise, cells that
     raised outside any check, and a verdict line. Staged hints go on from the last ``course check`` of
-    this notebook (:mod:`course.tools.hints`), except with ``answers``.
+    this notebook (:mod:`course.tools.hints`), except with ``answers``. ``show_answer`` names exercises (each
+    its name or the start of it) whose answer to print as well; unless answers are off (``COURSE_ANSWERS=off``).
     Returns 1 if an exercise failed, crashed, timed out or was not reached, or a cell raised; with
     ``answers=True`` (judging an answer version) also if one is not done yet. 0 otherwise; 2 if the
-    file cannot be read.
+    file cannot be read, or ``show_answer`` names no exercise of it (or answers are off).
     """
+    from course.core.answers import answers_off, match
+
     path = Path(path)
     try:
-        nbformat.read(path, as_version=4)
+        nb = nbformat.read(path, as_version=4)
     except Exception as e:  # noqa: BLE001 - OSError, bad JSON, schema errors: all "cannot read"
         print(f"check: cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return 2
+    show = []
+    if show_answer and answers_off():
+        print("check: answers are turned off for this course (COURSE_ANSWERS=off): the hints are all there is.")
+        return 2
+    for query in show_answer:
+        found = match(query, exercise_names(nb))
+        if len(found) != 1:
+            print(f"check: --show-answer {query!r} names {'more than one' if found else 'no'} exercise of {path}; "
+                  f"choose one of: {', '.join(found or exercise_names(nb)) or '(it has none)'}")
+            return 2
+        show += found
     print(f"check: running {path} in a fresh kernel (up to {timeout} s per cell) ...")
     rep = run_checks(path, cell_timeout=timeout, total_timeout=total_timeout,
-                     stages=None if answers else load_hint_state(path))
+                     stages=None if answers else load_hint_state(path), show=show)
     unsaved = None if answers else save_hint_state(path, rep["exercises"])
     print()
     counts = {s: 0 for s in STATUSES}
@@ -256,9 +279,12 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         line = f"  {_MARK[x['status']]} {x['name']}"
         if x["status"] == "pass":
             print(line + ": passed")
+            if x.get("answer"):
+                print(f"      answer (you asked for it): {x['answer']}")
             continue
         print(line + f": {_WORDS[x['status']]}" + (f": {x['message']}" if x["message"] else ""))
-        for key, label in (("where", "your line"), ("why", "why"), ("hint", "hint")):
+        for key, label in (("where", "your line"), ("why", "why"), ("hint", "hint"),
+                           ("answer", "answer (you asked for it)")):
             if x.get(key):
                 print(f"      {label}: {x[key]}")
     for i, ename, evalue in rep["stray"]:

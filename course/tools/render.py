@@ -3,7 +3,9 @@
 Writes, under ``build/`` (or ``--out``):
 - ``executed/<folder>/<name>.ipynb``: each notebook with its outputs,
 - ``html/<folder>/<name>.html``: the same as HTML,
-- ``summary.md`` and ``summary.json``: which path each ran on, pass/fail, wall time.
+- ``summary.md`` and ``summary.json``: which path each ran on, pass/fail, wall time;
+- the files the notebooks link to (``CAPTURE_RULES.md``), beside both, so every link resolves there
+  (in ``html/`` their links to notebooks point at the ``.html`` pages; :mod:`course.tools.links`).
 Notebooks are committed without outputs; this is how executed copies are made.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from course.tools.catalog import CATALOG, ROOT
+from course.tools.links import copy_linked
 
 
 # Kernels log at ERROR level: keeps "Kernel is running over TCP without encryption" out of the progress bar.
@@ -146,6 +149,9 @@ def main(out: str = "build", only=None, timeout: int = 900) -> int:
                         "html": str(html.relative_to(out_dir)) if body is not None else None,
                         "html_error": html_err})
         tqdm.write(f"{'ok ' if err is None else 'FAIL'} {e.path} ({secs:.0f} s)" + (f": {err}" if err else ""))
+    rendered = [e.path for e in wanted if (ROOT / e.path).exists()]
+    copy_linked(ROOT, rendered, out_dir / "executed")
+    copy_linked(ROOT, rendered, out_dir / "html", html=True)
     summary = {"path": rt.path, "device": rt.device_name, "reason": rt.reason, "notebooks": results}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# Course run: {rt.path} path ({rt.device_name})", "", rt.reason, "",

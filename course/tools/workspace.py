@@ -21,17 +21,30 @@ done yet", a Create Assignment sidebar and "No nbgrader_config.py" warnings. Its
 extensions are switched off on the command line (:func:`lab_command`) and its JupyterLab
 extension in a config folder inside the workspace (:func:`learner_config_dir`, put first on
 ``JUPYTER_CONFIG_PATH`` by :func:`lab_env`). ``python -m course check`` is the learner's validate.
+The same config turns off JupyterLab's announcements (its "get notified about official Jupyter
+news?" pop-up and update check) and the server's news feed.
+
+Each copy's first cell tells the learner what to do with it (:func:`your_copy_note`), not how the
+course's contributors regenerate the shipped file; the files the notebooks link to
+(``CAPTURE_RULES.md``) are copied beside them (:mod:`course.tools.links`). ``--lab`` forwards
+SIGTERM and SIGINT to JupyterLab and waits for it (:func:`serve`): nothing is left running.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import nbformat
+
 from course.tools.catalog import ROOT, entries
+from course.tools.learner_versions import source_note
+from course.tools.links import copy_linked
 
 WORKDIR = "work"
 KINDS = ("lesson", "lab")  # solutions are not copied: the workspace is for the learner's own answers
@@ -40,6 +53,8 @@ CONFIG = ".course-jupyter"  # the learner's JupyterLab config, inside the worksp
 NBGRADER_SERVER = ("nbgrader.server_extensions.formgrader", "nbgrader.server_extensions.validate_assignment",
                    "nbgrader.server_extensions.assignment_list", "nbgrader.server_extensions.course_list")
 NBGRADER_LAB = ("@jupyter/nbgrader",)
+# JupyterLab 4's news prompt and update check live in this plugin (it asks while the setting fetchNews is "none")
+ANNOUNCEMENTS = "@jupyterlab/apputils-extension:announcements"
 
 
 def workspace_dir(root: Path = ROOT) -> Path:
@@ -75,8 +90,36 @@ def create(root: Path = ROOT, dest: Path | None = None, reset=(), quiet: bool = 
             say(f"  kept   {copy}")
             continue
         shutil.copyfile(src, copy)
+        make_yours(copy, rel)
         say(f"  {'reset ' if fresh else 'copied'} {copy}")
+    for rel in copy_linked(root, shipped(root), dest):
+        say(f"  linked {dest / rel}")
     return dest
+
+
+def your_copy_note(rel: str) -> str:
+    """The line that ends the first cell of the learner's copy of ``rel``: it is theirs, and how to check it."""
+    name = Path(rel).name
+    return (f"*This is your copy of the course's `{rel}`: edit it, run it, and check your answers with "
+            f"`python -m course check {Path(WORKDIR) / rel}`. It is never overwritten; "
+            f"`python -m course workspace --reset {name}` gives you a fresh one.*")
+
+
+def make_yours(copy: Path, rel: str) -> None:
+    """Rewrite the first cell of the copy at ``copy`` (of the shipped ``rel``) for the learner: the contributors'
+    note ("a change goes into solutions/..., then regenerate") becomes :func:`your_copy_note`."""
+    nb = nbformat.read(copy, as_version=4)
+    note, mine = source_note(f"solutions/{Path(rel).name}"), your_copy_note(rel)
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "markdown" and note in first.source:
+        first.source = first.source.replace(note, mine)
+    elif first is not None and first.cell_type == "markdown":
+        first.source = first.source.rstrip("\n") + "\n\n" + mine
+    else:
+        cell = nbformat.v4.new_markdown_cell(mine)
+        cell["id"] = "your-copy"
+        nb.cells.insert(0, cell)
+    nbformat.write(nb, copy)
 
 
 def is_root() -> bool:
@@ -111,15 +154,18 @@ def learner_config_dir(dest: Path) -> Path:
     """Write the learner's JupyterLab config into ``dest/.course-jupyter``: nbgrader's extensions off; return it.
 
     ``labconfig/page_config.json`` disables nbgrader's JupyterLab extension (Validate button, Create
-    Assignment sidebar, the nbgrader menu); ``jupyter_server_config.json`` its server extensions.
+    Assignment sidebar, the nbgrader menu) and JupyterLab's announcements (the news pop-up);
+    ``jupyter_server_config.json`` nbgrader's server extensions and the news feed (``LabApp.news_url``).
     """
     server, lab = teacher_extensions()
     cfg = Path(dest) / CONFIG
     (cfg / "labconfig").mkdir(parents=True, exist_ok=True)
     (cfg / "labconfig" / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {n: True for n in lab}}, indent=1) + "\n", encoding="utf-8")
+        json.dumps({"disabledExtensions": {n: True for n in [*lab, ANNOUNCEMENTS]}}, indent=1) + "\n",
+        encoding="utf-8")
     (cfg / "jupyter_server_config.json").write_text(
-        json.dumps({"ServerApp": {"jpserver_extensions": {n: False for n in server}}}, indent=1) + "\n",
+        json.dumps({"ServerApp": {"jpserver_extensions": {n: False for n in server}},
+                    "LabApp": {"news_url": None}}, indent=1) + "\n",
         encoding="utf-8")
     return cfg
 
@@ -148,15 +194,53 @@ def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str 
     return cmd
 
 
-def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1") -> int:
-    """Create or update the workspace; with ``lab``, start JupyterLab there (until Ctrl-C)."""
+def serve(cmd: list, env: dict | None = None, timeout: float = 30.0) -> int:
+    """Run ``cmd`` (JupyterLab) until it exits; on SIGTERM or SIGINT (Ctrl-C) sent to this process, stop it too.
+
+    Either signal is passed on as SIGTERM, JupyterLab's "shut down now" (a SIGINT alone makes it ask for
+    confirmation, and a background process may ignore SIGINT). Then this process waits for it (``timeout``
+    seconds, then kills it), so stopping ``python -m course workspace --lab`` never leaves a ``jupyter-lab``
+    running. Returns its exit code (0 when stopped by a signal).
+    """
+    child = subprocess.Popen(cmd, env=env)
+    stopped = []
+
+    def forward(signum, frame):  # noqa: ARG001 - signal handler signature
+        if not stopped and child.poll() is None:
+            child.terminate()
+        stopped.append(time.monotonic())
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        dest = create(reset=reset)
+        while child.poll() is None:
+            if stopped and time.monotonic() - stopped[0] > timeout:  # asked to stop, still running: kill
+                child.kill()
+            try:
+                child.wait(timeout=0.2)  # short waits: a handler runs between them
+            except subprocess.TimeoutExpired:
+                continue
+            except KeyboardInterrupt:  # a Ctrl-C that reached Python before the handler was set
+                forward(signal.SIGINT, None)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+    return 0 if stopped else child.returncode
+
+
+def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1", dest=None) -> int:
+    """Create or update the workspace (``dest``, default ``work/``); with ``lab``, start JupyterLab there
+    (until Ctrl-C or SIGTERM, both passed on to it)."""
+    try:
+        dest = create(dest=dest, reset=reset)
     except ValueError as e:
         print(f"course workspace: {e}")
         return 2
     print(f"\nYour workspace is {dest}/ (git-ignored: your answers and outputs stay out of the shipped course).")
-    print(f"Check a lab: python -m course check {Path(WORKDIR) / 'labs' / 'lab1_embedding_kernel.ipynb'}")
+    print(f"Start with {dest / 'notebooks' / '00_start_here.ipynb'}; check a lab with "
+          f"python -m course check {Path(dest) / 'labs' / 'lab1_embedding_kernel.ipynb'}")
     if not lab:
         print("Open it in JupyterLab: make lab (or python -m course workspace --lab)")
         return 0
@@ -166,10 +250,8 @@ def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1") -
         print("course workspace: JupyterLab is not installed here: pip install 'jupyterlab>=4' "
               "(make lab installs it), then run again.")
         return 2
-    print(f"\nStarting JupyterLab on {dest}/ (headless: open the http://127.0.0.1:{port}/lab?token=... URL it prints).")
+    print(f"\nStarting JupyterLab on {dest}/ (headless: open the http://127.0.0.1:{port}/lab?token=... URL it prints,"
+          " then notebooks/00_start_here.ipynb in its file browser).")
     print(f"On a remote machine: ssh -L {port}:localhost:{port} USER@HOST, then open that URL on your computer.\n",
           flush=True)
-    try:
-        return subprocess.call(lab_command(dest, port=port, ip=ip), env=lab_env(dest))
-    except KeyboardInterrupt:
-        return 0
+    return serve(lab_command(dest, port=port, ip=ip), env=lab_env(dest))

@@ -8,8 +8,8 @@ replay read, pool resets, and the graphs still alive. The messages diagnose the 
 lookups) that ignore the dtype, a capture without a warm-up on a side stream or with the collector on, graphs not in
 the cache's pool, inputs not copied into the static buffers, outputs overwritten by the next replay, padding rows
 that hold anything but ``pad_value``, eager keys counted as hits, a failed capture that escapes or leaves its stream
-current, a clear that keeps the graphs (or leaves them to the garbage collector). Hints are staged: a nudge, then
-the idea, then the line.
+current, a clear that keeps the graphs (or leaves them to the garbage collector). Hints are staged: the rule, where,
+a smaller example; the answer on request.
 """
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def _dev():
 def check_key(cache_key) -> None:
     """Step 1: ``cache_key(args, bucket)`` tells apart dtypes, shapes and values, and merges rows padded alike."""
     with exercise("lab 3.1 the key", hint=[
-            "a graph is valid only for the shapes and dtypes it was captured with, and for the values that steered "
-            "it: which parts of each argument must the key hold, and which must it leave out?",
-            "one entry per argument: ('tensor', shape with dim 0 replaced by the bucket, dtype, device) for a tensor, "
-            "('value', v) otherwise; all of it in tuples, so the key can be a dict key",
-            "key.append(('tensor', (bucket, *a.shape[1:]), str(a.dtype), str(a.device))) for a tensor, "
-            "key.append(('value', a)) otherwise; return tuple(key)"]):
+                "a graph is valid only for the shapes and dtypes it was captured with, and for the values that "
+                "steered it: which parts of each argument must the key hold, and which must it leave out?",
+                "in cache_key: one entry per argument: ('tensor', shape with dim 0 replaced by the bucket, dtype, "
+                "device) for a tensor, ('value', v) otherwise; all of it in tuples, so the key can be a dict key",
+                "a smaller example: {(('tensor', (4, 2), 'torch.int64', 'cpu'), ('value', 3)): graph} — a list inside"
+                " the key would raise TypeError: unhashable type"],
+            answer="key.append(('tensor', (bucket, *a.shape[1:]), str(a.dtype), str(a.device))) for a tensor, "
+                   "key.append(('value', a)) otherwise; return tuple(key)"):
         d = _dev()
         ids64, ids32 = torch.zeros(3, 2, dtype=torch.int64, device=d), torch.zeros(3, 2, dtype=torch.int32, device=d)
         k = cache_key((ids64, 5), 4)
@@ -65,12 +67,14 @@ def check_key(cache_key) -> None:
 def check_static(make_static, copy_in) -> None:
     """Step 2: static buffers of the bucket's size, written in place, padding rows refilled on every call."""
     with exercise("lab 3.2 static inputs", hint=[
-            "a replay reads the same memory every time: whose memory is it, how many rows does it need, and what "
-            "must every row hold before the replay?",
-            "make_static: a new buffer of the bucket's rows per tensor (its dtype, its device); copy_in: rows [:n] "
-            "from the caller, in place, rows [n:] the argument's own pad, on every call",
-            "torch.empty((bucket, *a.shape[1:]), dtype=a.dtype, device=a.device); in copy_in: "
-            "s[:n].copy_(a) and s[n:].fill_(pad)"]):
+                "a replay reads the same memory every time: whose memory is it, how many rows does it need, and what "
+                "must every row hold before the replay?",
+                "make_static: a new buffer of the bucket's rows per tensor (its dtype, its device); copy_in: rows "
+                "[:n] from the caller, in place, rows [n:] the argument's own pad, on every call",
+                "a smaller example: s = torch.empty(4, 2); s[:3].copy_(x3); s[3:].fill_(0) — a batch of 3 in a bucket"
+                " of 4"],
+            answer="torch.empty((bucket, *a.shape[1:]), dtype=a.dtype, device=a.device); in copy_in: s[:n].copy_(a) and "
+                   "s[n:].fill_(pad)"):
         d = _dev()
         x, ids = torch.randn(3, 4, device=d), torch.tensor([7, 8, 9], device=d)
         static = make_static((x, ids, "tag"), 4)
@@ -101,12 +105,14 @@ def check_static(make_static, copy_in) -> None:
 def check_copy_out(copy_out) -> None:
     """Step 3: outputs sliced back to the batch, cloned by default, views when copy=False."""
     with exercise("lab 3.3 outputs", hint=[
-            "the next replay writes into the same static output: what must the caller get instead of it, and how "
-            "many rows?",
-            "rows [:n] of every tensor whose dim 0 is the bucket, cloned (views only when copy=False); a tuple or "
-            "list of outputs stays one, handled element by element",
-            "out = out[:n] if out.dim() and out.shape[0] == bucket else out; return out.clone() if copy else out "
-            "(and type(out)(copy_out(o, n, bucket, copy) for o in out) for a tuple)"]):
+                "the next replay writes into the same static output: what must the caller get instead of it, and how "
+                "many rows?",
+                "in copy_out: rows [:n] of every tensor whose dim 0 is the bucket, cloned (views only when "
+                "copy=False); a tuple or list of outputs stays one, handled element by element",
+                "a smaller example: y = static_y[:3].clone() keeps a batch of 3 out of a bucket of 4, safe from the "
+                "next replay"],
+            answer="out = out[:n] if out.dim() and out.shape[0] == bucket else out; return out.clone() if copy else out "
+                   "(and type(out)(copy_out(o, n, bucket, copy) for o in out) for a tuple)"):
         d = _dev()
         out = torch.arange(8.0, device=d).view(4, 2)
         other = torch.ones(3, device=d)
@@ -144,13 +150,16 @@ _SHARED_POOL = ("your captures did not all go into the cache's pool: capture wit
 def check_miss_and_hit(cls) -> None:
     """Step 4: a miss records through the backend, a hit replays with the new inputs; the stats count both."""
     with exercise("lab 3.4 capture on miss, replay on hit", hint=[
-            "a new key is recorded once, a known key reuses its recording: either way the call ends in a replay of "
-            "the graph, on the caller's inputs, and a different dtype is a different key",
-            "look the entry up by cache_key(args, bucket); miss: make_static, copy_in, warm self.fn up on a side "
-            "stream, capture it with collector_paused() and cg.graph(g, pool=self.backend.pool()), count a "
-            "recording; hit: copy_in into that entry's static buffers; then replay and copy_out",
-            "entry = self.entries.get(key); if entry is None: entry = self.entries[key] = self.record(...); else: "
-            "copy_in(entry['static'], ...); entry['graph'].replay(); return copy_out(entry['output'], n, bucket)"]), \
+                "a new key is recorded once, a known key reuses its recording: either way the call ends in a replay "
+                "of the graph, on the caller's inputs, and a different dtype is a different key",
+                "in __call__ and record: look the entry up by cache_key(args, bucket); miss: make_static, copy_in, "
+                "warm self.fn up on a side stream, capture it with collector_paused() and cg.graph(g, "
+                "pool=self.backend.pool()), count a recording; hit: copy_in into that entry's static buffers; then "
+                "replay and copy_out",
+                "a smaller example: cache = {}; def f(k): if k not in cache: cache[k] = record(k) (a miss); return "
+                "run(cache[k]) (every call, hit or miss)"],
+            answer="entry = self.entries.get(key); if entry is None: entry = self.entries[key] = self.record(...); else:"
+                   " copy_in(entry['static'], ...); entry['graph'].replay(); return copy_out(entry['output'], n, bucket)"), \
             counting() as _counted:
         d = _dev()
         w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(d)
@@ -216,12 +225,15 @@ def _dt(dtype) -> str:
 def check_buckets(cls) -> None:
     """Step 5: buckets and padding on the tiny decoder: results equal eager, padding never leaks, stats add up."""
     with exercise("lab 3.5 buckets and padding", hint=[
-            "a batch runs in its bucket's graph, so its padding rows run through the model too: what they hold "
-            "decides which KV slot they write and which ids the embedding sees",
-            "bucket = next_bucket(n, self.sizes) (None, above the largest: run self.fn eagerly, an eager call); "
-            "copy_in fills rows [n:] of argument i with its own pad_value[i] on every call; padded_rows += bucket - n",
-            "if not self.enabled or bucket is None: self.stats['eager_calls'] += 1; return self.fn(*args); "
-            "copy_in(static, args, n, self.pads(args)); self.stats['padded_rows'] += bucket - n"]), \
+                "a batch runs in its bucket's graph, so its padding rows run through the model too: what they hold "
+                "decides which KV slot they write and which ids the embedding sees",
+                "in __call__: bucket = next_bucket(n, self.sizes) (None, above the largest: run self.fn eagerly, an "
+                "eager call); copy_in fills rows [n:] of argument i with its own pad_value[i] on every call; "
+                "padded_rows += bucket - n",
+                "a smaller example: buckets [2, 4, 8] and a batch of 3: bucket 4, one padding row; a batch of 9: no "
+                "bucket, one eager call"],
+            answer="if not self.enabled or bucket is None: self.stats['eager_calls'] += 1; return self.fn(*args); "
+                   "copy_in(static, args, n, self.pads(args)); self.stats['padded_rows'] += bucket - n"), \
             counting() as _counted:
         cfg = DecoderConfig(layers=1, max_seq=8, slots=10)
         eager, cached = TinyDecoder(cfg), TinyDecoder(cfg)
@@ -279,14 +291,17 @@ def _hazard(x):
 def check_fallback(cls) -> None:
     """Step 6: a key whose capture fails runs eager from then on, with its reason; other keys still capture."""
     with exercise("lab 3.6 fallback", hint=[
-            "a key that cannot be captured must not be an outage, nor a capture attempted on every call: remember "
-            "what happened to it, and why",
-            "catch the capture's error; reason = self.backend.capture_failed(e, graph=g, stream=before) (the stream "
-            "put back, the pool retired); store an eager entry with the reason and put it in stats['fallbacks'][key]; "
-            "every call of that key runs self.fn and counts an eager call, never a hit",
-            "except Exception as e: reason = self.backend.capture_failed(e, graph=g, stream=before); "
-            "self.stats['fallbacks'][key] = reason; return {'eager': True, 'reason': reason}; and count cache_hits "
-            "only for an entry that is not eager"]), counting() as _counted:
+                "a key that cannot be captured must not be an outage, nor a capture attempted on every call: remember"
+                " what happened to it, and why",
+                "in record: catch the capture's error; reason = self.backend.capture_failed(e, graph=g, "
+                "stream=before) (the stream put back, the pool retired); store an eager entry with the reason and put"
+                " it in stats['fallbacks'][key]; every call of that key runs self.fn and counts an eager call, never "
+                "a hit",
+                "a smaller example: failed = {}; if key in failed: return slow(x); try: fast(x) except Exception as "
+                "e: failed[key] = str(e) — the second call of that key never tries again"],
+            answer="except Exception as e: reason = self.backend.capture_failed(e, graph=g, stream=before); "
+                   "self.stats['fallbacks'][key] = reason; return {'eager': True, 'reason': reason}; and count "
+                   "cache_hits only for an entry that is not eager"), counting() as _counted:
         d = _dev()
         fn = lambda x, hazard: _hazard(x) if hazard else x * 2  # noqa: E731
         cache, backend = _counted(cls, fn)
@@ -345,11 +360,12 @@ def check_enable_clear(cls) -> None:
     """Step 7: set_enabled(False) runs eager, graphs kept; clear_cache() empties the captures' pool (a GPU's segments
     in it: :meth:`CountingBackend.pool_bytes`) and reserved memory falls by at least what it held."""
     with exercise("lab 3.7 enable and clear", hint=[
-            "disabled: the cache is bypassed but keeps its graphs; cleared: nothing of the old graphs is left, in "
-            "the cache or in the backend's pool",
-            "set_enabled stores the flag and __call__ runs self.fn eagerly while it is off; clear_cache empties "
-            "self.entries, keeps no other reference to them, and calls self.backend.reset_pool()",
-            "self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"]), \
+                "disabled: the cache is bypassed but keeps its graphs; cleared: nothing of the old graphs is left, in"
+                " the cache or in the backend's pool",
+                "set_enabled stores the flag and __call__ runs self.fn eagerly while it is off; clear_cache empties "
+                "self.entries, keeps no other reference to them, and calls self.backend.reset_pool()",
+                "a smaller example: d.clear() while another name still holds one of d's graphs keeps it alive"],
+            answer="self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"), \
             counting() as _counted:
         d = _dev()
         w = torch.randn(8, 8, generator=torch.Generator().manual_seed(7)).to(d)

@@ -49,12 +49,16 @@ def check_rms_gemv(kernel, name: str = "07.1 a fused RMSNorm + GEMV") -> None:
     """Run the learner's ``rms_gemv`` kernel on :data:`SHAPES` and compare with :func:`rms_gemv_reference`."""
     import course
 
-    with exercise(name, hint=["one program owns BLOCK_N rows: first the sum of x*x over all K (a loop over chunks), "
-                              "then the product, chunk by chunk, with the normalized chunk",
-                              "rstd = 1 / tl.sqrt(tl.sum(acc) / K + eps); n = tl.load(nw_ptr + c) * x * rstd; "
-                              "mask every load with c < K and rows < N",
-                              "acc += tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=...) * n[None, :]; "
-                              "tl.store(y_ptr + rows, tl.sum(acc, axis=1), mask=rows < N)"]):
+    with exercise(name, hint=[
+                "one program owns BLOCK_N rows: first the sum of x*x over all K (a loop over chunks), then the "
+                "product, chunk by chunk, with the normalized chunk",
+                "in rms_gemv: rstd = 1 / sqrt(mean of x*x + eps), with the mean over K (not over a block); every load"
+                " is masked with c < K (and rows < N for w)",
+                "a smaller example, in plain torch: rstd = 1 / torch.sqrt((x * x).sum() / K + eps); y = w @ (nw * x *"
+                " rstd)"],
+            answer="rstd = 1 / tl.sqrt(tl.sum(acc) / K + eps); n = tl.load(nw_ptr + c) * x * rstd; acc += tl.load(w_ptr "
+                   "+ rows[:, None] * K + c[None, :], mask=...) * n[None, :]; tl.store(y_ptr + rows, tl.sum(acc, "
+                   "axis=1), mask=rows < N)"):
         src = inspect.getsource(getattr(kernel, "fn", kernel))
         if "NotImplementedError" in src:
             raise NotImplementedError("write the body of rms_gemv first")
@@ -87,9 +91,12 @@ def idle_between_kernels(timeline, variant: str = "Triton") -> float:
 
 def check_gap_prediction(fn, timeline, name: str = "07.2 predict what PDL saves") -> None:
     """The learner's ``fn(timeline)``: the idle time between the kernels of the step without PDL, summed (us)."""
-    with exercise(name, hint=["take the rows of variant 'Triton' in order of 'index'; the idle time before a kernel "
-                              "is its start_us minus the previous kernel's end_us, when that is positive",
-                              "sum(max(0, b['start_us'] - a['end_us']) for a, b in zip(rows, rows[1:]))"]):
+    with exercise(name, hint=[
+                "the GPU idles between two kernels when the next one starts after the previous one ended",
+                "in your function: take the rows of variant 'Triton' in order of 'index'; the idle time before a "
+                "kernel is its start_us minus the previous kernel's end_us, when that is positive",
+                "a smaller example: kernels at 0-5, 7-9 and 8-12 us idle 2 us (7 - 5), then none (8 < 9): 2 us in all"],
+            answer="sum(max(0, b['start_us'] - a['end_us']) for a, b in zip(rows, rows[1:]))"):
         got = fn(timeline)
         want = idle_between_kernels(timeline)
         assert got is not None and abs(got - want) <= 1e-6 * max(1.0, abs(want)), \

@@ -12,7 +12,7 @@
    per token and the kernel count.
 
 The ✗ of 3 and 4 names the usual slips when the answer matches one (steps for tokens, GB/s as bytes/s, the
-whole gap for its share per kernel, the sign). Hints are staged: a nudge, the idea, the line.
+whole gap for its share per kernel, the sign). Hints are staged: the rule, where, a smaller example; the answer on request.
 """
 from __future__ import annotations
 
@@ -39,11 +39,14 @@ def check_capturable(cls, max_len: int = 64) -> None:
     from course.lessons.what_breaks import find_static
 
     with exercise("lab 4.1 a capturable step",
-                  hint=["the finder names the lines: every input must already be a device tensor",
-                        "keep the position in a device tensor [1] and build position ids and the mask from it on "
-                        "the device; write it into each cache layer's cumulative_length before the model runs",
-                        "layer.cumulative_length.copy_(position[0]); mask = (arange <= position)...; "
-                        "model(input_ids=ids, position_ids=..., attention_mask=mask, past_key_values=cache)"]):
+                  hint=[
+                "the finder names the lines: every input must already be a device tensor",
+                "in step: keep the position in a device tensor [1] and build position ids and the mask from it on the"
+                " device; write it into each cache layer's cumulative_length before the model runs",
+                "a smaller example: pos = torch.tensor([5], device=dev); mask = torch.arange(8, device=dev) <= pos "
+                "needs no host value, while int(pos) or range(pos) would"],
+            answer="layer.cumulative_length.copy_(position[0]); mask = (arange <= position)...; model(input_ids=ids, "
+                   "position_ids=..., attention_mask=mask, past_key_values=cache)"):
         found = find_static(cls.step)
         assert not found, "the finder still sees " + "; ".join(f"{f.where()} {f.code}" for f in found)
         model = lab_model()
@@ -86,9 +89,15 @@ def _check_logits(cls, model, max_len: int, fed) -> None:
 def check_wrapped(wrap, cls=StaticDecoder, max_len: int = 64) -> None:
     """Step 2: ``wrap(decoder)`` gives a GraphCache with buckets; replays equal eager, padding never leaks."""
     with exercise("lab 4.2 wrapped in the graph cache",
-                  hint=["GraphCache(decoder.step, buckets=[...], batched=(0,), pad_value=(0, 0), "
-                        "backend=model_backend()): or graph_cached(decoder, buckets=...)",
-                        "only ids has a batch dimension: position is shared by the batch (batched=(0,))"]):
+                  hint=[
+                "lab 3's GraphCache wraps any step: which arguments of the step have a batch dimension, and what must"
+                " padding rows hold?",
+                "in wrap: only ids has a batch dimension (position is shared by the batch: batched=(0,)); padding "
+                "rows get id 0 and position 0, and the model's own backend keeps its graphs' memory",
+                "a smaller example: GraphCache(lambda x, s: x * s, buckets=[2, 4], batched=(0,)) pads x to its bucket"
+                " and passes s through as it is"],
+            answer="GraphCache(decoder.step, buckets=[...], batched=(0,), pad_value=(0, 0), backend=model_backend()), or"
+                   " graph_cached(decoder, buckets=...)"):
         model = lab_model()
         eager, dec = StaticDecoder(model, max_len), cls(model, max_len)
         cache = wrap(dec)
@@ -118,10 +127,13 @@ def check_wrapped(wrap, cls=StaticDecoder, max_len: int = 64) -> None:
 def check_prediction(predict) -> None:
     """Step 3: ``predict(bytes_per_token, bandwidth_GBps, batch)`` is the roofline's tokens/s."""
     with exercise("lab 4.3 predict tokens/s",
-                  hint=["a step cannot beat bytes / bandwidth seconds, and it makes `batch` tokens",
-                        "seconds per step = nbytes / (bandwidth_GBps * 1e9) (GB/s: 1e9 bytes per second); "
-                        "tokens per second = batch / that",
-                        "return batch / (nbytes / (bandwidth_GBps * 1e9))"]):
+                  hint=[
+                "a step cannot beat bytes / bandwidth seconds, and it makes `batch` tokens",
+                "in predict: seconds per step = nbytes over the bandwidth in bytes per second (GB/s: 1e9 bytes per "
+                "second); tokens per second = batch over that",
+                "a smaller example: 2 GB at 1000 GB/s is 2 ms a step; a batch of 4 then makes 4 / 0.002 = 2000 "
+                "tokens/s"],
+            answer="return batch / (nbytes / (bandwidth_GBps * 1e9))"):
         for nbytes, bw, batch in ((2e9, 3000.0, 1), (2e9, 3000.0, 8), (1e6, 100.0, 3)):
             want = batch / (nbytes / (bw * 1e9))
             got = predict(nbytes, bw, batch)
@@ -137,9 +149,11 @@ def check_prediction(predict) -> None:
 def check_gap(per_kernel) -> None:
     """Step 4: ``per_kernel(slow_us, fast_us, kernels)``: the time between two variants per kernel of a step."""
     with exercise("lab 4.4 the gap, per kernel",
-                  hint=["the difference of the two times per token, shared by every kernel of the step",
-                        "slow_us - fast_us is the gap of one step; each of its kernels takes an equal share",
-                        "return (slow_us - fast_us) / kernels"]):
+                  hint=[
+                "the difference of the two times per token, shared by every kernel of the step",
+                "in per_kernel: slow_us - fast_us is the gap of one step; each of its kernels takes an equal share",
+                "a smaller example: 100 us against 60 us over 20 kernels is 2 us per kernel"],
+            answer="return (slow_us - fast_us) / kernels"):
         for slow, fast, kernels in ((1000.0, 300.0, 350), (50.0, 40.0, 2)):
             want = (slow - fast) / kernels
             got = per_kernel(slow, fast, kernels)

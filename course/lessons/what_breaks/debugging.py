@@ -5,7 +5,7 @@ they write with ``cg = course.graphs()`` and the error it raises (03.4), then fi
 (03.5). Every check runs on both paths: ``cg`` is ``torch.cuda`` on a GPU and the simulator's graphs otherwise, and
 the suspects' verdicts are the GPU's on both. A :class:`Probe` (a function with no hazard that records how it was
 called, :mod:`course.core.capturecheck`) lets 03.4's check see whether the learner's capture warmed up on a side
-stream, kept the collector off, copied the new inputs in and replayed. Hints are staged: a nudge, the idea, the line.
+stream, kept the collector off, copied the new inputs in and replayed. Hints are staged: the rule, where, a smaller example; the answer on request.
 """
 from __future__ import annotations
 
@@ -37,10 +37,15 @@ def legacy_softmax(x):
 def check_synchronizes(synchronizes) -> None:
     """03.3: ``synchronizes(fn, *args)`` runs fn under torch's sync debug mode and says whether it synchronized."""
     with exercise("03.3 which ones synchronize", hint=[
-            "torch can tell you itself: it has a mode that warns at every call that makes the host wait for the GPU",
-            "inside warnings.catch_warnings(record=True) (and simplefilter('always')), set cg.set_sync_debug_mode("
-            "'warn'), call fn(*args), set it back to 'default' in a finally; look for torch's warning text",
-            "return any('synchronizing' in str(w.message) for w in caught)"]):
+                "torch can tell you itself: it has a mode that warns at every call that makes the host wait for the "
+                "GPU",
+                "in synchronizes: inside warnings.catch_warnings(record=True) (and simplefilter('always')), set "
+                "cg.set_sync_debug_mode('warn'), call fn(*args), set it back to 'default' in a finally; look for "
+                "torch's warning text",
+                "a smaller example: with warnings.catch_warnings(record=True) as caught: "
+                "warnings.simplefilter('always'); x.sum().item() — caught then holds torch's warning about a "
+                "synchronizing call"],
+            answer="return any('synchronizing' in str(w.message) for w in caught)"):
         cg = graphs()
         cases = [(s.fn, s.args(), s.verdict == "fails", s) for s in S.SUSPECTS]
         cases.append((legacy_softmax, (torch.randn(3, 4, device=torch_device()),), False, None))
@@ -144,14 +149,18 @@ def _check_probe(capture_and_replay) -> None:
 def check_captures(capture_and_replay, failing_line) -> None:
     """03.4: the learner's capture gives each suspect the GPU's verdict, and their reading of the error its line."""
     with exercise("03.4 capture them yourself", hint=[
-            "a capture of your own: warm up, capture, and on new inputs replay and compare with eager; when it fails, "
-            "the error's traceback says where",
-            "warm up on a side stream; `with collector_paused(), cg.graph(g): out = fn(*static)` in a try; except: "
-            "recover(stream=before, graph=g) and return ('fails', e); else copy_ the new inputs in, g.replay(), "
-            "compare with fn(*new). failing_line: follow error.__context__ to the first error, then its traceback",
-            "while error.__context__ is not None: error = error.__context__; frames = [f for f in "
-            "traceback.extract_tb(error.__traceback__) if f.filename == suspects.__file__]; return frames[-1].name, "
-            "frames[-1].lineno"]):
+                "a capture of your own: warm up, capture, and on new inputs replay and compare with eager; when it "
+                "fails, the error's traceback says where",
+                "warm up on a side stream; `with collector_paused(), cg.graph(g): out = fn(*static)` in a try; "
+                "except: recover(stream=before, graph=g) and return ('fails', e); else copy_ the new inputs in, "
+                "g.replay(), compare with fn(*new). failing_line: follow error.__context__ to the first error, then "
+                "its traceback",
+                "a smaller example: try: {}['k'] except KeyError: try: 1 / 0 except ZeroDivisionError as e: err = e —"
+                " err.__context__ is the KeyError, and traceback.extract_tb(err.__context__.__traceback__)[-1].lineno"
+                " its line"],
+            answer="while error.__context__ is not None: error = error.__context__; frames = [f for f in "
+                   "traceback.extract_tb(error.__traceback__) if f.filename == suspects.__file__]; return "
+                   "frames[-1].name, frames[-1].lineno"):
         cg = graphs()
         before = cg.current_stream()
         try:
@@ -212,12 +221,14 @@ def check_frozen_step_fix(rotated_fixed, fixed_args, capture_and_replay=None) ->
     """03.5: ``rotated_fixed`` computes ``rotated``; with its inputs from ``fixed_args`` it captures and replays right
     (with the learner's capture of 03.4 once that passed, else the course's)."""
     with exercise("03.5 fix the frozen step", hint=[
-            "what is frozen at capture is what the graph cannot read at replay: a Python number. What can a replay "
-            "read new values from?",
-            "pass the step as a tensor on the device (fixed_args) and compute the angle, its cos and sin with torch "
-            "ops: no float(), no .item(), no math on a tensor",
-            "angle = 0.1 * step; c, s = torch.cos(angle), torch.sin(angle); in fixed_args: "
-            "torch.tensor(step, device=course.device())"]):
+                "what is frozen at capture is what the graph cannot read at replay: a Python number. What can a "
+                "replay read new values from?",
+                "pass the step as a tensor on the device (fixed_args) and compute the angle, its cos and sin with "
+                "torch ops: no float(), no .item(), no math on a tensor",
+                "a smaller example: math.cos(0.1 * step) is a number fixed at capture; torch.cos(0.1 * step_t), with "
+                "step_t a device tensor refilled with copy_, is recomputed at every replay"],
+            answer="angle = 0.1 * step; c, s = torch.cos(angle), torch.sin(angle); in fixed_args: torch.tensor(step, "
+                   "device=course.device())"):
         rot = S.get("rotated")
         for seed in range(3):
             args = fixed_args(seed)
