@@ -184,3 +184,17 @@ class CountingBackend:
                 self._held[key] = size
                 weakref.finalize(obj, self._held.pop, key, None)  # the inputs freed with the graph, an output with
                 # the last reference to it (in the pool, as on a GPU)
+
+
+@contextlib.contextmanager
+def counting():
+    """``counted(cls, fn, **kw)`` for the block: a cache of class ``cls`` around ``fn`` on a CountingBackend that
+    counts until the block ends; ``(cache, backend)``."""
+    with contextlib.ExitStack() as stack:
+        def counted(cls, fn, **kw):
+            backend = CountingBackend()
+            cache = cls(backend.watch(fn), backend=backend, **kw)
+            backend.serve(cache)
+            stack.enter_context(backend.counting())
+            return cache, backend
+        yield counted

@@ -13,7 +13,6 @@ a smaller example; the answer on request.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import torch
@@ -23,7 +22,7 @@ from course.core.capturecheck import assert_captured_well, first_line, root_caus
 from course.core.checks import exercise
 from course.core.runtime import graphs, torch_device
 from course.core.text import clip
-from course.lessons.graph_cache.counting import CountingBackend
+from course.lessons.graph_cache.counting import counting
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder
 
 
@@ -126,20 +125,6 @@ def check_copy_out(copy_out) -> None:
         view = copy_out(out, 3, 4, copy=False)
         out.fill_(5.0)
         assert float(view.min()) == 5.0, "copy=False returns views of the static output (zero-copy)"
-
-
-@contextlib.contextmanager
-def counting():
-    """``counted(cls, fn, **kw)`` for the block: a cache of class ``cls`` around ``fn`` on a CountingBackend that
-    counts until the block ends; ``(cache, backend)``."""
-    with contextlib.ExitStack() as stack:
-        def counted(cls, fn, **kw):
-            backend = CountingBackend()
-            cache = cls(backend.watch(fn), backend=backend, **kw)
-            backend.serve(cache)
-            stack.enter_context(backend.counting())
-            return cache, backend
-        yield counted
 
 
 _SHARED_POOL = ("your captures did not all go into the cache's pool: capture with "
@@ -343,71 +328,4 @@ def check_fallback(cls) -> None:
         assert cache.stats["eager_calls"] == 2, f"eager_calls: {cache.stats['eager_calls']}, expected 2"
 
 
-def reserved_now(backend) -> int:
-    """The backend's reserved memory once garbage is collected (and, on a GPU, the allocator's cache emptied).
-
-    What a cache's recordings hold shows up here only while something references them, so the difference
-    before and after ``clear_cache()`` is the memory that clearing gave back.
-    """
-    gc.collect()
-    if backend.name != "recording":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    return backend.memory_reserved()
-
-
-def check_enable_clear(cls) -> None:
-    """Step 7: set_enabled(False) runs eager, graphs kept; clear_cache() empties the captures' pool (a GPU's segments
-    in it: :meth:`CountingBackend.pool_bytes`) and reserved memory falls by at least what it held."""
-    with exercise("lab 3.7 enable and clear", hint=[
-                "disabled: the cache is bypassed but keeps its graphs; cleared: nothing of the old graphs is left, in"
-                " the cache or in the backend's pool",
-                "set_enabled stores the flag and __call__ runs self.fn eagerly while it is off; clear_cache empties "
-                "self.entries, keeps no other reference to them, and calls self.backend.reset_pool()",
-                "a smaller example: d.clear() while another name still holds one of d's graphs keeps it alive"],
-            answer="self.enabled = bool(enabled); clear_cache: self.entries.clear(); self.backend.reset_pool()"), \
-            counting() as _counted:
-        d = _dev()
-        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(7)).to(d)
-        forward = lambda x: x @ w + 1  # noqa: E731
-        cache, backend = _counted(cls, forward)
-        x = torch.ones(2, 8, device=d)
-        cache(x)
-        cache.set_enabled(False)
-        assert torch.allclose(cache(x), forward(x), atol=1e-5) and backend.replays == 1, "disabled: run it eagerly"
-        assert cache.stats["eager_calls"] == 1, "count the disabled call as an eager call"
-        cache.set_enabled(True)
-        cache(x)
-        assert backend.replays == 2 and backend.captures == 1, "enabled again: the recorded graph is replayed"
-        before = reserved_now(backend)
-        held = backend.pool_bytes()
-        cache.clear_cache()
-        assert not cache.entries, "clear_cache() must drop every entry (their graphs and static buffers)"
-        assert backend.pool_resets >= 1, (
-            "clear_cache() never called self.backend.reset_pool(): the backend keeps the dropped graphs' pool and "
-            "would put the next captures into it. Call it after emptying self.entries, so they start a fresh pool")
-        live = backend.live_graphs()
-        if live:
-            gc.collect()
-            assert backend.live_graphs() == live, (
-                f"clear_cache() dropped the entries, but {live - backend.live_graphs()} graph(s) lived on until the "
-                "garbage collector ran: a reference cycle held them. The collector may run in the middle of a later "
-                "capture, and a graph freed there breaks it (lesson 03): keep no cycle (nothing that refers back to "
-                "the cache or the entry) around your entries, so that clearing frees the graphs at once")
-        after = reserved_now(backend)
-        left = backend.pool_bytes()
-        assert not backend.live_graphs(), (
-            f"clear_cache() emptied self.entries, but the memory the graphs held did not come back ({before} bytes "
-            f"reserved before, {after} after): something still references the old entries or their recordings. "
-            "Keep no copy of them (no second dict or list, no saved entry): a graph's memory is freed only when "
-            "nothing references it")
-        assert not left, (
-            f"the graphs are freed, but {left} of the {held} bytes their memory pool held stayed reserved: something "
-            "still references a tensor the capture made (a graph's static output, entry['output'], or a view of it), "
-            "and its memory keeps the pool's. Return copies (copy_out) and keep no reference to a static output "
-            "outside its entry")
-        assert before - after >= held, (
-            f"clear_cache() freed the graphs and their pool, but reserved memory fell by only {before - after} bytes "
-            f"({before} before, {after} after), less than the {held} bytes the pool held")
-        cache(x)
-        assert backend.captures == 2 and cache.stats["cache_misses"] == 2, "after clear_cache() the next call records"
+from course.lessons.graph_cache.lab_clear import check_enable_clear, reserved_now  # noqa: E402,F401  (step 7)
