@@ -50,10 +50,17 @@ def gather(ctx, obj, group=None) -> list:
     return out
 
 
-def tokens_worker(ctx, variant: str = "hand", size="tiny", n_tokens: int = 8, capture: bool = True,
-                  max_len: int = 96) -> dict:
-    """The correctness run on this rank (see the module doc). Returns plain data: tokens of TP=1, eager TP and
-    captured TP, the relative logit differences, the all-reduces counted, and whether every rank agreed."""
+def tokens_worker(ctx, variants=("hand",), size="tiny", n_tokens: int = 8, capture: bool = True,
+                  max_len: int = 96) -> list:
+    """:func:`variant_tokens` for each of ``variants``, in one launch; a list of their dicts."""
+    return [variant_tokens(ctx, v, size, n_tokens, capture, max_len) for v in variants]
+
+
+def variant_tokens(ctx, variant: str = "hand", size="tiny", n_tokens: int = 8, capture: bool = True,
+                   max_len: int = 96) -> dict:
+    """The correctness run of ``variant`` on this rank (see the module doc). Returns plain data: tokens of TP=1,
+    eager TP and captured TP, the relative logit differences, the all-reduces counted, whether every rank agreed.
+    A capture the simulator does not model (DTensor) is skipped with the reason in ``capture_skipped``."""
     from course.lessons.real_model.decode import StaticDecoder
     from course.lessons.real_model.generate import forced_logits, greedy, tolerance
     from course.lessons.real_model.handgraph import GraphedDecode
@@ -78,6 +85,12 @@ def tokens_worker(ctx, variant: str = "hand", size="tiny", n_tokens: int = 8, ca
            "tp1": want[0].tolist(), "eager": eager[0].tolist(),
            "eager_logit_diff": float((logits - want_logits).abs().max()) / scale, "tolerance": tolerance(dtype),
            "eager_collectives": counted, "eager_all_reduces": all_reduces(counted)}
+    from course.core.runtime import runtime
+
+    if capture and variant == "dtensor" and ctx.world_size > 1 and not runtime().on_gpu:
+        res["capture_skipped"] = ("the simulator does not capture DTensor programs (a DTensor op becomes several "
+                                  "ops on its shards, dispatched on the host); captured on GPUs only")
+        capture = False
     if capture:
         dec.reset()
         graphed = GraphedDecode(dec)
