@@ -89,6 +89,8 @@ def test_counting_rules():
               ("ncclKernel_AllReduce_RING_LL_Sum_float", True), ("cudaLaunchKernel", False),
               ("ncclDevKernel_AllGather_RING_LL", True), ("ampere_bf16_gemv", True)]
     assert C.count_kernels_named(events) == 2 and C.count_kernels_named(events, "all_gather") == 1
+    assert C.count_kernels_named(events + [("ncclDevKernel_Generic", True)], "") == 4  # every NCCL kernel
+    assert C.all_reduces({"all_reduce": 2, "nccl_kernels": 3}) == 3
     assert C.all_reduces({"allreduce": 3, "all_reduce": 1, "all_gather_into_tensor": 2}) == 4
     x = torch.ones(3)
     assert C.eager_collectives(lambda: x * 2) == {}
@@ -133,6 +135,15 @@ def test_the_timing_experiment_is_registered_for_two_gpus():
     assert exp.gpus == 2 and exp.gpu_only
     assert "tp_decode" in reference.bench_names(reference.load_all(), 4)
     assert "tp_decode" not in reference.bench_names(reference.load_all(), 1)
+
+
+def test_the_simulators_collective_step_and_dtensor_guard_in_one_process():
+    from course.sim.dispatch import Collective, refuse_dtensor
+
+    step = Collective(torch.ops.aten.add.Tensor)
+    assert str(step) == str(torch.ops.aten.add.Tensor) and torch.equal(step(torch.ones(2), torch.ones(2)),
+                                                                       torch.full((2,), 2.0))
+    assert refuse_dtensor((torch.ones(1),), {}) is None  # plain tensors pass; a DTensor is refused (every_rank below)
 
 
 # ---------------------------------------------------------------------------- the referee, in one process
@@ -222,6 +233,9 @@ def every_rank_worker(ctx, fns):
         y.copy_(x * (ctx.rank + 1))
         dist.all_reduce(y)
     out["recorded"] = [str(o) for o in g.recorded_ops()]
+    from course.lessons.tensor_parallel.count import graph_collectives
+
+    out["graph_collectives"] = graph_collectives(g)
     x.fill_(2.0)
     g.replay()
     out["after_replay"] = y.tolist()
@@ -282,6 +296,7 @@ def test_exercise_answer_passes_and_each_wrong_variant_gets_its_named_cross(ever
 def test_the_simulator_replays_collectives_over_gloo_and_refuses_dtensor(every_rank):
     for r in every_rank:
         assert sum(o.startswith("c10d.allreduce") for o in r["recorded"]) == 1
+        assert r["graph_collectives"] == {"all_reduce": 1, "nccl_kernels": 1}
         assert r["after_replay"] == [6.0] * 4  # 2*1 + 2*2: the replay ran the all-reduce on the new input
         assert "does not record DTensor programs" in r["dtensor"]
 

@@ -4,8 +4,10 @@
   ``dist.all_reduce`` reaches aten as ``c10d.allreduce_``, and every collective DTensor issues is counted too),
   as ``{collective: count}``.
 - :func:`graph_collectives`: what one replay of a captured graph ran. On GPUs: the NCCL kernels the profiler saw
-  during one replay (``ncclDevKernel_AllReduce...``), one per collective; on the simulator: the ``c10d`` ops the
-  capture recorded (:meth:`course.sim.graph.CUDAGraph.recorded_ops`).
+  during one replay, one per collective (``ncclDevKernel_AllReduce...``; NCCL names some of its kernels
+  ``ncclDevKernel_Generic`` instead, so every NCCL kernel counts, under ``nccl_kernels``, and those named for an
+  all-reduce under ``all_reduce``); on the simulator: the ``c10d`` ops the capture recorded
+  (:meth:`course.sim.graph.CUDAGraph.recorded_ops`).
 - :func:`count_kernels_named`: the rule behind the GPU count, on plain ``(name, on_gpu)`` pairs (tested anywhere).
 """
 from __future__ import annotations
@@ -25,7 +27,10 @@ def eager_collectives(fn) -> dict:
 
 
 def all_reduces(counts: dict) -> int:
-    """The all-reduces in a :func:`eager_collectives` or :func:`graph_collectives` count."""
+    """The all-reduces in an :func:`eager_collectives` count; in a :func:`graph_collectives` count, the collective
+    kernels (``nccl_kernels``) when it has them (the steps here issue all-reduces only: the eager count says so)."""
+    if "nccl_kernels" in counts:
+        return counts["nccl_kernels"]
     return sum(n for name, n in counts.items() if name.replace("_", "").lower().startswith("allreduce"))
 
 
@@ -38,7 +43,8 @@ def count_kernels_named(events, word: str = "allreduce") -> int:
 
 
 def graph_collectives(graph, replay=None) -> dict:
-    """``{"all_reduce": n}``: the all-reduces one replay of ``graph`` runs (see the module doc).
+    """``{"all_reduce": n, "nccl_kernels": k}``: the all-reduces, and all the collectives, one replay of ``graph``
+    runs (see the module doc). A step whose eager count shows only all-reduces has ``k`` all-reduces in its graph.
 
     GPU: ``replay()`` (default ``graph.replay``) is profiled once; simulator: the recorded ops are read.
     """
@@ -46,7 +52,8 @@ def graph_collectives(graph, replay=None) -> dict:
 
     if not runtime().on_gpu:
         ops = [str(o) for o in graph.recorded_ops()]
-        return {"all_reduce": sum(1 for o in ops if o.startswith("c10d.allreduce"))}
+        return {"all_reduce": sum(1 for o in ops if o.startswith("c10d.allreduce")),
+                "nccl_kernels": sum(1 for o in ops if o.startswith("c10d."))}
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,4 +62,5 @@ def graph_collectives(graph, replay=None) -> dict:
         (replay or graph.replay)()
         torch.cuda.synchronize()
     gpu = torch.autograd.DeviceType.CUDA
-    return {"all_reduce": count_kernels_named((e.name, e.device_type == gpu) for e in prof.events())}
+    events = [(e.name, e.device_type == gpu) for e in prof.events()]
+    return {"all_reduce": count_kernels_named(events), "nccl_kernels": count_kernels_named(events, "")}

@@ -24,7 +24,10 @@ def make_decoder(variant: str, model, ctx, world: int | None = None, group=None,
     from course.lessons.tensor_parallel.dtensor_tp import DTensorDecoder, parallelize
     from course.lessons.tensor_parallel.shard import HandShardedDecoder
 
+    import warnings
+
     world = world or ctx.world_size
+    warnings.filterwarnings("ignore", message="For backward hooks to be called")  # DTensor's hooks on HF's outputs
     if variant == "dtensor":
         if world == 1:
             return StaticDecoder(model, max_len)
