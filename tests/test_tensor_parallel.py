@@ -195,17 +195,17 @@ MUTANTS = [
 ]
 
 
-def answer_cell() -> str:
+def answer_cell(folder: str = "solutions") -> str:
     import json
     from pathlib import Path
 
-    nb = json.loads((Path(__file__).resolve().parent.parent / "solutions" / "08_tensor_parallel.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parent.parent / folder / "08_tensor_parallel.ipynb").read_text())
     return next("".join(c["source"]) for c in nb["cells"] if "def tp_generate" in "".join(c["source"]))
 
 
 def cell_function(source: str, label: str):
     """The cell's tp_generate, carried as source to the ranks (as a notebook cell's worker travels)."""
-    from course.lessons.sharding.cell_workers import CellWorker
+    from course.core.cell_workers import CellWorker
 
     return CellWorker("tp_generate", source, f"<08 answer, {label}>")
 
@@ -254,11 +254,12 @@ def every_rank_worker(ctx, fns):
 @pytest.fixture(scope="module")
 def every_rank():
     from cellrun import apply_edits
-    from course.lessons.sharding.launch import launch, plan
+    from course.core.launch import launch, plan
 
     src = answer_cell()
     fns = [cell_function(src, "answer")] + [cell_function(apply_edits([src], edits, name)[0], name)
-                                            for name, edits, _ in MUTANTS]
+                                            for name, edits, _ in MUTANTS] + [cell_function(answer_cell("notebooks"),
+                                                                                            "learner version")]
     p = plan(2)
     return launch(every_rank_worker, 2, backend=p.backend, timeout=400, fns=fns)
 
@@ -285,7 +286,8 @@ def test_split_models_decode_as_tp1_on_every_rank_with_the_all_reduces_counted(e
 def test_exercise_answer_passes_and_each_wrong_variant_gets_its_named_cross(every_rank):
     got = every_rank[0]["exercise"]
     assert got[0]["ok"] and len(got[0]["tokens"]) == 6, got[0]
-    for (name, _, kind), res in zip(MUTANTS, got[1:]):
+    assert got[-1]["kind"] == "not_done" and "your code goes here" in got[-1]["message"]  # the TODO: not a crash
+    for (name, _, kind), res in zip(MUTANTS, got[1:-1]):
         assert not res["ok"] and res["kind"] == kind, (name, res)
         assert res["message"].startswith(R.DEFECTS[kind]), (name, res["message"])
     assert [r["kind"] for r in every_rank[1]["exercise"]] == [r["kind"] for r in got]  # every rank, the same verdict
@@ -303,7 +305,7 @@ def test_the_simulator_replays_collectives_over_gloo_and_refuses_dtensor(every_r
 
 @pytest.mark.skipif(not SLOW, reason="8 gloo processes (about a minute on 2 cores): set COURSE_SLOW=1")
 def test_eight_ranks_replicate_kv_heads_and_still_decode_as_tp1():
-    from course.lessons.sharding.launch import launch
+    from course.core.launch import launch
 
     out = launch(W.tokens_worker, 8, backend="gloo", timeout=300, variants=("hand",), size=TINY8, n_tokens=6,
                  max_len=16)

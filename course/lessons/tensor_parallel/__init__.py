@@ -11,7 +11,7 @@ with its all-reduces inside.
 - :mod:`~course.lessons.tensor_parallel.experiments`: the floor per rank, the timing rows, the Result.
 - :mod:`~course.lessons.tensor_parallel.lesson`: notebook helpers (layout, correctness launch, sentences, plot).
 
-Worker processes start with lesson 05's launcher (:mod:`course.lessons.sharding.launch`: NCCL on 2+ GPUs, else
+Worker processes start with the launcher lessons 05 and 08 share (:mod:`course.core.launch`: NCCL on 2+ GPUs, else
 gloo CPU processes, every run under a hard time limit).
 """
 from course.lessons.tensor_parallel.count import all_reduces, eager_collectives, graph_collectives

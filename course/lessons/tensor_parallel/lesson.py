@@ -13,7 +13,7 @@ import time
 import course.core.plots as plots
 from course.core.reference import available, get, run
 from course.core.results import Result
-from course.lessons.sharding.launch import launch, plan
+from course.core.launch import launch, plan
 from course.lessons.tensor_parallel.experiments import layout_bytes, scaling
 from course.lessons.tensor_parallel.shard import head_plan, mlp_rows, predicted_all_reduces
 

@@ -1,4 +1,4 @@
-"""What each rank runs in lesson 08 (started by :func:`~course.lessons.sharding.launch.launch`; spawned processes
+"""What each rank runs in lesson 08 (started by :func:`~course.core.launch.launch`; spawned processes
 import these functions by name).
 
 - :func:`make_decoder`: one variant of the split model on this rank (``dtensor``: ``parallelize_module``;
