@@ -135,6 +135,8 @@ def test_the_timing_experiment_is_registered_for_two_gpus():
     assert exp.gpus == 2 and exp.gpu_only
     assert "tp_decode" in reference.bench_names(reference.load_all(), 4)
     assert "tp_decode" not in reference.bench_names(reference.load_all(), 1)
+    assert "tp_decode" in reference.bench_skipped(reference.load_all(), 1)  # a 1-GPU bench says it skipped it
+    assert "tp_decode" not in reference.bench_skipped(reference.load_all(), 4)
 
 
 def test_the_simulators_collective_step_and_dtensor_guard_in_one_process():
@@ -301,6 +303,17 @@ def test_the_simulator_replays_collectives_over_gloo_and_refuses_dtensor(every_r
         assert r["graph_collectives"] == {"all_reduce": 1, "nccl_kernels": 1}
         assert r["after_replay"] == [6.0] * 4  # 2*1 + 2*2: the replay ran the all-reduce on the new input
         assert "does not record DTensor programs" in r["dtensor"]
+
+
+@pytest.mark.skipif(gpu_count() < 4, reason="needs 4 GPUs (NCCL)")
+def test_tiny_fp32_tokens_at_two_and_four_gpus_equal_tp1():
+    """64 greedy tokens of the tiny model in float32 at TP = 2 and 4, over NCCL, eager and captured: TP=1's."""
+    for w in (2, 4):
+        run = TP.run_tokens(("hand", "dtensor"), world_size=w, n_tokens=64, size="tiny", timeout=200)
+        for ranks in run["ranks"]:
+            for r in ranks:
+                assert r["eager"] == r["tp1"] == r["captured"] and r["ranks_agree"], (w, r["variant"])
+                assert r["eager_all_reduces"] == r["graph_all_reduces"] == 4
 
 
 @pytest.mark.skipif(not SLOW, reason="8 gloo processes (about a minute on 2 cores): set COURSE_SLOW=1")

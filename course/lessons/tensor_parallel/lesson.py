@@ -36,12 +36,13 @@ def layout(size, worlds=(1, 2, 4, 8)) -> Result:
 
 
 def run_tokens(variants=("hand", "dtensor"), world_size: int | None = None, n_tokens: int = 64,
-               timeout: float = 300.0) -> dict:
-    """Decode ``n_tokens`` greedily on every rank, TP=1 against each variant, eager and captured (one launch)."""
+               timeout: float = 300.0, size=None) -> dict:
+    """Decode ``n_tokens`` greedily on every rank, TP=1 against each variant, eager and captured (one launch).
+    ``size``: the model (default: TinyLlama's shape in bf16 over NCCL, the tiny one in fp32 on CPU processes)."""
     from course.lessons.tensor_parallel.workers import tokens_worker
 
     p = plan(world_size)
-    size = "tinyllama" if p.backend == "nccl" else "tiny"
+    size = size or ("tinyllama" if p.backend == "nccl" else "tiny")
     t0 = time.perf_counter()
     ranks = launch(tokens_worker, p.world_size, backend=p.backend, timeout=timeout, variants=tuple(variants),
                    size=size, n_tokens=n_tokens, max_len=n_tokens + 8)
