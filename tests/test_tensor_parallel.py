@@ -115,6 +115,7 @@ def test_floor_rows_result_and_sentences():
     text = TP.timing_summary(res)
     assert "hand TP=2: eager 9,000 us" in text and "4.5x" in text and "all-reduces eager/graph/predicted 44/44/44" in text
     assert "where the floor predicts" in text and "slowest rank" in text
+    assert "7,000 us of host work per token removed by the graph (78% of eager)" in text
     assert TP.plot_scaling(res) is not None
     assert TP.timing_summary(None).startswith("No multi-GPU figures")
 
@@ -126,6 +127,10 @@ def test_recorded_says_how_to_record_when_nothing_is(capsys, monkeypatch):
     monkeypatch.setattr(LS, "get", lambda name: types.SimpleNamespace(gpus=2))
     assert TP.recorded("tp_decode") is None
     assert "not recorded yet: run `python -m course bench tp_decode` on a machine with 2+ GPUs" in capsys.readouterr().out
+    monkeypatch.setattr(LS, "available", lambda name: True)
+    monkeypatch.setattr(LS, "reference_path", lambda name: types.SimpleNamespace(exists=lambda: True))
+    monkeypatch.setattr(LS, "heavy", lambda name: f"recorded {name}")
+    assert TP.recorded("tp_decode") == "recorded tp_decode"  # a recording is shown (live with COURSE_FULL=1)
 
 
 def test_the_timing_experiment_is_registered_for_two_gpus():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import course.core.plots as plots
-from course.core.reference import available, get, run
+from course.core.reference import available, get, heavy, reference_path, run
 from course.core.results import Result
 from course.core.launch import launch, plan
 from course.lessons.tensor_parallel.experiments import layout_bytes, scaling
@@ -66,12 +66,14 @@ def tokens_report(run_: dict) -> str:
 
 
 def recorded(name: str):
-    """``reference.run(name)``, or None with a printed line when it needs more GPUs and nobody recorded it yet."""
+    """A multi-GPU experiment's result: the recording when there is one (live on enough GPUs with ``COURSE_FULL=1``,
+    :func:`course.core.reference.heavy`), live when there is none and this machine can run it, else None with a
+    printed line that says how to record it."""
     if not available(name):
         print(f"{name}: not recorded yet: run `python -m course bench {name}` on a machine with {get(name).gpus}+ "
               "GPUs (this machine cannot run it live).")
         return None
-    return run(name)
+    return heavy(name) if reference_path(name).exists() else run(name)
 
 
 def timing_summary(res) -> str:
@@ -88,6 +90,9 @@ def timing_summary(res) -> str:
                      + f"; all-reduces eager/graph/predicted {r['all_reduces_eager']}/{r['all_reduces_graph']}/"
                      f"{r['all_reduces_predicted']}; floor {r['floor_us']:,.0f} us ({r['weights_us']:,.0f} weights + "
                      f"{r['collectives_us']:,.0f} all-reduces), the graph at {r['floor_us'] / r['graph_us']:.0%} of it")
+        lines.append(f"{'':>9} where the time goes: {max(r['eager_us'] - r['graph_us'], 0):,.0f} us of host work per "
+                     f"token removed by the graph ({max(r['eager_us'] - r['graph_us'], 0) / r['eager_us']:.0%} of "
+                     f"eager), {max(r['graph_us'] - r['floor_us'], 0):,.0f} us still above the floor in the graph")
     for v in sorted({r["variant"] for r in res.rows}):
         for s in scaling(res, v)[1:]:
             lines.append(f"{v} graph TP={s['world_size']} vs TP=1: {s['speedup_vs_tp1']:.2f}x faster, where the floor "
