@@ -115,8 +115,8 @@ def refuse_dtensor(args, kwargs) -> None:
     """Raise NotImplementedError when an op's arguments hold a DTensor: the simulated capture does not record them."""
     import sys
 
-    mod = sys.modules.get("torch.distributed.tensor")
-    if mod is None:
+    mod = sys.modules.get("torch.distributed.tensor._api")  # only once DTensor is loaded: never import it here
+    if mod is None or not hasattr(mod, "DTensor"):
         return
     from torch.utils._pytree import tree_leaves
 
