@@ -85,7 +85,7 @@ def test_every_lesson_links_the_page_at_the_top(path):
 
 
 def test_lessons_found_and_the_readme_course_map_links_the_page():
-    assert len([p for p in LESSONS if p.parent.name == "notebooks"]) == 8 and len(LESSONS) == 15, LESSONS
+    assert len([p for p in LESSONS if p.parent.name == "notebooks"]) == 9 and len(LESSONS) == 17, LESSONS
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     course_map = readme[readme.index("## Course map"):readme.index("## Command line")]
     assert "](CAPTURE_RULES.md)" in course_map, "the README's course map must link CAPTURE_RULES.md"

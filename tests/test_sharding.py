@@ -131,7 +131,7 @@ def helper():
 def test_portable_keeps_course_functions_and_carries_a_cells_source():
     import pickle
 
-    from course.lessons.sharding import cell_workers as C
+    from course.core import cell_workers as C
 
     assert C.portable(W.bucket_worker) is W.bucket_worker and C.importable(W.bucket_worker)
     ns = _kernel_cell(CELL)
@@ -145,7 +145,7 @@ def test_portable_keeps_course_functions_and_carries_a_cells_source():
 
 
 def test_portable_refuses_what_cannot_travel_naming_it():
-    from course.lessons.sharding import cell_workers as C
+    from course.core import cell_workers as C
 
     ns = _kernel_cell(CELL, "/tmp/ipykernel_1/654321.py")
     with pytest.raises(ValueError, match=r"'forgets_import' uses helper, torch without importing.*top of its body"):
@@ -321,7 +321,7 @@ def test_capture_world_sizes_on_gpus():
 
 def test_time_ranks_reports_the_slowest_rank_on_every_rank():
     """One number for a collective step: every rank returns the same Timing, and it includes the slow rank."""
-    from course.lessons.sharding.launch import launch
+    from course.core.launch import launch
 
     out = launch(W.timing_worker, 2, backend="gloo", timeout=120, sleep_s=0.004, repeats=3, inner=2)
     assert len({o["median"] for o in out}) == 1, out  # the same figure on every rank

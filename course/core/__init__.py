@@ -9,6 +9,8 @@
 - :mod:`~course.core.capture` and :mod:`~course.core.blocking`: trial captures, GPU sleeps, host-blocking tests.
 - :mod:`~course.core.profiling`: the one launch counter (graph launches, kernel launches, GPU kernels per call).
 - :mod:`~course.core.compiled`: torch.compile's state: its log messages, its counters, a cold start.
+- :mod:`~course.core.launch` and :mod:`~course.core.cell_workers`: N worker processes (NCCL on 2+ GPUs, else gloo
+  CPU processes) under a hard time limit; a worker written in a notebook cell sent to them as source.
 - :mod:`~course.core.hardware`: the GPU's memory facts, and releasing memory nothing holds;
   :mod:`~course.core.isolate`: one-off processes.
 """

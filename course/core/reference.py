@@ -206,6 +206,11 @@ def bench_names(registry: dict, gpus: int) -> list:
     return sorted(n for n, e in registry.items() if e.gpu_only and 2 <= e.gpus <= gpus)
 
 
+def bench_skipped(registry: dict, gpus: int) -> list:
+    """The GPU experiments ``course bench`` cannot record on a machine with ``gpus`` GPUs (they need more)."""
+    return sorted(n for n, e in registry.items() if e.gpu_only and e.gpus > max(gpus, 1))
+
+
 def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=print) -> list:
     """Run GPU experiments on a real GPU and write their reference JSON files.
 
@@ -228,6 +233,9 @@ def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=prin
         raise RuntimeError(f"{short} need {max(reg[n].gpus for n in short)} GPUs; this machine has {n_gpus}. "
                            "Record them on a multi-GPU machine.")
     log(f"bench: this machine has {n_gpus} GPU(s); recording {names}")
+    unreachable = bench_skipped(reg, n_gpus)
+    if unreachable:
+        log(f"bench: not recorded here (they need more GPUs than this machine has): {unreachable}")
     out_dir = Path(out_dir or REFERENCE_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -6,6 +6,13 @@ device memory on the host (``.item()`` reaches aten as ``_local_scalar_dense``; 
 ``masked_select`` and boolean-mask indexing size their output from device values) is refused with the GPU's
 error. Each op also runs on meta tensors first, so shapes, dtypes and the errors a bad shape raises are those of
 the real op, raised at capture as on a GPU.
+
+A collective (a ``c10d`` op: ``dist.all_reduce`` and the others reach aten as ``c10d.allreduce_``...) is recorded
+like any op and runs at every replay, really, over the process group (gloo on CPU processes), waited for before
+the next recorded op (:class:`Collective`): a replay that not every rank runs then waits in it, as on GPUs. Not
+modelled: NCCL's communicator, made lazily by a group's first collective (a GPU cannot make it inside a capture, so
+warm up first); the simulator captures a group's first collective without complaint. DTensor programs: a capture
+that meets a DTensor is refused with a message that says so (:func:`refuse_dtensor`); capture them on GPUs.
 """
 from __future__ import annotations
 
@@ -79,12 +86,48 @@ def _host_read(func, name: str, args, kwargs):
     return None
 
 
+class Collective:
+    """A recorded ``c10d`` op: at replay it runs over the process group and is waited for (a GPU stream orders the
+    collective's kernel before the next one; gloo returns a ``Work`` that must be waited on)."""
+
+    def __init__(self, func):
+        self.func = func
+
+    def __call__(self, *args, **kwargs):
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        res = self.func(*args, **kwargs)
+        for leaf in tree_leaves(res):
+            if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
+                leaf.wait()
+        return res
+
+    def __str__(self) -> str:
+        return str(self.func)
+
+
 def _aliased(schema, args, kwargs, alias):
     """The argument a return value aliases (the tensor an in-place or out= op wrote into)."""
     for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.before_set == alias.before_set:
             return args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name, a.default_value)
     raise NotImplementedError(f"the simulated capture cannot tell what {schema.name} returns")
+
+
+def refuse_dtensor(args, kwargs) -> None:
+    """Raise NotImplementedError when an op's arguments hold a DTensor: the simulated capture does not record them."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor._api")  # only once DTensor is loaded: never import it here
+    if mod is None or not hasattr(mod, "DTensor"):
+        return
+    from torch.utils._pytree import tree_leaves
+
+    if any(isinstance(t, mod.DTensor) for t in tree_leaves((args, kwargs))):
+        raise NotImplementedError("the simulated capture does not record DTensor programs (a DTensor's op becomes "
+                                  "several ops on its local shards); run this capture on GPUs, or capture plain "
+                                  "tensors and explicit collectives (dist.all_reduce), which the simulator records")
 
 
 def record_op(cap, func, args, kwargs):
@@ -94,6 +137,7 @@ def record_op(cap, func, args, kwargs):
 
     schema = func._schema
     name = schema.name.split("::")[-1]
+    refuse_dtensor(args, kwargs)
     why = _host_read(func, name, args, kwargs)
     if why:
         ss.on_sync(why)  # the sync debug mode speaks first, as torch's does (it checks before calling CUDA)
@@ -133,6 +177,8 @@ def record_op(cap, func, args, kwargs):
             outs.append((i, program.ref(leaves[i])))
     if name not in EMPTY:
         cap.note_work(ss.current_stream())
+        if schema.name.startswith("c10d::"):
+            func = Collective(func)
         program.steps.append(("op", func, program.refs(args), program.refs(kwargs), outs))
     return tree_unflatten(leaves, spec)
 

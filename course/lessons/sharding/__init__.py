@@ -1,8 +1,9 @@
 """Lesson 05, a sharded embedding table: PyTorch's DTensor sharded-embedding test, vocab-parallel by hand, capture
 on GPUs, and why data-parallel ranks must replay the same graph.
 
-- :mod:`~course.lessons.sharding.launch`: start N worker processes (NCCL on 2+ GPUs, else gloo on the
-  CPU), collect their results, hard time limit, errors that name the rank.
+- worker processes come from the launcher lessons 05 and 08 share, :mod:`~course.core.launch` (NCCL on 2+ GPUs,
+  else gloo on the CPU; hard time limit; errors that name the rank), re-exported here; a worker written in a
+  notebook cell travels to the processes as source (:mod:`~course.core.cell_workers`).
 - :mod:`~course.lessons.sharding.layouts`: row-wise / column-wise DTensor embeddings (PyTorch's DTensor test),
   who holds which rows and columns, what each collective moves.
 - :mod:`~course.lessons.sharding.vocab_parallel`: mask, local lookup (the course's Numba kernel),
@@ -11,9 +12,8 @@ on GPUs, and why data-parallel ranks must replay the same graph.
 - :mod:`~course.lessons.sharding.graphs`: the lookups captured in CUDA graphs on 2+ GPUs, eager vs replay.
 - :mod:`~course.lessons.sharding.experiments`: the DTensor test's experiment, and the bookkeeping of the experiments
   written in notebook 05's cells.
-- :mod:`~course.lessons.sharding.cell_workers`: a worker written in a notebook cell, sent to the processes as source.
 """
-from course.lessons.sharding.launch import Context, Plan, WorkerError, WorkerTimeout, launch, plan
+from course.core.launch import Context, Plan, WorkerError, WorkerTimeout, launch, plan
 from course.lessons.sharding.layouts import LAYOUTS, DTENSOR_CASES, chunk_bounds, comm_bytes, ownership, shard_embedding
 from course.lessons.sharding.vocab_parallel import (check_inputs, local_rows, masked_lookup, shard_bounds,
                                                     vocab_parallel_embedding)

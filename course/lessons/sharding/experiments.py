@@ -7,7 +7,7 @@ Live everywhere (NCCL on 2+ GPUs, else gloo with CPU processes):
 - ``sharding_cost``: ids per step and table width swept, eager time, bytes of the lookup vs bytes of the all-reduce;
 - ``sharding_world_sizes``: the same lookup at world sizes 2, 4, 8 (gloo: CPU processes; NCCL: as many GPUs as the
   machine has). Both are written in lesson 05's cells (:mod:`course.core.cells`; their per-rank worker travels to
-  the processes as source, :mod:`~course.lessons.sharding.cell_workers`); this module keeps their bookkeeping
+  the processes as source, :mod:`~course.core.cell_workers`); this module keeps their bookkeeping
   (:func:`sweep_result`).
 
 Multi-GPU only (``gpus=2``; recorded by ``python -m course bench`` on a machine with 2+ GPUs):
@@ -24,7 +24,7 @@ from course.core.reference import experiment
 from course.core.results import Result
 import course.lessons.sharding.graphs as G
 import course.lessons.sharding.workers as W
-from course.lessons.sharding.launch import launch, plan
+from course.core.launch import launch, plan
 
 def run_provenance(p) -> dict:
     """Provenance for a multi-process run: "2x <GPU>" for NCCL, "N CPU processes (gloo) on <CPU>" for gloo."""

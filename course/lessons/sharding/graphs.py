@@ -1,7 +1,7 @@
 """The sharded lookup captured in a CUDA graph on each GPU, replayed with new ids, eager vs replay timed.
 
 The per-rank worker (``capture_worker``) is written in lesson 05's cell (it travels to each NCCL process as its source,
-:mod:`~course.lessons.sharding.cell_workers`). For each world size it builds the variants below (:func:`make_step`)
+:mod:`~course.core.cell_workers`). For each world size it builds the variants below (:func:`make_step`)
 over the first ``w`` ranks (a subgroup when ``w`` is smaller than the launch), warms each up on a side stream and
 captures one call (lookup *and* collective) into a ``torch.cuda.CUDAGraph`` (:func:`capture_graph`), writes new ids
 into the static input, replays, and checks the answer against ``F.embedding`` on the full table

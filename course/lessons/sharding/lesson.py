@@ -17,7 +17,7 @@ import course.core.plots as plots
 from course.core.reference import get, run
 import course.lessons.sharding.workers as W
 from course.lessons.sharding.experiments import dtensor_result
-from course.lessons.sharding.launch import WorkerError, WorkerTimeout, launch, plan
+from course.core.launch import WorkerError, WorkerTimeout, launch, plan
 
 
 def run_lesson(world_size: int | None = None, timeout: float = 150.0, backend: str | None = None, **kwargs) -> dict:

@@ -1,6 +1,6 @@
-"""What each worker process runs (started by :func:`~course.lessons.sharding.launch.launch`).
+"""What each worker process runs (started by :func:`~course.core.launch.launch`).
 
-Every function here takes the worker's :class:`~course.lessons.sharding.launch.Context` first and
+Every function here takes the worker's :class:`~course.core.launch.Context` first and
 returns plain picklable data. They live in ``course`` (not in the notebook) because spawned
 processes import them by name.
 

@@ -4,7 +4,7 @@
 NCCL with one process per GPU; otherwise gloo on the CPU (2 processes unless asked for more).
 :func:`launch` starts the processes with multiprocessing *spawn* (safe inside a notebook
 kernel; a worker function written in a notebook cell travels to each process as its source,
-:mod:`~course.lessons.sharding.cell_workers`), sets up
+:mod:`~course.core.cell_workers`), sets up
 ``torch.distributed`` in each, calls ``fn(ctx, **kwargs)``, and returns the results in rank
 order. Every run has a hard time limit: when it passes, every worker is killed and
 :class:`WorkerTimeout` names the ranks that had not answered. A worker that raises makes
@@ -29,7 +29,7 @@ import time
 import traceback
 
 from course.core.runtime import ENV_CACHE, ENV_FORCE, gpu_count, runtime
-from course.lessons.sharding.cell_workers import portable
+from course.core.cell_workers import portable
 
 TEARDOWN_GRACE_S = 10.0
 
@@ -166,7 +166,7 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
     """Run ``fn(ctx, **kwargs)`` in ``world_size`` processes (see :func:`plan`); return results by rank.
 
     ``fn``: a function defined at the top of a module of ``course`` or of a notebook cell (sent to the workers
-    as source, :func:`~course.lessons.sharding.cell_workers.portable`); it returns something picklable. ``timeout``: hard limit in seconds for the whole run; past it every worker is
+    as source, :func:`~course.core.cell_workers.portable`); it returns something picklable. ``timeout``: hard limit in seconds for the whole run; past it every worker is
     killed and :class:`WorkerTimeout` is raised. ``pg_timeout``: the process group's own
     timeout for one collective (default: the run's limit).
     """
