@@ -168,3 +168,40 @@ def test_shipped_smollm2_answers_a_chat_prompt_by_replay(smol):
     assert r["compared"] == 6 and r["agree"] == 6, (r["tokens"], r["want"])
     with pytest.raises(ValueError, match="exceed"):
         chat.answer(GraphedDecode(dec), dec, prompt, 9)
+
+
+def _timing(us):
+    from course.core.timing import Timing
+
+    return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 5, "cuda-events")
+
+
+def test_trained_result_rows_and_ratios():
+    from types import SimpleNamespace
+
+    from course.lessons.real_model import trained_bench as tb
+    from course.lessons.real_model.experiments import FAST
+
+    m = _tiny_llama(True)
+    trained = SimpleNamespace(model=m, name="tiny.gguf")
+    rows = {n: {"variant": n, "status": "ok", "mode": "", "first_call_s": 0.1} for n in ("eager", tb.HAND, FAST)}
+    rows["fused"] = {"variant": "fused", "status": "FAILED: RuntimeError: x", "mode": "", "first_call_s": float("nan")}
+    times = {"eager": _timing(4000.0), tb.HAND: _timing(400.0), FAST: _timing(200.0)}
+    res = tb.trained_result(trained, rows, times, [8000.0, 7900.0, 8100.0, 8000.0], {"eager": 300.0}, None, 50.0,
+                            1000.0, position=4)
+    variants = [r["variant"] for r in res.rows]
+    assert variants == [tb.GENERATE, "eager", tb.HAND, FAST, "fused", "floor"]
+    assert res.value("generate / hand-captured loop") == pytest.approx(20.0)
+    assert "generate / fused" not in res.summary  # a failed variant has no ratio
+    assert res.rows[1]["kernels_per_token"] == 300.0 and res.rows[4]["status"].startswith("FAILED")
+    assert "tiny.gguf" in res.title and res.params["model"] == "tiny.gguf"
+
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a real GPU (CUDA events, captures, compiles)")
+def test_trained_model_decode_quick_on_gpu():
+    from course.core import reference
+
+    res = reference.get("trained_model_decode").fn(**reference.get("trained_model_decode").quick)
+    at = {r["variant"]: r for r in res.rows}
+    assert at["hand-captured loop"]["status"] == "ok" and at["floor"]["us"] > 0
+    assert res.value("generate / hand-captured loop") > 1
