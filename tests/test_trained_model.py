@@ -201,7 +201,38 @@ def test_trained_result_rows_and_ratios():
 def test_trained_model_decode_quick_on_gpu():
     from course.core import reference
 
+    from course.lessons.real_model import trained_bench as tb
+
     res = reference.get("trained_model_decode").fn(**reference.get("trained_model_decode").quick)
+    smol = load_trained(dtype=torch.bfloat16)
+    args = StaticDecoder(smol.model, 64).example_args(1, 8)
+    steps, rows = tb.build_steps(smol.model, 64, args, log=lambda *a: None)
+    assert rows[tb.HAND]["status"] == "ok" and tb.kernel_counts({tb.HAND: steps[tb.HAND]}, args)[tb.HAND] > 0
+    assert len(tb.generate_us(smol.model, 8, repeats=2)) == 2
     at = {r["variant"]: r for r in res.rows}
     assert at["hand-captured loop"]["status"] == "ok" and at["floor"]["us"] > 0
     assert res.value("generate / hand-captured loop") > 1
+
+
+def test_prefill_then_the_loop_equals_generate_tokens_on_a_tiny_llama(tmp_path):
+    """The chat path on a tiny random Llama (milliseconds): prefill, the loop from start=L-1, generate_tokens."""
+    from course.lessons.real_model.checkpoint import Trained, default_dtype, free_bytes
+
+    assert default_dtype("cpu") == torch.float32 and free_bytes("cpu") > 0
+    m = _tiny_llama(False).to(course.device())
+    prompt = torch.tensor([[5, 9, 4, 30, 7]], device=course.device())
+    dec = StaticDecoder(m, 32)
+    want, logits = chat.generate_tokens(m, prompt, 10)
+    assert logits.shape == (want.shape[1], 40)
+    loop = GraphedDecode(dec)  # captured first: its warm-up and capture write position 0 of the cache
+    chat.prefill(dec, prompt)
+    got = loop.generate(prompt[0, -1:], 10, start=prompt.shape[1] - 1)
+    assert chat.agreement(got, want) == want.shape[1]
+    stale = GraphedDecode(StaticDecoder(m, 32)).generate(prompt[0, -1:], 10, start=prompt.shape[1] - 1)
+    assert chat.agreement(stale, want) < want.shape[1]  # no prefill: the prompt is not in the cache
+    with pytest.raises(ValueError, match="does not fit"):
+        chat.prefill(StaticDecoder(m, 4), prompt)
+    t = Trained(m, None, Source("dir", str(tmp_path)), 0.0)
+    assert t.name == t.source.label == tmp_path.name
+    with pytest.raises(ValueError, match="no tokenizer"):
+        chat.chat_ids(t.tokenizer)

@@ -85,6 +85,9 @@ def divergence(logits, want, got, step: int, tokenizer=None) -> dict:
 def answer(loop, decoder, prompt, n: int) -> dict:
     """The captured ``loop``'s answer to ``prompt`` beside ``model.generate``'s (see the module doc).
 
+    ``loop`` must be captured already: its warm-up and capture run the step at its buffers' position (0), which
+    writes that position of the cache; the prefill comes after them.
+
     Returns ``tokens`` (the loop's ``[1, n]``), ``want`` (generate's ``[1, m]``, ``m <= n``: it stops at
     end-of-sequence), ``want_logits``, ``agree`` (leading tokens equal) and ``compared`` (``m``).
     """
