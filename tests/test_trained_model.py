@@ -157,6 +157,24 @@ def test_gguf_meta_reads_the_header():
     assert arch == "llama" and 130e6 < n < 140e6  # SmolLM2-135M, tied head
 
 
+def test_a_dequantized_gguf_is_kept_and_reloaded(smol, tmp_path):
+    where = checkpoint.cache_dir(smol.source, torch.float32)
+    assert where is not None and (where / "model.safetensors").is_file(), "the first load keeps what it de-quantized"
+    assert checkpoint.cache_dir(Source("dir", str(tmp_path)), torch.float32) is None
+    saved, logs = dict(checkpoint._LOADED), []
+    checkpoint._LOADED.clear()
+    try:
+        again = load_trained(dtype=torch.float32, log=logs.append)
+    finally:
+        checkpoint._LOADED.clear()
+        checkpoint._LOADED.update(saved)
+    assert "de-quantized once before" in logs[-1] and again.tokenizer.chat_template == smol.tokenizer.chat_template
+    assert all(torch.equal(a, b) for a, b in zip(again.model.state_dict().values(), smol.model.state_dict().values()))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert checkpoint.keep(_tiny_llama(True), _tokenizer(), blocked / "x") is False  # a file where a folder goes
+
+
 def test_shipped_smollm2_answers_a_chat_prompt_by_replay(smol):
     """The captured loop's tokens equal model.generate's, in float32 (a few tokens: the notebooks run 48)."""
     m = smol.model

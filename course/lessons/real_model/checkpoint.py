@@ -12,11 +12,15 @@
 
 Every failure says what to do: a missing file, a missing package, a checkpoint that is not a Llama (the lessons'
 steps are written for ``LlamaForCausalLM``), a checkpoint too large for this device, a hub id without internet.
-A loaded model is kept for the session (same source, dtype and device: loaded once).
+A loaded model is kept for the session (same source, dtype and device: loaded once), and a GGUF file de-quantized
+once is kept on disk as a ``save_pretrained`` checkpoint (:func:`cache_dir`): the next session loads it in a second
+or two instead of de-quantizing again.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import re
@@ -187,6 +191,52 @@ def default_dtype(device):
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+def cache_dir(src: Source, dtype):
+    """Where a GGUF file de-quantized to ``dtype`` is kept (``$COURSE_MODEL_CACHE``, else ``~/.cache/capture-replay/``), keyed
+    by the file's path, size and modification time; None for other sources (they load fast as they are)."""
+    if src.kind != "gguf":
+        return None
+    f = Path(src.where) / src.gguf_file
+    st = f.stat()
+    key = hashlib.sha1(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}".encode()).hexdigest()[:12]
+    base = os.environ.get("COURSE_MODEL_CACHE") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "capture-replay" / "models"
+    return Path(base) / f"{Path(src.gguf_file).stem}-{str(dtype).replace('torch.', '')}-{key}"
+
+
+def keep(model, tokenizer, where: Path) -> bool:
+    """Save the de-quantized ``model`` and its ``tokenizer`` to ``where`` (written aside, then renamed: never half a
+    checkpoint); False when the disk refuses (read-only, full), which costs only the next load's time."""
+    import shutil
+    import tempfile
+
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=where.parent, prefix=".partial-"))
+        from safetensors.torch import save_model
+
+        config = copy.deepcopy(model.config)  # de-quantized already: drop the GGUF mark that forbids saving
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # a tied head stored once
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(where)
+        return True
+    except (OSError, ValueError, RuntimeError):
+        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
+        return False
+
+
+def _ready(model, tok, src: Source, dev, t0: float) -> Trained:
+    model = model.to(dev).eval()
+    model.requires_grad_(False)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = model.config.eos_token_id
+    return Trained(model, tok, src, time.perf_counter() - t0)
+
+
 def load_trained(name: str | None = None, dtype=None, device=None, log=print) -> Trained:
     """The trained Llama ``name`` (see :func:`resolve`), in ``dtype`` on ``device`` (the course's), loaded once."""
     import torch
@@ -200,6 +250,15 @@ def load_trained(name: str | None = None, dtype=None, device=None, log=print) ->
     key = (src, str(dtype), str(dev))
     if key in _LOADED:
         return _LOADED[key]
+    cached = cache_dir(src, dtype)
+    if cached is not None and (cached / "config.json").is_file():
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(cached)
+        out = _ready(model, tok, src, dev, t0)
+        log(f"loaded {src.label} in {out.load_s:.1f} s (de-quantized once before, kept in {cached})")
+        _LOADED[key] = out
+        return out
     if src.gguf_file:  # the file's own metadata: no de-quantization before the checks
         arch, n_params = gguf_meta(Path(src.where) / src.gguf_file)
         if arch != "llama":
@@ -223,11 +282,9 @@ def load_trained(name: str | None = None, dtype=None, device=None, log=print) ->
         tok = AutoTokenizer.from_pretrained(src.where, **_kwargs(src))
     except (OSError, ValueError, TypeError):
         tok = None  # a checkpoint without tokenizer files: token ids only
-    model = model.to(dev).eval()
-    model.requires_grad_(False)
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = model.config.eos_token_id
-    out = Trained(model, tok, src, time.perf_counter() - t0)
+    if cached is not None and tok is not None:
+        keep(model, tok, cached)
+    out = _ready(model, tok, src, dev, t0)
     config = model.config
     log(f"loaded {src.label}: {type(model).__name__}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, in {out.load_s:.1f} s")
