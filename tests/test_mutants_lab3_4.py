@@ -264,7 +264,7 @@ LAB4_MUTANTS = [
     ("next token never fed back", _one(_FEED, ""), L5, ["first token again", "self.ids.copy_"]),
     ("generate runs the step eagerly",
      _one("            self.graph.replay()\n", "            self.next = self.one_token()\n"), L5, ["in Python 64 times", "replay"]),
-    ("a new sequence starts where the last ended", _one("        self.pos.zero_()\n", ""), L5,
+    ("a new sequence starts where the last ended", _one("self.pos.fill_(start)  # 0", "# 0"), L5,
      ["second did not", "zero the position"]),
 ]
 

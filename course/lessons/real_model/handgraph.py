@@ -56,12 +56,16 @@ class GraphedDecode:
         self.graph.replay()
         return self.logits.clone()  # the next replay overwrites self.logits
 
-    def generate(self, first_ids, n_tokens: int):
-        """``n_tokens`` greedy tokens after ``first_ids`` (int64 ``[1]``, at position 0): int64 ``[1, n_tokens]``."""
-        if n_tokens < 1 or n_tokens > self.decoder.max_len:
-            raise ValueError(f"n_tokens must be in 1..{self.decoder.max_len} (the cache's positions), got {n_tokens}")
+    def generate(self, first_ids, n_tokens: int, start: int = 0):
+        """``n_tokens`` greedy tokens after ``first_ids`` (int64 ``[1]``) at position ``start``: int64 ``[1, n_tokens]``.
+
+        ``start`` > 0 continues a prompt whose positions ``0..start-1`` are already in the KV cache (prefilled).
+        """
+        if n_tokens < 1 or start < 0 or start + n_tokens > self.decoder.max_len:
+            raise ValueError(f"start + n_tokens must be in 1..{self.decoder.max_len} (the cache's positions), got "
+                             f"{start} + {n_tokens}")
         self.ids.copy_(first_ids.view(1, 1))
-        self.pos.zero_()
+        self.pos.fill_(start)
         out = []
         for _ in range(n_tokens):
             self.graph.replay()

@@ -128,12 +128,14 @@ def bytes_per_token(model, batch: int = 1, context: int = 0) -> int:
     """Bytes one decode step of ``batch`` sequences must read from memory at least.
 
     Every weight once (whatever the batch), except the token embedding table, of which only the ``batch``
-    rows looked up are read; plus each sequence's K/V over ``context`` positions. Activations are left out
+    rows looked up are read (unless the output head shares it: then it is read whole, once); plus each sequence's K/V over ``context`` positions. Activations are left out
     (kilobytes per token against gigabytes of weights).
     """
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
     emb = model.get_input_embeddings().weight
     row = emb.shape[1] * emb.element_size()
-    return weight_bytes(model) - emb.numel() * emb.element_size() + batch * row \
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is emb  # the output head reads the whole table anyway (SmolLM2)
+    return weight_bytes(model) - (0 if tied else emb.numel() * emb.element_size() - batch * row) \
         + batch * context * kv_bytes_per_position(model)
