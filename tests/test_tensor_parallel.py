@@ -56,7 +56,7 @@ def test_layout_bytes_match_the_shards_and_the_table():
     assert by[1]["bytes_per_token"] / by[4]["bytes_per_token"] < 4  # the replicated LM head keeps a floor per rank
 
 
-def test_hand_split_at_one_rank_is_lesson_06s_model_exactly():
+def test_hand_split_at_one_rank_is_lesson_06s_model():
     m = build_model("tiny", device="cpu")
     ref, hand = StaticDecoder(m, 64), SH.HandShardedDecoder(m, 0, 1, max_len=64)
     first = W.first_token("cpu", m.config.vocab_size)
@@ -64,7 +64,9 @@ def test_hand_split_at_one_rank_is_lesson_06s_model_exactly():
     ids, pos = hand.example_args(1, 3)
     ref.reset()
     hand.reset()
-    assert torch.equal(ref.step(ids, pos), hand.step(ids, pos))
+    # the stacked q/k/v and gate/up products may sum in another order than three separate ones (seen on a GPU
+    # machine's CPU: last-bit differences), so the logits agree to float32 rounding and the tokens exactly
+    torch.testing.assert_close(ref.step(ids, pos), hand.step(ids, pos), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"step takes ids \[B, 1\]"):
         hand.step(ids.view(1), pos)
     with pytest.raises(ValueError, match="linear must be"):
@@ -313,8 +315,11 @@ def test_the_simulator_replays_collectives_over_gloo_and_refuses_dtensor(every_r
 @pytest.mark.skipif(gpu_count() < 4, reason="needs 4 GPUs (NCCL)")
 def test_tiny_fp32_tokens_at_two_and_four_gpus_equal_tp1():
     """64 greedy tokens of the tiny model in float32 at TP = 2 and 4, over NCCL, eager and captured: TP=1's."""
+    kv_heads = build_model("tiny", device="cpu").config.num_key_value_heads
     for w in (2, 4):
-        run = TP.run_tokens(("hand", "dtensor"), world_size=w, n_tokens=64, size="tiny", timeout=200)
+        # parallelize_module splits whole KV heads: where the ranks outnumber them only the hand split runs
+        variants = ("hand", "dtensor") if kv_heads % w == 0 else ("hand",)
+        run = TP.run_tokens(variants, world_size=w, n_tokens=64, size="tiny", timeout=200)
         for ranks in run["ranks"]:
             for r in ranks:
                 assert r["eager"] == r["tp1"] == r["captured"] and r["ranks_agree"], (w, r["variant"])
