@@ -116,7 +116,15 @@ def test_floor_rows_result_and_sentences():
     assert s[1]["speedup_vs_tp1"] == pytest.approx(1.5) and 1 < s[1]["floor_speedup"] < 2
     text = TP.timing_summary(res)
     assert "hand TP=2: eager 9,000 us" in text and "4.5x" in text and "all-reduces eager/graph/predicted 44/44/44" in text
-    assert "where the floor predicts" in text and "slowest rank" in text
+    assert "scaling TP=1 time / TP=2 time: 1.50x; the floor predicts" in text and "slowest rank" in text
+    # the floor's two terms: 44 all-reduces of 2 us (88 us) against the weight time one half of the ranks saves
+    saved = rows[0]["weights_us"] - rows[1]["weights_us"]
+    assert f"floor at TP=2: {saved:,.0f} us of weight reading saved per token, 88 us of all-reduce latency added" \
+        in text and ("faster than one GPU" if saved > 88 else "slower than one GPU") in text
+    slow = [dict(r, all_reduce_us=50.0, collectives_us=44 * 50.0) if r["world_size"] == 2 else r for r in rows]
+    assert "the floor predicts the split slower" in "\n".join(TP.floor_reading(TP.tp_result(slow, p, {})))
+    close = [dict(r, graph_q1_us=2900.0, graph_q3_us=3100.0) for r in rows]
+    assert "(the IQRs overlap: noise)" in TP.timing_summary(TP.tp_result(close, p, {}))
     assert "7,000 us of host work per token removed by the graph (78% of eager)" in text
     assert TP.plot_scaling(res) is not None
     assert TP.timing_summary(None).startswith("No multi-GPU figures")

@@ -18,11 +18,12 @@ from course.lessons.tensor_parallel.count import all_reduces, eager_collectives,
 from course.lessons.tensor_parallel.dtensor_tp import DTensorDecoder, parallelize, tp_plan
 from course.lessons.tensor_parallel.exercise import check_capture, run_capture
 from course.lessons.tensor_parallel.experiments import floor_us, layout_bytes, scaling, tp_result
-from course.lessons.tensor_parallel.lesson import (layout, plot_scaling, recorded, run_tokens, timing_summary,
-                                                   tokens_report)
+from course.lessons.tensor_parallel.lesson import (floor_reading, layout, plot_scaling, recorded, run_tokens,
+                                                   timing_summary, tokens_report)
 from course.lessons.tensor_parallel.shard import HandShardedDecoder, head_plan, predicted_all_reduces
 
-__all__ = ["DTensorDecoder", "HandShardedDecoder", "all_reduces", "check_capture", "eager_collectives", "floor_us",
+__all__ = ["DTensorDecoder", "HandShardedDecoder", "all_reduces", "check_capture", "eager_collectives", "floor_reading",
+           "floor_us",
            "graph_collectives", "head_plan", "layout", "layout_bytes", "parallelize", "plot_scaling",
            "predicted_all_reduces", "recorded", "run_capture", "run_tokens", "scaling", "timing_summary",
            "tokens_report", "tp_plan", "tp_result"]

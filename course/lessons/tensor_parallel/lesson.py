@@ -93,10 +93,15 @@ def timing_summary(res) -> str:
         lines.append(f"{'':>9} where the time goes: {max(r['eager_us'] - r['graph_us'], 0):,.0f} us of host work per "
                      f"token removed by the graph ({max(r['eager_us'] - r['graph_us'], 0) / r['eager_us']:.0%} of "
                      f"eager), {max(r['graph_us'] - r['floor_us'], 0):,.0f} us still above the floor in the graph")
+    by = {(r["variant"], r["world_size"]): r for r in res.rows}
     for v in sorted({r["variant"] for r in res.rows}):
         for s in scaling(res, v)[1:]:
-            lines.append(f"{v} graph TP={s['world_size']} vs TP=1: {s['speedup_vs_tp1']:.2f}x faster, where the floor "
-                         f"predicts {s['floor_speedup']:.2f}x")
+            one, k = by[(v, 1)], by[(v, s["world_size"])]
+            apart = k["graph_q1_us"] > one["graph_q3_us"] or one["graph_q1_us"] > k["graph_q3_us"]
+            lines.append(f"{v} graph, scaling TP=1 time / TP={s['world_size']} time: {s['speedup_vs_tp1']:.2f}x"
+                         + ("" if apart else " (the IQRs overlap: noise)")
+                         + f"; the floor predicts {s['floor_speedup']:.2f}x")
+    lines += floor_reading(res)
     lines.append(f"how: {res.params.get('timing', 'not recorded')}")
     return "\n".join(lines)
 
@@ -115,3 +120,21 @@ def plot_scaling(res):
     ax.legend(fontsize=8)
     plots.caption(fig, res)
     return fig
+
+
+def floor_reading(res) -> list:
+    """What the floor's two terms say about splitting, per world size (of the hand split): the weight time saved
+    against the all-reduces' latency added, and so whether the floor itself predicts a faster split."""
+    rows = {r["world_size"]: r for r in res.rows if r["variant"] == "hand"}
+    if 1 not in rows:
+        return []
+    out = []
+    for w, r in sorted(rows.items()):
+        if w == 1:
+            continue
+        saved, added = rows[1]["weights_us"] - r["weights_us"], r["collectives_us"]
+        verdict = "faster" if saved > added else "slower"
+        out.append(f"floor at TP={w}: {saved:,.0f} us of weight reading saved per token, {added:,.0f} us of "
+                   f"all-reduce latency added ({r['all_reduces_predicted']} x {r['all_reduce_us']:.1f} us): the "
+                   f"floor predicts the split {verdict} than one GPU at batch 1")
+    return out
