@@ -233,3 +233,11 @@ def test_every_staged_hint_teaches_and_keeps_its_answer_apart():
         assert len(stages) >= 3, f"{where}: {name}: the rule, where in the code, a smaller example"
         if isinstance(answer, ast.Constant):
             assert all(answer.value not in s for s in stages), f"{where}: {name}: a stage gives the answer away"
+
+
+def test_reset_forgets_the_sessions_answers(capsys):
+    with checks.exercise("z.2 two", answer="y = 2"):
+        pass
+    assert answers.show_answer("z.2") == "y = 2"
+    checks.reset()
+    assert answers.show_answer("z.2") is None and "run an exercise's check cell first" in capsys.readouterr().out

@@ -32,6 +32,11 @@ def remember(name: str, answer: str) -> None:
         _KNOWN[name] = answer
 
 
+def forget() -> None:
+    """Forget every answer remembered in this session (with :func:`course.core.checks.reset`)."""
+    _KNOWN.clear()
+
+
 def requested(name: str) -> bool:
     """True when this run was asked to show the answer of ``name`` (``COURSE_SHOW_ANSWER``) and answers are on."""
     try:

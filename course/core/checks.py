@@ -44,7 +44,7 @@ import sys
 import sysconfig
 import traceback
 
-from course.core.answers import remember, requested, offer, show_answer  # noqa: F401 - show_answer: notebooks' door
+from course.core.answers import forget, remember, requested, offer, show_answer  # noqa: F401 - show_answer: notebooks' door
 
 ENV_LOG = "COURSE_CHECK_LOG"
 ENV_TRACEBACK = "COURSE_TRACEBACK"
@@ -159,8 +159,9 @@ def describe(name: str) -> str:
 
 
 def reset() -> None:
-    """Forget every outcome of this session (tests use it)."""
+    """Forget every outcome of this session, and the answers its checks remembered (tests use it)."""
     _SESSION.clear()
+    forget()
 
 
 _LIB_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
