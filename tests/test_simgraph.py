@@ -58,13 +58,7 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_capture_left_behind():
-    yield
-    if not ON_GPU:
-        left = bool(simstream._ACTIVE) or simstream.current_stream() is not simstream.default_stream()
-        simgraph.end_all_captures()
-        assert not left, "the test left a capture under way or a capture stream current"
+from simguard import no_capture_left_behind  # noqa: F401 - an autouse fixture
 
 
 # ----------------------------------------------------------------------------- parity (both paths)

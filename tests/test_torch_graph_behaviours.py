@@ -36,27 +36,14 @@ from torch.utils.checkpoint import checkpoint
 
 import course
 from course.core.runtime import runtime
-from course.sim import graph as simgraph, parity_torch, stream as simstream
+from course.sim import graph as simgraph, parity_torch
 
 ON_GPU = runtime().on_gpu
 cg = course.graphs()
 DEV = course.device()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_garbage_graphs():
-    """Graphs that earlier test files left in reference cycles are freed now, not inside one of these captures."""
-    gc.collect()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _no_capture_left_behind():
-    yield
-    if not ON_GPU:
-        left = bool(simstream._ACTIVE) or simstream.current_stream() is not simstream.default_stream()
-        simgraph.end_all_captures()
-        assert not left, "the test left a capture under way or a capture stream current"
+from simguard import no_capture_left_behind, no_garbage_graphs  # noqa: F401 - autouse fixtures
 
 
 @pytest.fixture
