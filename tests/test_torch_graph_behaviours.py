@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 import course
 from course.core.runtime import runtime
-from course.sim import graph as simgraph, parity_torch
+from course.sim import parity_torch
 
 ON_GPU = runtime().on_gpu
 cg = course.graphs()
