@@ -1,6 +1,8 @@
 """Fixtures shared by the test files that capture on either path: no capture left under way after a test, and no
 graph from an earlier file freed by the collector in the middle of one of this file's captures.
 
+:func:`verdict` runs one of :mod:`course.sim.parity_torch`'s failing captures on the path this machine has.
+
 A test file uses them with ``from simguard import no_capture_left_behind, no_garbage_graphs  # noqa: F401``.
 """
 from __future__ import annotations
@@ -10,7 +12,7 @@ import gc
 import pytest
 
 from course.core.runtime import runtime
-from course.sim import graph as simgraph, stream as simstream
+from course.sim import graph as simgraph, parity_torch, stream as simstream
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,3 +30,11 @@ def no_capture_left_behind():
         left = bool(simstream._ACTIVE) or simstream.current_stream() is not simstream.default_stream()
         simgraph.end_all_captures()
         assert not left, "the test left a capture under way or a capture stream current"
+
+
+def verdict(name: str) -> str:
+    """A failing-capture program's verdict: here on the simulator, in a fresh process on a GPU."""
+    if runtime().on_gpu:
+        from course.core.isolate import run_isolated
+        return run_isolated("course.sim.parity_torch", "run", timeout=120, name=name)
+    return parity_torch.run(name)

@@ -19,26 +19,12 @@ cg = course.graphs()
 DEV = course.device()
 
 
-from simguard import no_capture_left_behind, no_garbage_graphs  # noqa: F401 - autouse fixtures
-
-
-def verdict(name: str) -> str:
-    """A failing-capture program's verdict: here on the simulator, in a fresh process on a GPU."""
-    if ON_GPU:
-        from course.core.isolate import run_isolated
-        return run_isolated("course.sim.parity_torch", "run", timeout=120, name=name)
-    return parity_torch.run(name)
+from simguard import no_capture_left_behind, no_garbage_graphs, verdict  # noqa: F401 - autouse fixtures
 
 
 def warm_up(fn, n: int = 3) -> None:
-    """Run ``fn`` ``n`` times on a side stream, joined back (what a capture of backward or an optimizer needs)."""
-    side = cg.Stream()
-    side.wait_stream(cg.current_stream())
-    with cg.stream(side):
-        for _ in range(n):
-            fn()
-    cg.current_stream().wait_stream(side)
-    cg.synchronize()
+    """Run ``fn`` ``n`` times on a side stream, joined back (:func:`course.sim.parity_torch.warm_up`)."""
+    parity_torch.warm_up(cg, fn, n)
 
 
 def _pair(seed=0):

@@ -35,7 +35,8 @@ def _model(dev):
     return torch.nn.Linear(8, 4).to(dev), torch.randn(16, 8, device=dev)
 
 
-def _warm_up(cg, fn, n: int = 3) -> None:
+def warm_up(cg, fn, n: int = 3) -> None:
+    """Run ``fn`` ``n`` times on a side stream, joined back (what a capture of backward or an optimizer needs)."""
     side = cg.Stream()
     side.wait_stream(cg.current_stream())
     with cg.stream(side):
@@ -58,7 +59,7 @@ def scaler_step_not_fused(cg, dev):
         scaler.scale(model(x).pow(2).mean()).backward()
         scaler.step(opt)
         scaler.update()
-    _warm_up(cg, step)
+    warm_up(cg, step)
     return capture_error(cg, step)
 
 
