@@ -64,7 +64,7 @@ def _steps(model, max_len: int, args, log, tag: str) -> tuple:
 
 
 @experiment("last_mile_positions", gpu_only=True, quick={"size": "tiny", "positions": (3, 40), "repeats": 3})
-def positions_experiment(size: str = "tinyllama", positions=(32, 512, 2048), repeats: int = 15,
+def positions_experiment(size: str = "tinyllama", positions=(32, 128, 256, 512, 2048), repeats: int = 15,
                          log=print) -> Result:
     """The Triton step's variants at several positions (see the module doc), interleaved per position."""
     require_gpu("timing the Triton step at several positions")
