@@ -138,6 +138,9 @@ def exercise_worker(ctx, fns, n_tokens: int = 4, size: str = "tiny", timeout_s: 
 
     fns = [f.load() if hasattr(f, "load") else f for f in fns]
     traces = _exchange(ctx, [trace(f, ctx.rank, ctx.world_size) for f in fns], timeout_s)  # every rank's, per function
+    verdicts = [judge([t[i] for t in traces]) for i in range(len(fns))]  # the same verdicts on every rank
+    if all(kind for kind, _ in verdicts):  # nothing to run
+        return [{"ok": False, "kind": k, "message": m, "tokens": None} for k, m in verdicts]
     model = build_model(size, device=ctx.torch_device)
     first = first_token(ctx.torch_device, model.config.vocab_size)
     gpu = runtime().on_gpu
@@ -148,7 +151,7 @@ def exercise_worker(ctx, fns, n_tokens: int = 4, size: str = "tiny", timeout_s: 
     del ref
     out = []
     for i, fn in enumerate(fns):
-        kind, message = judge([t[i] for t in traces])  # the same verdict on every rank
+        kind, message = verdicts[i]
         if kind:
             out.append({"ok": False, "kind": kind, "message": message, "tokens": None})
             continue
