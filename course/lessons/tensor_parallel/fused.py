@@ -116,9 +116,10 @@ class FusedShardDecoder(TritonDecoder):
                  RESIDUAL=bool(residual))
 
     def all_reduce(self) -> None:
-        """Sum x over the ranks, in place (the chosen all-reduce; on one rank with ``"none"``, nothing)."""
-        self.all_reduces_issued += 1
+        """Sum x over the ranks, in place (the chosen all-reduce; on one rank with ``"none"``, nothing, and not
+        counted)."""
         if self.mode != "none":
+            self.all_reduces_issued += 1
             self._reduce()
 
     def step(self, ids, position):
@@ -134,7 +135,7 @@ class FusedShardDecoder(TritonDecoder):
         return self.logits
 
     def all_reduces_per_step(self, ids, position) -> int:
-        """All-reduces one eager step issues (counted as issued: the same calls a capture records)."""
+        """All-reduces one eager step issues (counted as issued: the same calls a capture records; 0 with "none")."""
         before = self.all_reduces_issued
         self.step(ids, position)
         return self.all_reduces_issued - before
@@ -148,8 +149,7 @@ class FusedShardDecoder(TritonDecoder):
 
 def emulate(decoders: list, ids, position):
     """The split step of every rank in one process, the all-reduce done by hand (a sum of the ranks' x): what the
-    ranks compute, without processes or collectives. ``decoders``: one :class:`FusedShardDecoder` per rank, built
-    with ``all_reduce="none"``-free modes never called (use ``world`` ranks' decoders made with :func:`emulated`).
+    ranks compute, without processes or collectives. ``decoders``: every rank's decoder, from :func:`emulated`.
     Returns each rank's logits (copies)."""
     xs = [d.x for d in decoders]
     for d in decoders:

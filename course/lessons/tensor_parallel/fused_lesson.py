@@ -158,7 +158,8 @@ def prediction(tp_decode_result, sizes=("tinyllama", "llama-3.1-8b"), world: int
         saved = s.layers * lb * (1 - 1 / world) / (bw * 1e9) * 1e6
         added = 2 * s.layers * ar
         row = {"shape": name, "layer_MB": lb / 1e6, "break_even_MB": break_even(ar, bw, world) / 1e6,
-               "saved_us": saved, "added_us": added, "pays": saved > added, "all_reduce_us": ar, "copy_GBps": bw}
+               "saved_us": saved, "added_us": added, "pays": saved > added, "all_reduce_us": ar, "copy_GBps": bw,
+               "all_reduces": 2 * s.layers}
         if per_kernel_us is not None:
             fixed = (2 + KERNELS_PER_LAYER * s.layers) * per_kernel_us
             one = layout_bytes(s, 1) / (bw * 1e3) + fixed
