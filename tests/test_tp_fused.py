@@ -259,3 +259,128 @@ def test_split_fused_tokens_equal_tp1_on_every_rank():
         if r0["dtype"] == "float32":
             assert m["tokens"] == r0["tp1"], mode
     assert "tokens == TP=1's" in FL.fused_report(run)
+
+
+def test_the_one_gpu_probe_refuses_the_laptop_path_and_the_experiment_is_registered(capsys):
+    from course.core import reference
+    from course.lessons.tensor_parallel import fused_probe
+
+    if not runtime().on_gpu:
+        assert fused_probe.main([]) == 2
+        assert "needs a GPU" in capsys.readouterr().out
+        assert not reference.available("tp_fused_decode") or reference.reference_path("tp_fused_decode").exists()
+    exp = reference.get("tp_fused_decode")
+    assert exp.gpu_only and exp.gpus == 2
+    assert {"sharding_capture_world_sizes", "tp_decode", "tp_fused_decode"} <= set(reference.bench_names(
+        reference.load_all(), 4))
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group in this process (torn down after the test)."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(runtime().on_gpu, reason="the laptop path: gloo on CPU tensors")
+def test_one_rank_worker_buffers_and_all_reduces_over_gloo(one_rank_group, tiny):
+    from course.core.launch import Context
+
+    x = AR.residual_buffer("nccl", 4, torch.float32, "cpu")
+    assert torch.equal(x, torch.zeros(4))
+    x.fill_(2.0)
+    AR.make_all_reduce("nccl", x)()  # one rank: the sum of one
+    assert torch.equal(x, torch.full((4,), 2.0))
+    with pytest.raises(ValueError, match="NCCL process group"):
+        AR.make_all_reduce("symm_one_shot", x)
+    res = FL.fused_tokens_worker(Context(0, 1, "gloo", "cpu"), size="tiny", n_tokens=2, modes=("nccl", "symm_two_shot"))
+    assert res["modes"]["nccl"]["tokens"] == res["tp1"] and res["modes"]["nccl"]["all_reduces"] == 4
+    assert "symm_two_shot" in res["skipped"] and res["ranks_agree"]
+
+
+def test_the_answer_layer_and_rank_model_are_the_split():
+    from course.lessons.tensor_parallel.fused import fused_layer, rank_model
+
+    assert FE.judge([FE.trace(fused_layer, r, 4) for r in range(4)]) == ("", "")
+    t = FE.Tracer(1, 2)
+    fused_layer(t, 0, None)
+    assert t.calls[2] == ("o_proj", False) and t.calls.count(("all_reduce", None)) == 2
+    model = build_model(TINY8)
+    rm = rank_model(model, 3, 4)
+    c = rm.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.head_dim) == (2, 1, 44, 8)
+    assert torch.equal(rm.model.layers[1].mlp.down_proj.weight, model.model.layers[1].mlp.down_proj.weight[:, 132:176])
+    assert next(rm.parameters()) is model.model.embed_tokens.weight
+
+
+@pytest.mark.skipif(not runtime().on_gpu, reason="needs a GPU (compiled Triton, CUDA graphs, NCCL)")
+def test_gpu_one_rank_probe_rows_and_tp1_reference():
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from course.lessons.tensor_parallel import fused_probe
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        model = build_model("tiny", device="cuda:0")
+        first = torch.tensor([5], device="cuda:0")
+        tokens, fed, logits = FB.reference_tokens(model, first, FB.N_TOKENS + 8, pdl=False)
+        assert tokens.shape == (1, FB.N_TOKENS) and logits.shape[1] == FB.N_TOKENS
+        rows, failures = fused_probe.probe("tinyllama", modes=("nccl",), repeats=3, inner=2)
+        assert not failures and [r["allreduce"] for r in rows] == ["none", "nccl"]
+        assert rows[1]["all_reduces"] == rows[1]["all_reduces_graph"] == 44 and rows[0]["all_reduces"] == 0
+    finally:
+        import gc
+        gc.collect()
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
+
+
+def test_the_partial_sum_kernel_compiles_for_hopper_without_a_gpu():
+    """proj_residual with RESIDUAL=False (x not read, the partial written) compiles for sm_90 with PDL."""
+    import subprocess
+    import sys
+
+    code = """
+import os, re
+os.environ.pop("TRITON_INTERPRET", None)
+import course.core.triton_path as TP
+TP.interpreting = lambda: False
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from course.lessons.last_mile import kernels as K
+out = []
+for res in (True, False):
+    sig = dict(a_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", N="i32")
+    consts = dict(K=4096, PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=0, RESIDUAL=res)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    ptx = triton.compile(ASTSource(fn=K.proj_residual, signature={**sig, **{k: "constexpr" for k in consts}},
+                                   constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    out.append(len(re.findall(r"ld\\.global", ptx)))
+print(*out)
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with_x, without = map(int, out.stdout.split())
+    assert without < with_x  # the residual's load is gone
