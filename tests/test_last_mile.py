@@ -212,7 +212,7 @@ def compiled(fn, sig, consts):
 bf, mm = "*bf16", dict(PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=8)
 print(*compiled(S.proj_residual_split, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, part_ptr="*fp32", count_ptr="*i32",
                                             N="i32"), dict(K=5632, SPLIT=3, **mm)))
-print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, **mm)))
+print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, RESIDUAL=True, **mm)))
 print(*compiled(S.attention_split, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, part_ptr="*fp32",
                                         count_ptr="*i32", max_len="i32", scale="fp32"),
                 dict(NH=32, NKV=4, D=64, PDL=True, BLOCK_T=64, CHUNK=256, SPLITS=9)))

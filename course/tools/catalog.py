@@ -67,7 +67,9 @@ CATALOG = (
           ("course.lessons.last_mile.waterfall", "course.lessons.last_mile.sweeps"), experiment_cells=True),
     Entry("notebooks/08_tensor_parallel.ipynb", "Tensor parallel, captured", "lesson",
           "lesson 06's model split over 2 and 4 GPUs (parallelize_module, and by hand), all-reduces counted, one "
-          "graph per rank with NCCL inside, the floor per rank; you write the per-rank capture",
+          "graph per rank with NCCL inside, the floor per rank; you write the per-rank capture; lesson 07's fused "
+          "step on every rank (NCCL or symmetric-memory all-reduces), you place the residual and the all-reduces, "
+          "when splitting pays (TinyLlama vs Llama-3.1-8B's shape)",
           (), experiment_cells=True),
     Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
           "lesson 01 with its exercise answered; generates notebooks/01_launch_overhead.ipynb"),

@@ -278,8 +278,12 @@ def _block(w_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
 
 @tr.jit
 def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """``x[rows] = x[rows] + (W @ a)[rows]``: a product added to the residual stream in place (o_proj, down_proj)."""
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, RESIDUAL: tl.constexpr = True):
+    """``x[rows] = x[rows] + (W @ a)[rows]``: a product added to the residual stream in place (o_proj, down_proj).
+
+    ``RESIDUAL=False``: ``x[rows] = (W @ a)[rows]``, the product alone (x is not read): a rank's partial sum in
+    lesson 08's split step, where the residual is added on one rank only, before the all-reduce.
+    """
     DT = x_ptr.dtype.element_ty
     rows, ok = _rows(N, BLOCK_N)
     w_ptr = _block(w_ptr, K, BLOCK_N, VEC)
@@ -290,8 +294,11 @@ def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DE
         tl.extra.cuda.gdc_wait()
     y = _gemv(w_ptr, rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
               K).to(DT).to(tl.float32)
-    r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
+    if RESIDUAL:
+        r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
+    else:
+        tl.store(x_ptr + rows, y.to(DT), mask=ok)
 
 
 @tr.jit

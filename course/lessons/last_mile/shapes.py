@@ -7,6 +7,8 @@
   1536, vocabulary 49152, tied embeddings): a hidden size that is no power of two, heads in groups of three;
 - ``"llama-3.2-1b"``: Llama-3.2-1B's shape (16 layers, hidden 2048, MLP 8192, 32/8 heads of 64, vocabulary
   128256, tied embeddings, RoPE base 500000);
+- ``"llama-3.1-8b"``: Llama-3.1-8B's shape (32 layers, hidden 4096, MLP 14336, 32/8 heads of 128, vocabulary 128256,
+  untied embeddings, RoPE base 500000): 16 GB of weights in bfloat16, drawn on the device (lesson 08 splits it);
 - ``"tiny-tied"``: the same peculiarities at laptop size (hidden 48, 3 query heads of 16 and 1 KV head, tied
   embeddings, float32), for Triton's interpreter.
 
@@ -25,11 +27,14 @@ SHAPES = {
                          dtype="bfloat16", max_positions=8192),
     "llama-3.2-1b": Size("llama-3.2-1b", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
                          vocab=128256, dtype="bfloat16", max_positions=8192),
+    "llama-3.1-8b": Size("llama-3.1-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                         vocab=128256, dtype="bfloat16", max_positions=8192),
     "tiny-tied": Size("tiny-tied", hidden=48, intermediate=96, layers=2, heads=3, kv_heads=1, vocab=320,
                       dtype="float32", max_positions=256),
 }
 EXTRA = {"smollm2-135m": {"tie_word_embeddings": True, "rope_theta": 100000.0},
          "llama-3.2-1b": {"tie_word_embeddings": True, "rope_theta": 500000.0},
+         "llama-3.1-8b": {"rope_theta": 500000.0},
          "tiny-tied": {"tie_word_embeddings": True, "head_dim": 16}}
 
 

@@ -8,6 +8,13 @@ with its all-reduces inside.
 - :mod:`~course.lessons.tensor_parallel.workers`: what each rank runs (the variants, the correctness run).
 - :mod:`~course.lessons.tensor_parallel.referee`, :mod:`~course.lessons.tensor_parallel.exercise`: exercise 08.1's
   check: the learner's per-rank capture watched on every rank, each defect a named ✗, none able to hang.
+- :mod:`~course.lessons.tensor_parallel.fused`, :mod:`~course.lessons.tensor_parallel.allreduce`: lesson 07's fused
+  Triton step on each rank's share, its all-reduces between kernels (NCCL, or symmetric memory's one-/two-shot).
+- :mod:`~course.lessons.tensor_parallel.fused_exercise`: exercise 08.2's check (the residual and the all-reduces
+  placed; traced on every rank, each wrong placement a named ✗).
+- :mod:`~course.lessons.tensor_parallel.fused_bench`, :mod:`~course.lessons.tensor_parallel.fused_lesson`,
+  :mod:`~course.lessons.tensor_parallel.fused_probe`: ``tp_fused_decode``'s measurements, the notebook's helpers
+  and the prediction, one GPU's partial check.
 - :mod:`~course.lessons.tensor_parallel.experiments`: the floor per rank, the timing rows, the Result.
 - :mod:`~course.lessons.tensor_parallel.lesson`: notebook helpers (layout, correctness launch, sentences, plot).
 
