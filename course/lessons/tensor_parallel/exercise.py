@@ -57,6 +57,9 @@ def _reset(referee, cg, graphs) -> None:
     cg.set_stream(referee.start_stream)
     if runtime().on_gpu:
         from course.core.capture import recover
+        for g in graphs.made:
+            if g.failed:
+                recover(graph=g.graph)  # a graph whose capture failed is kept alive (torch may still call into it)
         recover()
     else:
         from course.sim.graph import end_all_captures

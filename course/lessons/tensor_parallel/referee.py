@@ -46,7 +46,6 @@ TITLES = {
     "wrong": "the tokens differ from TP=1",
     "not_done": "not done yet",
 }
-DEFECTS = TITLES  # the name the lesson's tests use
 LAZY = "Lazy set-up (NCCL's communicator and buffers, cuBLAS handles, first-use allocations)"
 STEP = "step(ids, position)"
 

@@ -35,6 +35,7 @@ class WatchedGraph:
 
     def __init__(self, graph, referee):
         self.graph, self.referee, self.steps, self.stream = graph, referee, None, None
+        self.failed = False  # its capture failed or was abandoned: kept alive until recovered (GPU)
 
     def capture_begin(self, *args, **kwargs):
         """Begin a capture (the step calls inside it are counted and exchanged)."""
@@ -62,7 +63,7 @@ class WatchedGraph:
         """End a capture left under way (a verdict raised between capture_begin and capture_end), keeping nothing."""
         if self.stream is None:
             return
-        cg, stream, self.stream = self.referee.cg, self.stream, None
+        cg, stream, self.stream, self.failed = self.referee.cg, self.stream, None, True
         try:
             with cg.stream(stream):
                 self.graph.capture_end()
@@ -112,6 +113,8 @@ class _Capture:
             out = self.inner.__exit__(*exc)
         except Exception:
             self.referee.capture = None
+            if isinstance(self.g, WatchedGraph):
+                self.g.failed = True
             self.referee.cg.set_stream(self.before)  # a failed capture leaves its own stream current
             if exc[1] is not None:
                 raise exc[1]  # the error inside the capture (a host read) says more than "a previous error"
