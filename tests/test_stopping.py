@@ -60,6 +60,7 @@ def test_knock_on_errors_and_the_cause_rank():
     assert cause(errors) == 1 and cause({0: ("RuntimeError: timed out", "")}) == 0
     assert issubclass(agree.RankLost, RuntimeError) and agree.group_for and agree.exchange  # used on every rank below
     assert reaper.kill_group(os.getpgrp()) is False and reaper.kill_group(0) is False  # never our own group
+    assert reaper.kernel_groups(object()) == []  # no kernel started (yet): nothing to kill
 
 
 def test_ranks_die_with_the_process_that_launched_them(tmp_path):
@@ -134,3 +135,20 @@ def test_lesson_05s_guard_is_bounded_and_the_failing_rank_is_named():
         launch(CellWorker("late_guard", LATE, "<late_guard>"), 2, backend="gloo", timeout=300)
     assert e.value.first == 1 and "failed first on rank 1: ValueError: rank 1 broke before its check" in str(e.value)
     assert time.monotonic() - t0 < 120  # the guard's own limit, not the run's 300 s
+
+
+def test_killed_on_signal_kills_the_groups_then_stops_as_the_signal_would(capsys):
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its own group, as a kernel's is
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            with reaper.killed_on_signal(lambda: [child.pid], "a test"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises before this ends
+        assert e.value.code == 128 + signal.SIGTERM and child.wait(5) == -signal.SIGKILL
+        assert f"a test: stopped by SIGTERM; killed its process group(s) [{child.pid}]" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is before  # put back
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert reaper.die_with_parent(os.getppid()) is True  # Linux: this process now dies with its parent

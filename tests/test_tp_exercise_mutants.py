@@ -216,3 +216,68 @@ def test_check_capture_turns_outcomes_into_the_checks_verdicts(monkeypatch):
     monkeypatch.setattr(EX, "run_capture", lost)
     with pytest.raises(AssertionError, match="rank 1 stopped outside tp_generate"):
         EX.check_capture("x")
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one rank (gloo) in this process, for the referee's exchange."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_watch_counts_the_calls_and_sees_a_rebinding_in_one_process(one_rank):
+    """WatchedStep, WatchedGraphs and WatchedGraph tell the Referee each call; one rank, a toy step."""
+    import types
+
+    import torch
+
+    import course
+    from course.lessons.tensor_parallel.watch import WatchedGraph, WatchedGraphs, WatchedStep
+
+    cg = course.graphs()
+    table = torch.eye(5)[[1, 2, 3, 4, 0]]  # token t -> logits peaking at t + 1
+
+    def toy(ids, position):
+        return table[ids.view(-1)].unsqueeze(0) + 0 * position
+
+    def run(rebind: bool):
+        referee = R.Referee(types.SimpleNamespace(rank=0), cg, 3, 5.0, False)
+        graphs = WatchedGraphs(cg, referee)
+        step, ids, position = WatchedStep(toy, referee), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1).long()
+        try:
+            side = cg.Stream()
+            side.wait_stream(cg.current_stream())
+            with cg.stream(side):
+                step(ids, position)
+            cg.current_stream().wait_stream(side)
+            g = graphs.CUDAGraph()
+            with graphs.graph(g):
+                nxt = step(ids, position).argmax(-1)
+            out = []
+            for _ in range(3):
+                g.replay()
+                out.append(int(nxt))
+                if rebind:
+                    ids = nxt.clone()
+                else:
+                    ids.copy_(nxt)
+                position.add_(1)
+            return referee, referee.done(out), g
+        finally:
+            referee.close()
+
+    referee, tokens, g = run(rebind=False)
+    assert tokens == [1, 2, 3] and isinstance(g, WatchedGraph) and g.steps == 1
+    assert (referee.eager_calls, referee.replays, referee.graphs) == (1, 3, [1])
+    assert [s[0] for s in referee.seen] == [[0], [1], [2]] and referee.rebound is None
+    referee, tokens, _ = run(rebind=True)
+    assert tokens == [1, 1, 1] and referee.rebound == ("ids", 2)
+    assert referee.diagnose(tokens, [1, 2, 3])[0] == "rebound"

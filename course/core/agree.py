@@ -43,10 +43,10 @@ def group_for(group=None, timeout_s: float = 30.0):
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
     world = dist.distributed_c10d._get_default_group()
     key = (id(world), ranks, float(timeout_s))
-    if key not in _groups:
-        _groups[key] = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                      use_local_synchronization=True)
-    return _groups[key]
+    if key not in _groups or _groups[key][0] is not world:  # a new default group (the old one destroyed): new groups
+        _groups[key] = (world, dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                                              timeout=datetime.timedelta(seconds=timeout_s)))
+    return _groups[key][1]
 
 
 def exchange(obj, group=None, timeout_s: float = 30.0, what: str = "the check") -> list:

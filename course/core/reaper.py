@@ -48,6 +48,13 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
         return False
 
 
+def kernel_groups(client) -> list:
+    """The process group of a notebook client's kernel (the kernel and the rank processes it started), if running:
+    ``[pgid]`` of jupyter_client's local provisioner (which starts each kernel in its own session), else ``[]``."""
+    pgid = getattr(getattr(getattr(client, "km", None), "provisioner", None), "pgid", None)
+    return [pgid] if pgid else []
+
+
 @contextlib.contextmanager
 def killed_on_signal(groups, what: str = "the run"):
     """While inside: SIGTERM, SIGHUP or SIGINT first kills the process groups ``groups()`` returns (pgids), then

@@ -39,7 +39,7 @@ from pathlib import Path
 import nbformat
 
 from course.tools.hints import load_hint_state, save_hint_state
-from course.core.reaper import killed_on_signal
+from course.core.reaper import kernel_groups, killed_on_signal
 from course.tools.render import KERNEL_ARGS, expose_course_to_kernels
 
 STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
@@ -104,12 +104,6 @@ def exercise_cells(nb) -> dict:
     return found
 
 
-def _kernel_groups(client) -> list:
-    """The process group of ``client``'s kernel (the kernel and the rank processes it started), if running."""
-    pgid = getattr(getattr(getattr(client, "km", None), "provisioner", None), "pgid", None)
-    return [pgid] if pgid else []
-
-
 def _error(cell):
     for o in cell.get("outputs", []):
         if o.get("output_type") == "error":
@@ -160,7 +154,7 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
     try:
         client.reset_execution_trackers()
         with client.setup_kernel(cwd=str(path.parent.resolve())), \
-                killed_on_signal(lambda: _kernel_groups(client), f"check {path.name}"):
+                killed_on_signal(lambda: kernel_groups(client), f"check {path.name}"):
             for i, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
                     continue
