@@ -58,8 +58,8 @@ def kernel_groups(client) -> list:
 @contextlib.contextmanager
 def killed_on_signal(groups, what: str = "the run"):
     """While inside: SIGTERM, SIGHUP or SIGINT first kills the process groups ``groups()`` returns (pgids), then
-    stops this process as that signal would (SystemExit 128+n; KeyboardInterrupt for SIGINT), with a line on
-    stderr saying so. Outside the main thread it does nothing (signals reach the main thread only)."""
+    stops this process as that signal would (SystemExit with code 128+n, Ctrl-C included), with a line on stderr
+    saying so. Outside the main thread it does nothing (signals reach the main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -73,9 +73,7 @@ def killed_on_signal(groups, what: str = "the run"):
         print(f"\n{what}: stopped by {name}; " + (f"killed its process group(s) {killed} (the kernel and the ranks "
                                                    "it started)" if killed else "no child process was running"),
               file=sys.stderr, flush=True)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        raise SystemExit(128 + signum)  # the shell's code for "stopped by that signal", without a traceback
 
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         saved[s] = signal.signal(s, handler)

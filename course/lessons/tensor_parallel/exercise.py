@@ -138,7 +138,7 @@ def run_capture(fns, world_size: int = 2, n_tokens: int = 6, timeout: float = 12
 
     p = plan(world_size)
     sent = [portable(f) for f in fns]
-    return launch(exercise_worker, p.world_size, backend=p.backend, timeout=timeout, pg_timeout=2 * EXCHANGE_S,
+    return launch(exercise_worker, p.world_size, backend=p.backend, timeout=timeout, pg_timeout=3 * EXCHANGE_S,
                   fns=sent, n_tokens=n_tokens)[0]
 
 
