@@ -104,7 +104,7 @@ def judged():
     fns.append(cell_function(answer_cell("notebooks"), "learner version"))
     p = plan(2)
     t0 = time.monotonic()
-    out = launch(exercise_worker, 2, backend=p.backend, timeout=300, pg_timeout=40, fns=fns)
+    out = launch(exercise_worker, 2, backend=p.backend, timeout=300, pg_timeout=60, fns=fns)
     return out, time.monotonic() - t0
 
 
