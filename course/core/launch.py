@@ -14,9 +14,15 @@ Teardown: after CUDA graphs that hold NCCL work, ``destroy_process_group()`` has
 hang. Workers therefore free their graphs before returning (the worker functions do), and the
 launcher synchronizes the GPU before tearing down; a worker still tearing down after its result
 arrived is killed after a short grace period (the result is kept).
+
+Stopping: a worker dies with the process that launched it (:func:`~course.core.reaper.die_with_parent`), so a
+kernel or script that is killed leaves no rank behind; workers still alive when the launcher's Python exits are
+killed then (atexit). When several ranks fail, the rank whose own error caused the others' (gloo's "Connection
+closed by peer", a time-out: :func:`~course.core.agree.knock_on`) is named as the cause, whatever order they came in.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -28,10 +34,20 @@ import socket
 import time
 import traceback
 
+from course.core.agree import knock_on
+from course.core.reaper import die_with_parent
 from course.core.runtime import ENV_CACHE, ENV_FORCE, gpu_count, runtime
 from course.core.cell_workers import portable
 
 TEARDOWN_GRACE_S = 10.0
+_LIVE: set = set()  # worker processes of launches under way in this process (killed at exit)
+
+
+@atexit.register
+def _kill_live() -> None:
+    for proc in list(_LIVE):
+        if proc.is_alive():
+            proc.kill()
 
 
 class WorkerError(RuntimeError):
@@ -134,8 +150,9 @@ def _child_env(p: Plan):
                 os.environ[k] = v
 
 
-def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: float) -> None:
+def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: float, parent: int = 0) -> None:
     """Body of one worker process."""
+    die_with_parent(parent or None)
     try:
         import torch
         import torch.distributed as dist
@@ -161,6 +178,12 @@ def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: flo
     dist.destroy_process_group()
 
 
+def cause(errors: dict) -> int:
+    """The rank whose error caused the others': the first (in arrival order) whose message is not a knock-on
+    (a lost peer, a time-out, :func:`~course.core.agree.knock_on`); else the first to report."""
+    return next((r for r, (m, _) in errors.items() if not knock_on(m)), next(iter(errors)))
+
+
 def launch(fn, world_size: int | None = None, *, backend: str | None = None, timeout: float = 120.0,
            pg_timeout: float | None = None, **kwargs) -> list:
     """Run ``fn(ctx, **kwargs)`` in ``world_size`` processes (see :func:`plan`); return results by rank.
@@ -178,10 +201,11 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
     procs = []
     with _child_env(p):
         for rank in range(p.world_size):
-            proc = ctx.Process(target=_entry, args=(rank, p, port, fn, kwargs, q, pg_timeout or timeout),
+            proc = ctx.Process(target=_entry, args=(rank, p, port, fn, kwargs, q, pg_timeout or timeout, os.getpid()),
                                name=f"course-rank{rank}", daemon=True)
             proc.start()
             procs.append(proc)
+            _LIVE.add(proc)
     results, errors, notes = {}, {}, {}
     deadline = time.monotonic() + timeout
     error_deadline = None
@@ -213,10 +237,12 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+            _LIVE.discard(proc)
         q.close()
     if errors:
-        first = next(iter(errors))  # dicts keep arrival order
-        lines = [f"rank {r}: {m}" for r, (m, _) in errors.items()]
+        first = cause(errors)
+        lines = [f"rank {r}: {m}" + ("  (a knock-on: this rank lost its peer)" if r != first and knock_on(m) else "")
+                 for r, (m, _) in errors.items()]
         raise WorkerError(f"{p.backend} run with {p.world_size} processes failed first on rank {first}: "
                           f"{errors[first][0]}\nfailed rank(s) {sorted(errors)}, in the order they reported:\n"
                           + "\n".join(lines) + f"\n-- traceback of rank {first}:\n{errors[first][1]}",

@@ -39,6 +39,7 @@ from pathlib import Path
 import nbformat
 
 from course.tools.hints import load_hint_state, save_hint_state
+from course.core.reaper import kernel_groups, killed_on_signal
 from course.tools.render import KERNEL_ARGS, expose_course_to_kernels
 
 STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
@@ -152,7 +153,8 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     try:
         client.reset_execution_trackers()
-        with client.setup_kernel(cwd=str(path.parent.resolve())):
+        with client.setup_kernel(cwd=str(path.parent.resolve())), \
+                killed_on_signal(lambda: kernel_groups(client), f"check {path.name}"):
             for i, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
                     continue

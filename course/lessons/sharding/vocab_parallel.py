@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from course.core.agree import exchange
+
+CHECK_S = 60.0  # check_inputs: how long a rank waits for the others before it says one never came
+
 IMPLS = ("numba", "torch")
 
 
@@ -61,8 +65,10 @@ def check_inputs(ids: torch.Tensor, local_weight: torch.Tensor, num_embeddings: 
     """Eager guard, called by every rank: dtypes, id range and table shape agree, or all ranks raise.
 
     Each rank checks its own input, then the ranks exchange their verdicts (and dtypes) with
-    one ``all_gather_object``: if any rank is wrong, every rank raises the same ValueError that
-    names it. Reads the ids on the host, so never call it inside a captured region.
+    one ``all_gather_object`` over a gloo group with a time limit of ``CHECK_S`` seconds
+    (:func:`course.core.agree.exchange`): if any rank is wrong, every rank raises the same ValueError that
+    names it, and a rank that never comes makes the others raise :class:`~course.core.agree.RankLost` in seconds.
+    Reads the ids on the host, so never call it inside a captured region.
     """
     import torch.distributed as dist
 
@@ -78,8 +84,7 @@ def check_inputs(ids: torch.Tensor, local_weight: torch.Tensor, num_embeddings: 
         problem = f"the table must be float32/float16/bfloat16, got {local_weight.dtype}"
     meta = (problem, str(local_weight.dtype), tuple(local_weight.shape[1:]), tuple(ids.shape)
             if isinstance(ids, torch.Tensor) else None)
-    metas = [None] * dist.get_world_size(group)
-    dist.all_gather_object(metas, meta, group=group)
+    metas = exchange(meta, group, timeout_s=CHECK_S, what="check_inputs")  # a rank that never comes: seconds
     lines = [f"rank {r}: {m[0]}" for r, m in enumerate(metas) if m[0]]
     dtypes = {m[1] for m in metas}
     if not lines and len(dtypes) > 1:

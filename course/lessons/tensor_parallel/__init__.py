@@ -6,8 +6,9 @@ with its all-reduces inside.
 - :mod:`~course.lessons.tensor_parallel.dtensor_tp`: the same split with ``parallelize_module`` (DTensor).
 - :mod:`~course.lessons.tensor_parallel.count`: all-reduces per token, counted in an eager step and in a graph.
 - :mod:`~course.lessons.tensor_parallel.workers`: what each rank runs (the variants, the correctness run).
-- :mod:`~course.lessons.tensor_parallel.referee`, :mod:`~course.lessons.tensor_parallel.exercise`: exercise 08.1's
-  check: the learner's per-rank capture watched on every rank, each defect a named ✗, none able to hang.
+- :mod:`~course.lessons.tensor_parallel.referee`, :mod:`~course.lessons.tensor_parallel.watch`,
+  :mod:`~course.lessons.tensor_parallel.exercise`: exercise 08.1's check: the learner's per-rank capture watched on
+  every rank (each step call, capture and replay agreed before it runs), each defect a named ✗, none able to hang.
 - :mod:`~course.lessons.tensor_parallel.fused`, :mod:`~course.lessons.tensor_parallel.allreduce`: lesson 07's fused
   Triton step on each rank's share, its all-reduces between kernels (NCCL, or symmetric memory's one-/two-shot).
 - :mod:`~course.lessons.tensor_parallel.fused_exercise`: exercise 08.2's check (the residual and the all-reduces

@@ -89,7 +89,8 @@ def timing_summary(res) -> str:
                      + ("inside the spread" if noise else f"{r['speedup']:.1f}x")
                      + f"; all-reduces eager/graph/predicted {r['all_reduces_eager']}/{r['all_reduces_graph']}/"
                      f"{r['all_reduces_predicted']}; floor {r['floor_us']:,.0f} us ({r['weights_us']:,.0f} weights + "
-                     f"{r['collectives_us']:,.0f} all-reduces), the graph at {r['floor_us'] / r['graph_us']:.0%} of it")
+                     f"{r['collectives_us']:,.0f} all-reduces): the floor is {r['floor_us'] / r['graph_us']:.0%} of the graph's "
+                     f"time (the graph {r['graph_us'] / r['floor_us']:.1f}x the floor)")
         lines.append(f"{'':>9} where the time goes: {max(r['eager_us'] - r['graph_us'], 0):,.0f} us of host work per "
                      f"token removed by the graph ({max(r['eager_us'] - r['graph_us'], 0) / r['eager_us']:.0%} of "
                      f"eager), {max(r['graph_us'] - r['floor_us'], 0):,.0f} us still above the floor in the graph")
