@@ -39,6 +39,7 @@ class Race:
     kind: str  # "read before its write" | "write over an unordered read" | "two unordered writes"
     program: int  # the program that made the second access
     other: int  # the program whose access it is not ordered with
+    atomics: int = 0  # atomics ``program`` had made before this access (0: before it reached any barrier)
 
     def __str__(self) -> str:
         what = {"read before its write": f"program {self.program} read {self.buffer}[{self.index}] without waiting "
@@ -52,11 +53,16 @@ class Race:
 
 @dataclasses.dataclass
 class Trace:
-    """What :func:`run` saw: races on watched buffers (the first ``limit``), atomics per program, switches."""
+    """What :func:`run` saw: races on watched buffers (the first ``limit``), atomics per program, switches, whether
+    the programs deadlocked (every live program spinning: two rounds of atomics that changed nothing), and for each
+    watched buffer the atomics its reader had made at its first and last read (``reads``: ``{name: [(first, last)]}``
+    per program)."""
 
     races: list
     atomics: list
     switches: int
+    deadlock: bool = False
+    reads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +75,8 @@ class _Clocks:
 
     def __init__(self, n: int, watch: dict, limit: int):
         self.n, self.limit = n, limit
+        self.now = [0] * n  # atomics each program has made so far
+        self.reads = {name: [[None, None] for _ in range(n)] for name in watch}
         self.vc = np.eye(n, dtype=np.int64) + 0  # program p's clock: vc[p]; its own epoch vc[p, p] starts at 1
         self.sync: dict = {}
         self.races: list = []
@@ -101,6 +109,10 @@ class _Clocks:
             i = i[(a >= first) & (i < count)]
             if not i.size:
                 continue
+            if not write:
+                seen = self.reads[name][p]
+                seen[0] = self.now[p] if seen[0] is None else seen[0]
+                seen[1] = self.now[p]
             w = writer[i]
             bad = (w >= 0) & (w != p) & (me[np.maximum(w, 0)] < wepoch[i])
             kind = "two unordered writes" if write else "read before its write"
@@ -118,7 +130,7 @@ class _Clocks:
     def _report(self, name, idx, others, kind, p) -> None:
         for i, o in zip(idx[: self.limit], others[: self.limit]):
             if len(self.races) < self.limit:
-                self.races.append(Race(name, int(i), kind, p, int(o)))
+                self.races.append(Race(name, int(i), kind, p, int(o), self.now[p]))
 
 
 class _Abort(BaseException):
@@ -129,7 +141,8 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
     """Run the interpreted ``kernel`` over ``grid`` programs as co-operating threads (see the module doc).
 
     ``watch``: ``{name: tensor}`` buffers whose accesses are checked for order (:class:`Trace`'s races, at most
-    ``limit``). An exception in a program is raised here, with the program named.
+    ``limit``). An exception in a program is raised here, with the program named; a deadlock (every live program
+    spinning, nothing changing) ends the run with ``Trace.deadlock`` set (the buffers then hold what was written).
     """
     from triton.runtime import interpreter as I
 
@@ -142,7 +155,8 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
     args_hst, kwargs_hst = ex._init_args_hst(args, kwargs)
     b = I.interpreter_builder
     clocks = _Clocks(grid, watch or {}, limit)
-    state = {"turn": 0, "alive": set(range(grid)), "error": None, "switches": 0, "atomics": [0] * grid}
+    state = {"turn": 0, "alive": set(range(grid)), "error": None, "switches": 0, "atomics": clocks.now,
+             "idle": 0, "deadlock": False}
     cv = threading.Condition()
     saved = {k: getattr(b, k) for k in ("create_atomic_rmw", "create_atomic_cas", "create_masked_load",
                                         "create_masked_store")}
@@ -170,23 +184,49 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
                 state["turn"] = -1
             cv.notify_all()
 
-    def atomic(orig, sem_at):
+    def changed(ptr, before) -> bool:
+        now = saved["create_masked_load"](ptr, I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1), None,
+                                          None, True).data
+        return not np.array_equal(now, before)
+
+    def spun(p: int, progress: bool) -> None:
+        """Count atomics that changed nothing: two rounds of them by every live program is a deadlock."""
+        state["idle"] = 0 if progress else state["idle"] + 1
+        if state["idle"] > 2 * len(state["alive"]) + 2:
+            with cv:
+                state["deadlock"] = True
+                state["error"] = (p, None)
+                cv.notify_all()
+            raise _Abort()
+
+    def atomic(orig, sem_at, ptr_at):
         def wrapped(*a):
+            ptr = a[ptr_at]
+            before = saved["create_masked_load"](ptr, I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1),
+                                                 None, None, True).data.copy()
             out = orig(*a)
             p = me()
-            state["atomics"][p] += 1
-            clocks.atomic(p, a[1 if orig.__name__ == "create_atomic_rmw" else 0].data, a[sem_at].name)
+            clocks.now[p] += 1
+            clocks.atomic(p, ptr.data, a[sem_at].name)
+            spun(p, changed(ptr, before))
             pass_on(p)
             wait_turn(p)
             return out
         return wrapped
 
     def load(ptrs, mask, other, cache_policy, is_volatile):
-        clocks.access(me(), ptrs.data, mask.data, False)
-        return saved["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
+        p = me()
+        clocks.access(p, ptrs.data, mask.data, False)
+        out = saved["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
+        if is_volatile:  # a spin on a volatile load: let the others run too
+            spun(p, False)
+            pass_on(p)
+            wait_turn(p)
+        return out
 
     def store(ptrs, value, mask, cache_policy):
         clocks.access(me(), ptrs.data, mask.data, True)
+        state["idle"] = 0
         return saved["create_masked_store"](ptrs, value, mask, cache_policy)
 
     def program(p: int) -> None:
@@ -204,10 +244,9 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
 
     scope = I._patch_lang(fn)
     try:
-        b.create_atomic_rmw = atomic(saved["create_atomic_rmw"], 4)
-        b.create_atomic_cas = atomic(saved["create_atomic_cas"], 3)
-        if watch:
-            b.create_masked_load, b.create_masked_store = load, store
+        b.create_atomic_rmw = atomic(saved["create_atomic_rmw"], 4, 1)
+        b.create_atomic_cas = atomic(saved["create_atomic_cas"], 3, 0)
+        b.create_masked_load, b.create_masked_store = load, store
         callargs = inspect.getcallargs(fn, *args_hst, **kwargs_hst)
         callargs = {k: v if k in ex.constexprs else I._implicit_cvt(v) for k, v in callargs.items()}
         b.set_grid_dim(grid, 1, 1)
@@ -222,8 +261,9 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
         for k in saved:
             b.__dict__.pop(k, None)  # the class's own methods again
         scope.restore()
-    if state["error"] is not None:
+    if state["error"] is not None and not state["deadlock"]:
         p, e = state["error"]
         raise RuntimeError(f"program {p} of {grid} failed: {type(e).__name__}: {e}") from e
     ex._restore_args_dev(args, args_hst, kwargs, kwargs_hst)
-    return Trace(clocks.races, state["atomics"], state["switches"])
+    reads = {k: [tuple(v) for v in per] for k, per in clocks.reads.items()}
+    return Trace(clocks.races, list(state["atomics"]), state["switches"], state["deadlock"], reads)

@@ -152,6 +152,8 @@ class PersistentDecoder(TritonDecoder):
             watch = {"x": self.x, "q": self.q, "attn": self.attn, "act": self.act, "logits": self.logits,
                      "k_cache": self.k_cache, "v_cache": self.v_cache} if self.watch else None
             self.trace = coop.run(kernel, self.programs, *args, watch=watch, **meta)
+            if self.trace.deadlock:  # ended by coop before the spin limit: the same verdict as the kernel's own
+                self.bar[2] = 1
         else:
             kernel[(self.programs,)](*args, **meta, num_warps=self.warps)
         return self.logits

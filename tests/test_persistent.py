@@ -1,0 +1,270 @@
+"""The persistent step (course.lessons.last_mile.persistent*, coop, barrier_lab): one launch per token with grid
+barriers, against the five-kernel step and transformers; the co-operating interpreter's race and deadlock finding;
+exercise 07.3's check against its wrong versions. On the simulator path the kernels run under Triton's interpreter
+as co-operating programs; GPU tests at the end."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import course
+from course.core import checks
+from course.core import triton_path as TP
+from course.core.runtime import runtime
+from course.lessons.real_model import StaticDecoder, build_model, check_variants, greedy
+
+ON_GPU = runtime().on_gpu
+DEV = course.device()
+AVAILABLE = TP.available()
+needs_triton = pytest.mark.skipif(not AVAILABLE, reason=TP.missing_reason() or "triton available")
+laptop = pytest.mark.skipif(ON_GPU or not AVAILABLE, reason="the co-operating interpreter runs on the simulator path")
+gpu = pytest.mark.skipif(not (ON_GPU and AVAILABLE), reason="needs a GPU with Triton")
+
+if AVAILABLE:
+    tr = TP.triton()
+    import triton.language as tl
+
+    from course.lessons.last_mile.persistent import grid_sync
+
+    @tr.jit
+    def good(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        grid_sync(bar_ptr, tl.num_programs(0), spin)
+        h = tl.load(h_ptr + cols)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def no_barrier(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        h = tl.load(h_ptr + cols)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def count_too_big(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        grid_sync(bar_ptr, tl.num_programs(0) + 1, spin)
+        h = tl.load(h_ptr + cols)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def count_too_small(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        grid_sync(bar_ptr, tl.num_programs(0) - 1, spin)
+        h = tl.load(h_ptr + cols)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def h_before_wait(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        h = tl.load(h_ptr + cols)
+        grid_sync(bar_ptr, tl.num_programs(0), spin)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def w2_after_wait(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        grid_sync(bar_ptr, tl.num_programs(0), spin)
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        h = tl.load(h_ptr + cols)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def relaxed_barrier(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, N)
+        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
+                                      tl.load(x_ptr + cols)[None, :], axis=1))
+        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
+        target = (tl.atomic_add(bar_ptr + 3, 0, sem="relaxed") // tl.num_programs(0) + 1) * tl.num_programs(0)
+        tl.atomic_add(bar_ptr + 3, 1, sem="relaxed")  # a one-counter barrier, no release/acquire
+        while tl.atomic_add(bar_ptr + 3, 0, sem="relaxed") < target:
+            pass
+        h = tl.load(h_ptr + cols)
+        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
+
+    @tr.jit
+    def unfinished(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
+        # YOUR CODE HERE
+        raise NotImplementedError("two_stage(): your code goes here")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny")
+
+
+# ----------------------------------------------------------------------------- exercise 07.3 and its wrong versions
+@laptop
+@pytest.mark.parametrize("kernel,verdict", [
+    ("good", "ok"), ("no_barrier", "no barrier"), ("count_too_big", "deadlock"), ("count_too_small", "leaky barrier"),
+    ("h_before_wait", "early read"), ("w2_after_wait", "late weights"), ("relaxed_barrier", "leaky barrier")])
+def test_judge_names_each_wrong_version(kernel, verdict):
+    from course.lessons.last_mile import barrier_lab
+
+    v = barrier_lab.judge(globals()[kernel])
+    assert v["verdict"] == verdict, v
+
+
+@laptop
+def test_check_two_stage_passes_the_answer_and_fails_the_mutants():
+    from course.lessons.last_mile import barrier_lab
+
+    checks.reset()
+    barrier_lab.check_two_stage(good, name="b ok")
+    assert checks.status("b ok") == checks.PASS
+    barrier_lab.check_two_stage(count_too_big, name="b dead")
+    assert checks.status("b dead") == checks.FAIL and "deadlock" in checks._SESSION["b dead"]["message"]
+    barrier_lab.check_two_stage(h_before_wait, name="b early")
+    assert checks.status("b early") == checks.FAIL and "before the wait" in checks._SESSION["b early"]["message"]
+    barrier_lab.check_two_stage(unfinished, name="b todo")
+    assert checks.status("b todo") == checks.TODO
+
+
+@laptop
+def test_judge_source_runs_a_kernel_on_its_own():
+    """The GPU check's first half: the kernel's source judged in a subprocess under the interpreter."""
+    import inspect
+
+    from course.lessons.last_mile import barrier_lab
+
+    assert barrier_lab.judge_source(inspect.getsource(good.fn), "good")["verdict"] == "ok"
+    assert barrier_lab.judge_source(inspect.getsource(no_barrier.fn), "no_barrier")["verdict"] == "no barrier"
+    with pytest.raises(RuntimeError, match="on its own"):
+        barrier_lab.judge_source("def broken(:\n", "broken")
+
+
+# ----------------------------------------------------------------------------- the persistent step
+@laptop
+def test_persistent_step_matches_the_five_kernel_step_with_no_race(tiny):
+    from course.lessons.last_mile.decoder import TritonDecoder
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+
+    eager, five, per = StaticDecoder(tiny, 64), TritonDecoder(tiny, 64), PersistentDecoder(tiny, 64, watch=True)
+    assert per.kernels_per_token == 1 and per.programs == 3
+    for p in (0, 5):
+        ids, pos = eager.example_args(1, p, seed=p)
+        want = eager.step(ids, pos)
+        a, b = five.step(ids, pos).clone(), per.step(ids, pos).clone()
+        assert (b - want).abs().max() <= 1e-5 * want.abs().max() and (a - b).abs().max() <= 1e-5 * a.abs().max()
+        t = per.last_trace()
+        assert t.ok and not t.deadlock, [str(r) for r in t.races]
+        barriers = 1 + 5 * tiny.config.num_hidden_layers
+        assert min(t.atomics) >= 2 * barriers, "every program reads the generation and arrives at every barrier"
+        assert torch.allclose(per.k_cache[:, :, p], five.k_cache[:, :, p], atol=1e-6)
+    assert int(per.bar[0]) == 0 and int(per.bar[1]) == 2 * (1 + 5 * tiny.config.num_hidden_layers)
+    per.check()
+
+
+@laptop
+def test_persistent_step_greedy_tokens_equal_on_an_odd_tied_shape():
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+    from course.lessons.last_mile.shapes import build_shape
+
+    model = build_shape("tiny-tied")
+    first = torch.tensor([11], device=DEV)
+    want = greedy(StaticDecoder(model, 64).step, first, 3)
+    assert torch.equal(greedy(PersistentDecoder(model, 64, programs=2).step, first, 3), want)
+
+
+if AVAILABLE:
+    @tr.jit
+    def sync_none(bar_ptr, nprog, limit):
+        return limit
+
+    @tr.jit
+    def sync_one_more(bar_ptr, nprog, limit):
+        return grid_sync(bar_ptr, nprog + 1, limit)
+
+
+@laptop
+@pytest.mark.parametrize("sync", ["sync_none", "sync_one_more"])
+def test_a_broken_barrier_in_the_step_is_a_race_or_a_deadlock(tiny, monkeypatch, sync):
+    """The step's own barrier replaced: one that waits for nobody lets a stage read rows not yet written; one that
+    waits for one program more never opens (ended, and the decoder's check says so)."""
+    from course.lessons.last_mile import persistent
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+
+    per = PersistentDecoder(tiny, 32, watch=True)
+    monkeypatch.setattr(persistent, "grid_sync", globals()[sync])
+    per.step(*StaticDecoder(tiny, 32).example_args(1, 3))
+    t = per.last_trace()
+    if sync == "sync_none":
+        assert not t.ok and not t.deadlock and t.races[0].kind == "read before its write", t.races[:3]
+        assert "without waiting for program" in str(t.races[0])
+        per.check()  # no barrier, no timeout: only the race finder sees it
+    else:
+        assert t.deadlock
+        with pytest.raises(RuntimeError, match="never opened"):
+            per.check()
+
+
+def test_resident_per_sm_and_persistent_config():
+    from course.lessons.last_mile.persistent_decoder import persistent_config, resident_per_sm
+
+    h100 = {"max_num_regs": 65536, "max_threads": 2048, "max_shared_mem": 232448}
+    assert resident_per_sm(247, 4096, 8, h100) == 1  # 248 x 32 x 8 warps = 63,488 of 65,536 registers
+    assert resident_per_sm(126, 4096, 16, h100) == 1
+    assert resident_per_sm(64, 4096, 4, h100) == 8 and resident_per_sm(64, 100_000, 4, h100) == 2  # regs, shared
+    assert resident_per_sm(255, 300_000, 8, h100) == 0
+    c = persistent_config(2048, 5632, 64, 32000)
+    assert c.o.rows * 128 == 2048 and c.down.depth == 2 and not c.packed
+    assert persistent_config(64, 176, 16, 512, interpret=True).block_t == 16
+
+
+@needs_triton
+def test_persistent_decoder_refuses_what_it_cannot_run(tiny):
+    import dataclasses
+
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder, persistent_config
+
+    cfg = dataclasses.replace(persistent_config(64, 176, 16, 512, interpret=not ON_GPU), packed=True)
+    with pytest.raises(ValueError, match="own weights"):
+        PersistentDecoder(tiny, 32, config=cfg)
+    with pytest.raises(ValueError, match="one sequence"):
+        PersistentDecoder(tiny, 32).step(*StaticDecoder(tiny, 32).example_args(2, 0))
+    per = PersistentDecoder(tiny, 32)
+    per.bar[2] = 1
+    with pytest.raises(RuntimeError, match="never opened"):
+        per.check()
+
+
+# ----------------------------------------------------------------------------- GPU
+@gpu
+def test_persistent_step_on_the_gpu_in_a_graph(tiny):
+    from course.lessons.last_mile.decoder import TritonDecoder, graphed
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+
+    per = PersistentDecoder(tiny, 64)
+    assert per.programs <= per.sms * per.per_sm
+    ids, pos = StaticDecoder(tiny, 64).example_args(1, 3)
+    step = graphed(per, ids, pos)
+    res = check_variants({"persistent": step}, StaticDecoder(tiny, 64).step, torch.tensor([11], device=DEV), 16)
+    per.check()
+    assert res.rows[0]["ok"], res.rows[0]
+    with pytest.raises(ValueError, match="resident"):
+        PersistentDecoder(tiny, 64, programs=per.sms * per.per_sm + 1)
