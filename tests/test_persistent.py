@@ -268,3 +268,109 @@ def test_persistent_step_on_the_gpu_in_a_graph(tiny):
     assert res.rows[0]["ok"], res.rows[0]
     with pytest.raises(ValueError, match="resident"):
         PersistentDecoder(tiny, 64, programs=per.sms * per.per_sm + 1)
+
+
+# ----------------------------------------------------------------------------- options that earn their place
+def _positions(rows):
+    from course.core.results import Result
+    from course.lessons.last_mile.sweeps import COLUMNS
+
+    out = []
+    for p, plain, split in rows:
+        for v, (q1, med, q3) in (("+ packed weights", plain), ("+ split-KV attention", split)):
+            out.append({**{k: float("nan") for k in COLUMNS}, "positions": str(p), "variant": v, "us": med,
+                        "q1_us": q1, "q3_us": q3})
+    return Result("last_mile_positions", "t", COLUMNS, out)
+
+
+def test_split_kv_from_reads_the_threshold_from_a_recording(tiny):
+    from course.lessons.last_mile.decoder import config_for
+    from course.lessons.last_mile.sweeps import split_kv_from
+
+    rec = _positions([(32, (820, 827, 835), (845, 852, 860)), (512, (1280, 1295, 1310), (1060, 1067, 1075)),
+                      (2048, (2840, 2850, 2860), (1130, 1135, 1140))])
+    assert split_kv_from(rec) == 512
+    assert split_kv_from(_positions([(32, (820, 827, 835), (815, 822, 830))])) is None, "inside the spread: noise"
+    assert split_kv_from(_positions([(32, (820, 827, 835), (845, 852, 860))])) is None
+    for pos, on in ((32, False), (511, False), (512, True), (2048, True)):
+        cfg = config_for(tiny, split_kv="auto", position=pos, split_kv_from=512, interpret=False)
+        assert bool(cfg.kv_chunk) == on, pos
+    assert not config_for(tiny, split_kv="auto", position=4096, split_kv_from=None, interpret=False).kv_chunk
+    with pytest.raises(ValueError, match="auto"):
+        config_for(tiny, split_kv="yes")
+
+
+def test_timeline_plot_keeps_the_kernels_readable_beside_one_long_launch():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course.core.results import Result
+    from course.lessons.last_mile.lesson import plot_timeline
+
+    rows = [{"variant": "Triton", "index": i, "layer": 0, "kernel": "proj", "start_us": 3.0 * i,
+             "end_us": 3.0 * i + 2.0} for i in range(12)]
+    rows.append({"variant": "persistent", "index": 0, "layer": -1, "kernel": "persistent", "start_us": 0.0,
+                 "end_us": 500.0})
+    fig, ax = plt.subplots()
+    plot_timeline(ax, Result("last_mile_timeline", "t", {}, rows), last_index=10)
+    assert ax.get_xlim()[1] < 40, "the one long launch runs off the edge instead of squashing the kernels"
+    assert any("1 kernel (the whole step)" in t.get_text() for t in ax.texts)
+    plt.close(fig)
+
+
+def _answer(step, prompt, n: int):
+    """Greedy tokens after ``prompt`` ([1, L]) through ``step``: the prompt fed one token per step (its K/V written
+    by the step itself), then ``n`` tokens; also each answer step's logits."""
+    toks, logits = [], []
+    pos = torch.zeros(1, dtype=torch.long, device=prompt.device)
+    for i in range(prompt.shape[1] - 1):
+        pos.fill_(i)
+        step(prompt[:, i:i + 1], pos)
+    ids = prompt[:, -1:]
+    for i in range(n):
+        pos.fill_(prompt.shape[1] - 1 + i)
+        out = step(ids, pos)
+        logits.append(out[0].clone())
+        ids = out.argmax(-1).view(1, 1)
+        toks.append(int(ids))
+    return toks, logits
+
+
+@gpu
+def test_trained_smollm2_answers_the_chat_prompt_as_the_five_kernel_step_does():
+    """Lesson 06's chat prompt, SmolLM2-135M-Instruct (bfloat16): the persistent step's answer is the five-kernel
+    step's, token for token (a difference only where the five-kernel step's two candidates are within bfloat16's
+    spacing: a near-tie any change of summation order may flip)."""
+    from course.lessons.last_mile.decoder import TritonDecoder, graphed
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+    from course.lessons.real_model.chat import chat_ids
+    from course.lessons.real_model.checkpoint import load_trained
+
+    t = load_trained(log=lambda *a: None)
+    prompt = chat_ids(t.tokenizer, device=DEV)
+    zero = (prompt[:, :1], torch.zeros(1, dtype=torch.long, device=DEV))
+    per = PersistentDecoder(t.model, 256)
+    five, fast = graphed(TritonDecoder(t.model, 256, pdl=True), *zero), graphed(per, *zero)
+    want, want_logits = _answer(five, prompt, 24)
+    got, _ = _answer(fast, prompt, 24)
+    per.check()
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    if same < len(want):
+        row = want_logits[same]
+        gap = float(row[want[same]] - row[got[same]])
+        assert gap <= 2.0 ** (float(row[want[same]].abs().log2().floor()) - 7), \
+            f"token {same}: {t.tokenizer.decode(got)!r} vs {t.tokenizer.decode(want)!r} (gap {gap})"
+    print(t.tokenizer.decode(got))
+
+
+def test_probe_and_coop_refuse_the_wrong_path():
+    from course.lessons.last_mile import coop, persistent_probe
+
+    if not ON_GPU:
+        assert persistent_probe.main(["--shapes", "tiny-tied", "--limit", "60"]) == 2  # says it needs a GPU
+    with pytest.raises(TypeError, match="interpreter"):
+        coop.run(lambda: None, 2)
+    r = coop.Race("h", 3, "read before its write", 0, 2)
+    assert str(r) == "program 0 read h[3] without waiting for program 2's write of it"
