@@ -374,3 +374,57 @@ def test_probe_and_coop_refuse_the_wrong_path():
         coop.run(lambda: None, 2)
     r = coop.Race("h", 3, "read before its write", 0, 2)
     assert str(r) == "program 0 read h[3] without waiting for program 2's write of it"
+
+
+STAGES = ("embed_tile", "qkv_pre", "qkv_run", "attention_tile", "rows_pre", "proj_run", "gate_up_pre", "gate_up_run",
+          "lm_head_run")
+
+
+@needs_triton
+def test_both_steps_run_the_same_stage_functions():
+    """No near-copies: every stage function of kernels.py is called by a five-kernel kernel and by the persistent
+    kernel."""
+    import inspect
+
+    from course.lessons.last_mile import kernels as K, persistent as P
+
+    five = "".join(inspect.getsource(getattr(K, k).fn) for k in ("embed", "norm_qkv_rope", "attention",
+                                                                  "proj_residual", "norm_gate_up", "norm_lm_head"))
+    one = inspect.getsource(P.persistent_step.fn)
+    for name in STAGES:
+        assert f"{name}(" in five and f"{name}(" in one, name
+
+
+if AVAILABLE:
+    from course.lessons.last_mile.kernels import proj_run, rows_pre
+
+    @tr.jit
+    def one_program_walks_the_tiles(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr):
+        t = 0
+        wa, wb = rows_pre(t, w_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)
+        while t < (N + BLOCK_N - 1) // BLOCK_N:
+            proj_run(t, wa, wb, a_ptr, w_ptr, x_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)
+            t += 1
+            wa, wb = rows_pre(t, w_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)  # the next tile's first chunks, ahead
+
+
+@needs_triton
+def test_one_program_walking_every_tile_with_the_next_prefetched():
+    """rows_pre / proj_run as the persistent step uses them: one program, every tile, the next tile's weights loaded
+    before the current tile's product is stored; the last prefetch (past the rows) reads nothing."""
+    g = torch.Generator().manual_seed(6)
+    w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
+    xd = x.clone().to(DEV)
+    one_program_walks_the_tiles[(1,)](a.to(DEV), w.to(DEV), xd, 40, 72, BLOCK_N=16, BLOCK_K=32)
+    assert torch.allclose(xd.cpu(), x + w @ a, atol=1e-4)
+
+
+@gpu
+def test_probe_shape_on_a_tiny_shape():
+    from course.lessons.last_mile.persistent_probe import probe_shape
+
+    rows = probe_shape("tiny-tied", 3, 4, 3, bw=1000.0, first=True, deadline=float("inf"), log=lambda *a: None)
+    assert {r["variant"] for r in rows} >= {"five kernels + PDL", "persistent", "persistent, loads after the barrier"}
+    assert all(r["logits_ok"] and "error" not in r for r in rows), rows
+    assert next(r for r in rows if r["variant"] == "persistent")["launches"] == 1
