@@ -4,6 +4,7 @@
   layer (RMSNorm + q/k/v + RoPE + KV write; attention; o_proj + residual; RMSNorm + gate/up + SiLU;
   down_proj + residual), PDL calls in every one. Needs Triton (imported through
   :mod:`course.core.triton_path`: compiled on the GPU, interpreted on a laptop).
+- :mod:`~course.lessons.last_mile.chunks`: the chunked matrix-vector product every stage is made of.
 - :mod:`~course.lessons.last_mile.decoder`: :class:`TritonDecoder`, the step that launches them on the
   model's own weights, with static buffers and a static KV cache; its launch shapes; the step captured.
 - :mod:`~course.lessons.last_mile.split`: down_proj split over its columns (split-K) and attention split over
@@ -16,6 +17,13 @@
   2048 and on the other shapes, beside their floors.
 - :mod:`~course.lessons.last_mile.timeline`: "last_mile_timeline", every kernel's start and end, without and
   with PDL.
+- :mod:`~course.lessons.last_mile.persistent`: past the graph: the whole step as one persistent kernel, its stages
+  separated by grid barriers (:func:`~course.lessons.last_mile.persistent.grid_sync`), each stage's first weights
+  loaded before the barrier ahead of it; :mod:`~course.lessons.last_mile.persistent_decoder` launches it (resident
+  programs only); :mod:`~course.lessons.last_mile.coop` runs it on a laptop (programs as co-operating threads under
+  Triton's interpreter, reads checked against writes); :mod:`~course.lessons.last_mile.persistent_probe`: a bounded
+  GPU probe of it against the five-kernel step.
+- :mod:`~course.lessons.last_mile.barrier_lab`: exercise 07.3's check (two stages, one launch, one barrier).
 - :mod:`~course.lessons.last_mile.lab`: the notebook's checks (a fused RMSNorm + GEMV, a prediction).
 - :mod:`~course.lessons.last_mile.lesson`: the notebook's plots.
 """

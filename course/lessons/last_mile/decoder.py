@@ -90,14 +90,20 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
 OPTIONS = ("split_k", "packed", "split_kv")  # the last mile's options, in the order the waterfall adds them
 
 
-def config_for(model, *, split_k: bool = False, packed: bool = False, split_kv: bool = False,
-               interpret: bool | None = None) -> Config:
+def config_for(model, *, split_k: bool = False, packed: bool = False, split_kv: bool | str = False,
+               interpret: bool | None = None, position: int | None = None, split_kv_from: int | None = None) -> Config:
     """:func:`default_config` for ``model``'s sizes, with the last mile's options (:data:`OPTIONS`) on or off.
 
     ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before
     its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
-    pieces of 256 positions (4 x ``block_t``).
+    pieces of 256 positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at
+    or past ``split_kv_from``, the position from which a measurement found it pays
+    (:func:`~course.lessons.last_mile.sweeps.split_kv_from`; None: it never did).
     """
+    if split_kv == "auto":
+        split_kv = position is not None and split_kv_from is not None and position >= split_kv_from
+    elif not isinstance(split_kv, bool):
+        raise ValueError(f"split_kv is True, False or 'auto', got {split_kv!r}")
     from course.core.triton_path import interpreting
 
     h, i, v, _, _, d = sizes(model.config)

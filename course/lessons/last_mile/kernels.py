@@ -52,131 +52,31 @@ tr = triton()
 import triton.language as tl  # noqa: E402  (after the interpret decision, on purpose)
 
 
+from course.lessons.last_mile.chunks import _gemv, _prefetch, _rstd  # noqa: E402,F401  (split.py takes _gemv from here)
+
+
+# ---------------------------------------------------------------- the stages, one tile at a time
+# Each stage is a pair of device functions over one tile ``t`` (a block of output rows, a head): ``*_pre`` loads the
+# tile's first weights (nothing any stage writes), ``*_run`` waits for nothing and does the rest. The kernels below
+# run tile ``program_id`` with the PDL wait between the two; the persistent step (:mod:`.persistent`) loops each
+# program over its tiles with a grid barrier between stages, its next stage's ``*_pre`` issued before the barrier.
 @tr.jit
-def _rstd(x_ptr, K: tl.constexpr, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) over the ``K`` values at ``x_ptr``, in float32."""
-    acc = tl.full([BLOCK_K], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        c = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-        acc += v * v
-    return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
-
-
-@tr.jit
-def _normed(x_ptr, nw_ptr, c, K, rstd, NORM: tl.constexpr):
-    """The values ``c`` (any shape) of x, normalized as transformers' LlamaRMSNorm does (``w * (x * rstd).to(dtype)``)
-    if NORM."""
-    DT = x_ptr.dtype.element_ty
-    v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-    if NORM:
-        w = tl.load(nw_ptr + c, mask=c < K, other=0.0).to(tl.float32)
-        v = (w * (v * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    return v
-
-
-@tr.jit
-def _cols(i, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """The columns of chunk ``i``: ``[BLOCK_K]`` (VEC 0), or ``[BLOCK_K / VEC, VEC]`` (packed: VEC per 16 bytes)."""
-    if VEC == 0:
-        return i * BLOCK_K + tl.arange(0, BLOCK_K)
-    else:
-        G: tl.constexpr = BLOCK_K // VEC
-        return (i * G + tl.arange(0, G))[:, None] * VEC + tl.arange(0, VEC)[None, :]
-
-
-@tr.jit
-def _chunk(w_ptr, rows, rmask, K: tl.constexpr, i, lim, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-           BLOCK_N: tl.constexpr):
-    """Chunk ``i`` of the weights, nothing read at or past column ``lim`` (a multiple of VEC).
-
-    VEC 0: ``w_ptr`` is the matrix ``[N, K]`` and ``rows`` the program's rows: ``[BLOCK_N, BLOCK_K]``.
-    Packed: ``w_ptr`` is the program's own block ``[K / VEC, BLOCK_N, VEC]`` (one contiguous run of memory, VEC
-    values = 16 bytes per row and group): ``[BLOCK_N, BLOCK_K / VEC, VEC]``.
-    """
-    if VEC == 0:
-        c = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        return tl.load(w_ptr + rows[:, None] * K + c[None, :], mask=rmask[:, None] & (c[None, :] < lim), other=0.0)
-    else:
-        G: tl.constexpr = BLOCK_K // VEC
-        g = i * G + tl.arange(0, G)  # 16-byte groups
-        r = tl.arange(0, BLOCK_N)
-        e = tl.arange(0, VEC)
-        return tl.load(w_ptr + g[None, :, None] * (BLOCK_N * VEC) + r[:, None, None] * VEC + e[None, None, :],
-                       mask=(g * VEC < lim)[None, :, None], other=0.0)
-
-
-@tr.jit
-def _gemv(w_ptr, rows, rmask, x_ptr, nw_ptr, rstd, K: tl.constexpr, wa, wb, NORM: tl.constexpr, DEPTH: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, i0, NCH: tl.constexpr, lim):
-    """``sum_k w[rows, k] * x[k]`` in float32 (x normalized if NORM), ``DEPTH`` chunks of weights in flight.
-
-    ``wa`` (and with DEPTH 2 ``wb``) are the first chunks, already loaded (before the PDL wait). Chunks
-    ``i0 .. i0 + NCH`` (NCH 0: all of the row), columns below ``lim`` (a split of K, :mod:`.split`).
-    """
-    N_CH: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K if NCH == 0 else NCH
-    if VEC == 0:
-        acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    else:
-        acc = tl.full([BLOCK_N, BLOCK_K // VEC, VEC], 0.0, tl.float32)
-    for i in range(0, N_CH):
-        w_new = _chunk(w_ptr, rows, rmask, K, i0 + i + DEPTH, lim, BLOCK_K, VEC, BLOCK_N)
-        x = _normed(x_ptr, nw_ptr, _cols(i0 + i, BLOCK_K, VEC), lim, rstd, NORM)
-        acc += wa.to(tl.float32) * tl.expand_dims(x, 0)
-        if DEPTH == 2:
-            wa = wb
-            wb = w_new
-        else:
-            wa = w_new
-    if VEC == 0:
-        return tl.sum(acc, axis=1)
-    else:
-        return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@tr.jit
-def _prefetch(w_ptr, rows, rmask, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-              BLOCK_N: tl.constexpr, i0, lim):
-    """The first ``DEPTH`` chunks (from chunk ``i0``) of ``rows`` (the second is the first again when DEPTH is 1)."""
-    wa = _chunk(w_ptr, rows, rmask, K, i0, lim, BLOCK_K, VEC, BLOCK_N)
-    if DEPTH == 2:
-        wb = _chunk(w_ptr, rows, rmask, K, i0 + 1, lim, BLOCK_K, VEC, BLOCK_N)
-    else:
-        wb = wa
-    return wa, wb
-
-
-@tr.jit
-def embed(ids_ptr, emb_ptr, x_ptr, K, PDL: tl.constexpr, BLOCK: tl.constexpr):
-    """``x = emb[ids[0]]``: the token's row of the embedding table into the residual stream."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+def embed_tile(t, ids_ptr, emb_ptr, x_ptr, K, BLOCK: tl.constexpr):
+    """Block ``t`` of ``x = emb[ids[0]]``."""
+    c = t * BLOCK + tl.arange(0, BLOCK)
     tok = tl.load(ids_ptr)
     v = tl.load(emb_ptr + tok * K + c, mask=c < K, other=0.0)
     tl.store(x_ptr + c, v, mask=c < K)
 
 
 @tr.jit
-def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                  K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """RMSNorm, q/k/v products, RoPE, the KV-cache write. Program: rows ``j..j+R`` and ``j+D/2..`` of one head.
-
-    Heads ``0..NH-1`` are q's (result to ``q_ptr``), then NKV of k, NKV of v (to the caches at ``position``).
-    Packed (VEC > 0): ``wq_ptr`` holds every program's first rows and ``wk_ptr`` their RoPE partners, each
-    program's block ``[K / VEC, R, VEC]`` (``pack_qkv`` in the decoder); ``wv_ptr`` is unused.
-    """
-    DT = x_ptr.dtype.element_ty
+def _qkv_where(t, wq_ptr, wk_ptr, wv_ptr, K: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+               R: tl.constexpr, VEC: tl.constexpr):
+    """Tile ``t`` of the q/k/v stage: (head, j, lo weights, hi weights, lo rows, hi rows, rows that exist)."""
     HALF: tl.constexpr = D // 2
     per_head: tl.constexpr = HALF // R
-    pid = tl.program_id(0)
-    head = pid // per_head
-    j = (pid % per_head) * R + tl.arange(0, R)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    head = t // per_head
+    j = (t % per_head) * R + tl.arange(0, R)
     if VEC == 0:
         if head < NH:
             w_ptr = wq_ptr + head * D * K
@@ -189,15 +89,32 @@ def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_p
         lo_rows = j
         hi_rows = j + HALF
     else:
-        lo_ptr = wq_ptr + pid * (K * R)
-        hi_ptr = wk_ptr + pid * (K * R)
+        lo_ptr = wq_ptr + t * (K * R)
+        hi_ptr = wk_ptr + t * (K * R)
         lo_rows = j
         hi_rows = j
-    ok = j < HALF
+    ok = (j < HALF) & (head + 0 * j < NH + 2 * NKV)  # a block on both sides (the interpreter needs it)
+    return head, j, lo_ptr, hi_ptr, lo_rows, hi_rows, ok
+
+
+@tr.jit
+def qkv_pre(t, wq_ptr, wk_ptr, wv_ptr, K: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+            R: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """The first ``DEPTH`` chunks of tile ``t``'s two row sets (``lo_a, lo_b, hi_a, hi_b``): weights only."""
+    _, _, lo_ptr, hi_ptr, lo_rows, hi_rows, ok = _qkv_where(t, wq_ptr, wk_ptr, wv_ptr, K, NH, NKV, D, R, VEC)
     lo_a, lo_b = _prefetch(lo_ptr, lo_rows, ok, K, DEPTH, BLOCK_K, VEC, R, 0, K)
     hi_a, hi_b = _prefetch(hi_ptr, hi_rows, ok, K, DEPTH, BLOCK_K, VEC, R, 0, K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    return lo_a, lo_b, hi_a, hi_b
+
+
+@tr.jit
+def qkv_run(t, lo_a, lo_b, hi_a, hi_b, x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
+            kc_ptr, vc_ptr, K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+            R: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """Tile ``t`` of :func:`norm_qkv_rope` after its prefetch: RMSNorm, the products, RoPE, the stores."""
+    DT = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = D // 2
+    head, j, lo_ptr, hi_ptr, lo_rows, hi_rows, ok = _qkv_where(t, wq_ptr, wk_ptr, wv_ptr, K, NH, NKV, D, R, VEC)
     rstd = _rstd(x_ptr, K, eps, BLOCK_K)
     lo = _gemv(lo_ptr, lo_rows, ok, x_ptr, nw_ptr, rstd, K, lo_a, lo_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
                K).to(DT).to(tl.float32)
@@ -226,17 +143,12 @@ def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_p
 
 
 @tr.jit
-def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr, NKV: tl.constexpr,
-              D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One query head over positions 0..position of its KV head: online softmax in float32, the result rounded."""
+def attention_tile(h, q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr, NKV: tl.constexpr,
+                   D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Query head ``h`` over positions 0..position of its KV head (online softmax, float32), the result rounded."""
     DT = q_ptr.dtype.element_ty
-    h = tl.program_id(0)
     g = h // (NH // NKV)
     d = tl.arange(0, D)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     p = tl.load(pos_ptr)
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     base = g * max_len * D
@@ -261,19 +173,121 @@ def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.co
 
 
 @tr.jit
-def _rows(N, BLOCK_N: tl.constexpr):
-    """The program's rows ``pid * BLOCK_N ..`` and which of them exist (< N)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _rows(t, N, BLOCK_N: tl.constexpr):
+    """Tile ``t``'s rows ``t * BLOCK_N ..`` and which of them exist (< N)."""
+    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, rows < N
 
 
 @tr.jit
-def _block(w_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
-    """Where the program's weights start: the matrix itself (VEC 0), or its own packed block of ``K * BLOCK_N``."""
+def _block(t, w_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr):
+    """Where tile ``t``'s weights start: the matrix itself (VEC 0), or its own packed block of ``K * BLOCK_N``."""
     if VEC == 0:
         return w_ptr
     else:
-        return w_ptr + tl.program_id(0) * (K * BLOCK_N)
+        return w_ptr + t * (K * BLOCK_N)
+
+
+@tr.jit
+def rows_pre(t, w_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             VEC: tl.constexpr):
+    """The first ``DEPTH`` chunks of tile ``t``'s rows of ``W`` (any product over rows: o, down, lm_head)."""
+    rows, ok = _rows(t, N, BLOCK_N)
+    return _prefetch(_block(t, w_ptr, K, BLOCK_N, VEC), rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
+
+
+@tr.jit
+def proj_run(t, wa, wb, a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, VEC: tl.constexpr, RESIDUAL: tl.constexpr = True):
+    """Tile ``t`` of :func:`proj_residual` after its prefetch: ``x[rows] += (W @ a)[rows]`` (``RESIDUAL=False``:
+    ``x[rows] = (W @ a)[rows]``, x not read)."""
+    DT = x_ptr.dtype.element_ty
+    rows, ok = _rows(t, N, BLOCK_N)
+    y = _gemv(_block(t, w_ptr, K, BLOCK_N, VEC), rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N,
+              BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
+    else:
+        tl.store(x_ptr + rows, y.to(DT), mask=ok)
+
+
+@tr.jit
+def gate_up_pre(t, wg_ptr, wu_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """The first ``DEPTH`` chunks of tile ``t``'s rows of gate and of up (``ga, gb, ua, ub``)."""
+    ga, gb = rows_pre(t, wg_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
+    ua, ub = rows_pre(t, wu_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
+    return ga, gb, ua, ub
+
+
+@tr.jit
+def gate_up_run(t, ga, gb, ua, ub, x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K: tl.constexpr, eps,
+                DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """Tile ``t`` of :func:`norm_gate_up` after its prefetch: ``act[rows] = silu(gate(n)) * up(n)``."""
+    DT = x_ptr.dtype.element_ty
+    rows, ok = _rows(t, N, BLOCK_N)
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    g = _gemv(_block(t, wg_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N,
+              BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
+    u = _gemv(_block(t, wu_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N,
+              BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
+    tl.store(act_ptr + rows, act.to(DT), mask=ok)
+
+
+@tr.jit
+def lm_head_run(t, wa, wb, x_ptr, nw_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps, DEPTH: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """Tile ``t`` of :func:`norm_lm_head` after its prefetch: the logits of its rows."""
+    DT = x_ptr.dtype.element_ty
+    rows, ok = _rows(t, N, BLOCK_N)
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    y = _gemv(_block(t, w_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N,
+              BLOCK_K, VEC, 0, 0, K)
+    tl.store(out_ptr + rows, y.to(DT).to(tl.float32), mask=ok)
+
+
+# ---------------------------------------------------------------- the kernels: one tile per program
+@tr.jit
+def embed(ids_ptr, emb_ptr, x_ptr, K, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    """``x = emb[ids[0]]``: the token's row of the embedding table into the residual stream."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    embed_tile(tl.program_id(0), ids_ptr, emb_ptr, x_ptr, K, BLOCK)
+
+
+@tr.jit
+def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                  K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """RMSNorm, q/k/v products, RoPE, the KV-cache write. Program: rows ``j..j+R`` and ``j+D/2..`` of one head.
+
+    Heads ``0..NH-1`` are q's (result to ``q_ptr``), then NKV of k, NKV of v (to the caches at ``position``).
+    Packed (VEC > 0): ``wq_ptr`` holds every program's first rows and ``wk_ptr`` their RoPE partners, each
+    program's block ``[K / VEC, R, VEC]`` (``pack_qkv`` in the decoder); ``wv_ptr`` is unused.
+    """
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    lo_a, lo_b, hi_a, hi_b = qkv_pre(pid, wq_ptr, wk_ptr, wv_ptr, K, NH, NKV, D, R, DEPTH, BLOCK_K, VEC)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    qkv_run(pid, lo_a, lo_b, hi_a, hi_b, x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
+            kc_ptr, vc_ptr, K, eps, max_len, NH, NKV, D, R, DEPTH, BLOCK_K, VEC)
+
+
+@tr.jit
+def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr, NKV: tl.constexpr,
+              D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One query head over positions 0..position of its KV head: online softmax in float32, the result rounded."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    attention_tile(tl.program_id(0), q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH, NKV, D, BLOCK_T)
 
 
 @tr.jit
@@ -284,58 +298,36 @@ def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DE
     ``RESIDUAL=False``: ``x[rows] = (W @ a)[rows]``, the product alone (x is not read): a rank's partial sum in
     lesson 08's split step, where the residual is added on one rank only, before the all-reduce.
     """
-    DT = x_ptr.dtype.element_ty
-    rows, ok = _rows(N, BLOCK_N)
-    w_ptr = _block(w_ptr, K, BLOCK_N, VEC)
+    pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
+    wa, wb = rows_pre(pid, w_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    y = _gemv(w_ptr, rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
-              K).to(DT).to(tl.float32)
-    if RESIDUAL:
-        r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
-        tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
-    else:
-        tl.store(x_ptr + rows, y.to(DT), mask=ok)
+    proj_run(pid, wa, wb, a_ptr, w_ptr, x_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC, RESIDUAL)
 
 
 @tr.jit
 def norm_gate_up(x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr,
                  DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """``act[rows] = silu(gate(n)) * up(n)`` with ``n = RMSNorm(x)``: the same rows of both matrices per program."""
-    DT = x_ptr.dtype.element_ty
-    rows, ok = _rows(N, BLOCK_N)
-    wg_ptr = _block(wg_ptr, K, BLOCK_N, VEC)
-    wu_ptr = _block(wu_ptr, K, BLOCK_N, VEC)
+    pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    ga, gb = _prefetch(wg_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
-    ua, ub = _prefetch(wu_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
+    ga, gb, ua, ub = gate_up_pre(pid, wg_ptr, wu_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    g = _gemv(wg_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
-              K).to(DT).to(tl.float32)
-    u = _gemv(wu_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0,
-              K).to(DT).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
-    tl.store(act_ptr + rows, act.to(DT), mask=ok)
+    gate_up_run(pid, ga, gb, ua, ub, x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K, eps, DEPTH, BLOCK_N, BLOCK_K, VEC)
 
 
 @tr.jit
 def norm_lm_head(x_ptr, nw_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr, DEPTH: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """Logits (float32, rounded through the model's dtype, as transformers' lm_head output is): RMSNorm, lm_head."""
-    DT = x_ptr.dtype.element_ty
-    rows, ok = _rows(N, BLOCK_N)
-    w_ptr = _block(w_ptr, K, BLOCK_N, VEC)
+    pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    wa, wb = _prefetch(w_ptr, rows, ok, K, DEPTH, BLOCK_K, VEC, BLOCK_N, 0, K)
+    wa, wb = rows_pre(pid, w_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    y = _gemv(w_ptr, rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N, BLOCK_K, VEC, 0, 0, K)
-    tl.store(out_ptr + rows, y.to(DT).to(tl.float32), mask=ok)
+    lm_head_run(pid, wa, wb, x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, DEPTH, BLOCK_N, BLOCK_K, VEC)

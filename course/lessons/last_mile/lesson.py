@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 KERNEL_COLORS = {"embed": "0.6", "qkv": "tab:blue", "attn": "tab:purple", "proj": "tab:orange",
-                 "gate_up": "tab:green", "lm_head": "tab:red"}
+                 "gate_up": "tab:green", "lm_head": "tab:red", "persistent": "tab:cyan"}
 
 
 def plot_waterfall(ax, result) -> None:
@@ -26,6 +26,8 @@ def plot_timeline(ax, result, last_index: int = 10) -> None:
     coloured by kind (:data:`KERNEL_COLORS`), so the lanes show the gaps PDL closes and the overlap it makes.
     """
     variants = list(dict.fromkeys(r["variant"] for r in result.rows))
+    many = [r["end_us"] for r in result.rows if r["index"] <= last_index and r["index"] > 0]
+    right = max(many) * 1.08 if many else None  # a lane of one kernel (the persistent step) runs off the right edge
     labelled = set()
     for lane, v in enumerate(variants):
         rows = [r for r in result.rows if r["variant"] == v and r["index"] <= last_index]
@@ -37,7 +39,11 @@ def plot_timeline(ax, result, last_index: int = 10) -> None:
                     label=None if kind in labelled else kind)
             labelled.add(kind)
         end = max(r["end_us"] for r in rows)
-        ax.text(end, lane - 0.36, f"{len(rows)} kernels end at {end:.1f} us", fontsize=8, ha="right", va="bottom")
+        what = "1 kernel (the whole step)" if len(rows) == 1 else f"{len(rows)} kernels"
+        ax.text(min(end, right or end), lane - 0.36, f"{what} ends at {end:.1f} us", fontsize=8, ha="right",
+                va="bottom")
+    if right:
+        ax.set_xlim(0, right)
     ax.set_yticks(range(len(variants)), variants)
     ax.invert_yaxis()
     ax.set_xlabel("time from the step's first kernel [us] (GPU clock)")

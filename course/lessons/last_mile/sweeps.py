@@ -4,7 +4,8 @@
   2048, the Triton step without and with each of the last mile's options (:data:`VARIANTS`), interleaved per
   position, beside the floor (which grows with the KV cache read), and attention's share of the step's kernel
   time (profiler, the step without PDL, so that no kernel's time includes a wait for the one before).
-- "last_mile_shapes" (:func:`shapes_experiment`): the same variants on SmolLM2-135M's and Llama-3.2-1B's shapes
+- "last_mile_shapes" (:func:`shapes_experiment`): the same variants and the persistent step (one launch per
+  token, :mod:`~course.lessons.last_mile.persistent`) on TinyLlama's, SmolLM2-135M's and Llama-3.2-1B's shapes
   (:mod:`~course.lessons.last_mile.shapes`, random weights): one step at position 32, and the mean step of a
   run over positions 32 to 160 (128 steps, each its own replay), beside each model's floor; greedy tokens and
   logits against transformers' eager step.
@@ -22,9 +23,10 @@ NAN = float("nan")
 VARIANTS = {"Triton + PDL": {}, "+ split-K down": {"split_k": True},
             "+ packed weights": {"split_k": True, "packed": True},
             "+ split-KV attention": {"split_k": True, "packed": True, "split_kv": True}}
+PERSISTENT = "persistent"  # the persistent step (one launch per token), beside the variants in last_mile_shapes
 COLUMNS = {"shape": "", "positions": "", "variant": "", "status": "", "us": "us", "q1_us": "us", "q3_us": "us",
            "floor_us": "us", "x_floor": "x", "attention_share": "fraction", "first_call_s": "s", "correct": "",
-           "max_logit_diff": "fraction"}
+           "max_logit_diff": "fraction", "launches_per_token": "count"}
 
 
 def row(shape: str, positions: str, variant: str, timing, floor: float, **extra) -> dict:
@@ -45,22 +47,30 @@ def attention_share(events: list) -> float:
     return att / total if total > 0 else NAN
 
 
-def _steps(model, max_len: int, args, log, tag: str) -> tuple:
-    """``({variant: graphed step}, {variant: first-call seconds or the failure})`` for :data:`VARIANTS`."""
+def _steps(model, max_len: int, args, log, tag: str, persistent: bool = False) -> tuple:
+    """``({variant: graphed step}, {variant: first-call seconds or the failure}, {variant: launches per token})`` for
+    :data:`VARIANTS` (and :data:`PERSISTENT` if ``persistent``)."""
     from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
     from course.lessons.real_model.experiments import _reason, first_call
 
-    steps, first = {}, {}
-    for name, opts in VARIANTS.items():
+    steps, first, launches = {}, {}, {}
+    builds = {name: (lambda opts=opts: TritonDecoder(model, max_len, pdl=True, config=config_for(model, **opts)))
+              for name, opts in VARIANTS.items()}
+    if persistent:
+        builds[PERSISTENT] = lambda: PersistentDecoder(model, max_len)
+    for name, build in builds.items():
         log(f"{tag}: {name}: building, capturing ...")
         try:
-            fn = graphed(TritonDecoder(model, max_len, pdl=True, config=config_for(model, **opts)), *args)
+            dec = build()
+            launches[name] = dec.kernels_per_token
+            fn = graphed(dec, *args)
             first[name] = first_call(fn, args)[0]
             steps[name] = fn
         except Exception as e:  # noqa: BLE001 - a variant that breaks is a row that says why
             first[name] = _reason(e)
             log(f"{tag}: {name}: {first[name]}")
-    return steps, first
+    return steps, first, launches
 
 
 @experiment("last_mile_positions", gpu_only=True, quick={"size": "tiny", "positions": (3, 40), "repeats": 3})
@@ -83,7 +93,7 @@ def positions_experiment(size: str = "tinyllama", positions=(32, 128, 256, 512, 
     max_len = -(-(positions[-1] + 1) // 64) * 64
     bw = copy_bandwidth_GBps()
     ex = StaticDecoder(model, max_len)  # only for its example inputs
-    steps, first = _steps(model, max_len, ex.example_args(1, 0), log, "last_mile_positions")
+    steps, first, _ = _steps(model, max_len, ex.example_args(1, 0), log, "last_mile_positions")
     try:  # without PDL: each kernel's time is its own
         plain = graphed(TritonDecoder(model, max_len, config=config_for(model, split_k=True, packed=True,
                                                                         split_kv=True)), *ex.example_args(1, 0))
@@ -117,7 +127,7 @@ def positions_experiment(size: str = "tinyllama", positions=(32, 128, 256, 512, 
 
 @experiment("last_mile_shapes", gpu_only=True,
             quick={"shapes": ("tiny-tied",), "position": 3, "run": 8, "repeats": 3, "n_tokens": 4})
-def shapes_experiment(shapes=("smollm2-135m", "llama-3.2-1b"), position: int = 32, run: int = 128,
+def shapes_experiment(shapes=("tinyllama", "smollm2-135m", "llama-3.2-1b"), position: int = 32, run: int = 128,
                       repeats: int = 10, n_tokens: int = 16, log=print) -> Result:
     """The Triton step's variants on other Llama shapes (see the module doc), interleaved per shape."""
     require_gpu("timing the Triton step on other Llama shapes")
@@ -138,7 +148,7 @@ def shapes_experiment(shapes=("smollm2-135m", "llama-3.2-1b"), position: int = 3
         model = build_shape(shape)
         eager = StaticDecoder(model, max_len)
         args = eager.example_args(1, position)
-        steps, first = _steps(model, max_len, args, log, f"last_mile_shapes: {shape}")
+        steps, first, launches = _steps(model, max_len, args, log, f"last_mile_shapes: {shape}", persistent=True)
         log(f"last_mile_shapes: {shape}: one step at {position}, and {run} steps from {position}, interleaved")
         ids = args[0]
         poss = [torch.tensor([p], device=ids.device) for p in range(position, position + run)]
@@ -154,11 +164,12 @@ def shapes_experiment(shapes=("smollm2-135m", "llama-3.2-1b"), position: int = 3
         span = f"{position}-{position + run}"
         mid = floor_us(bytes_per_token(model, 1, position + run // 2), bw)  # the KV read grows by one position a step
         floor = floor_us(bytes_per_token(model, 1, position), bw)
-        for name in VARIANTS:
+        for name in [*VARIANTS, PERSISTENT]:
             ok = name in steps
             c = check.get(name, {})
             extra = {"status": "ok" if ok else first[name], "first_call_s": first[name] if ok else NAN,
-                     "correct": c.get("ok", ""), "max_logit_diff": c.get("max_logit_diff", NAN)}
+                     "correct": c.get("ok", ""), "max_logit_diff": c.get("max_logit_diff", NAN),
+                     "launches_per_token": launches.get(name, NAN)}
             rows.append(row(shape, str(position), name, one.get(name), floor, **extra))
             seq_t = seq.get(name)
             per = _per_step(seq_t, run)
@@ -185,3 +196,17 @@ def _per_step(timing, n: int):
         return None
     return dataclasses.replace(timing, median=timing.median / n, q1=timing.q1 / n, q3=timing.q3 / n,
                                min=timing.min / n, max=timing.max / n)
+
+
+def split_kv_from(result, split: str = "+ split-KV attention", plain: str = "+ packed weights"):
+    """The smallest position of a ``last_mile_positions`` result at which ``split`` beats ``plain`` beyond the spread
+    (its third quartile below the other's first), or None where it never does: the threshold
+    :func:`~course.lessons.last_mile.decoder.config_for` takes as ``split_kv_from`` (read from a recording, not typed)."""
+    by = {}
+    for r in result.rows:
+        by.setdefault(int(r["positions"]), {})[r["variant"]] = r
+    for p in sorted(by):
+        a, b = by[p].get(split), by[p].get(plain)
+        if a and b and a["q3_us"] == a["q3_us"] and b["q1_us"] == b["q1_us"] and a["q3_us"] < b["q1_us"]:
+            return p
+    return None

@@ -22,7 +22,7 @@ import tempfile
 from course.core.results import Result
 
 VARIANTS = {False: "Triton", True: "Triton + PDL"}
-SHORT = {"embed": "embed", "norm_qkv_rope": "qkv", "attention": "attn", "proj_residual": "proj",
+SHORT = {"persistent_step": "persistent", "embed": "embed", "norm_qkv_rope": "qkv", "attention": "attn", "proj_residual": "proj",
          "norm_gate_up": "gate_up", "norm_lm_head": "lm_head", "proj_residual_split": "proj", "attention_split": "attn"}
 
 

@@ -8,7 +8,8 @@ every step of the way at batch 1 (:data:`STEPS`): transformers' eager step, the 
 programmatic dependent launch (Triton + PDL), and that graph replayed by hand instead of through the
 GraphCache (Triton + PDL, plain graph: what the cache's bookkeeping costs per token); then the last mile's
 options (:data:`LAST_MILE`, :func:`~course.lessons.last_mile.decoder.config_for`), one more per row: down_proj
-split over K, the weights packed, attention split over positions. Each row also
+split over K, the weights packed, attention split over positions; last, the persistent step (one launch per token,
+:mod:`~course.lessons.last_mile.persistent`), captured and replayed by hand. Each row also
 has its kernels per token (profiler), its first call (compile and capture included; Triton compiles
 into an empty cache, so that is its real build time), its correctness against eager (greedy tokens, logits within lesson 06's bfloat16
 tolerance) and its ratio to the floor. transformers' own compiled ``generate`` ("HF: auto-compile")
@@ -38,6 +39,8 @@ STEPS = (
     ("+ split-K down", "down_proj's columns split over several programs per row block (the last one adds the parts)"),
     ("+ packed weights", "every product's weights repacked: a program's rows one contiguous run of 16-byte groups"),
     ("+ split-KV attention", "attention's positions split into pieces of 256, merged by the last program per head"),
+    ("persistent", "one persistent kernel per token: grid barriers between the stages, each stage's first weights "
+                   "loaded before the barrier ahead of it, captured"),
 )
 LAST_MILE = {"+ split-K down": {"split_k": True}, "+ packed weights": {"split_k": True, "packed": True},
              "+ split-KV attention": {"split_k": True, "packed": True, "split_kv": True}}  # each row adds one option
@@ -60,6 +63,9 @@ def _builders(model, max_len: int, compiled: bool, args) -> dict:
     for name, opts in LAST_MILE.items():
         out[name] = lambda opts=opts: graphed(TritonDecoder(model, max_len, pdl=True, config=config_for(model, **opts)),
                                               *args)
+    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+
+    out["persistent"] = lambda: graphed(PersistentDecoder(model, max_len), *args)
     return out
 
 
@@ -132,7 +138,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     for name, build in _builders(model, max_len, compiled, args).items():
         log(f"last_mile_waterfall: {name}: building, first call (compile and capture) ...")
         try:
-            if name.startswith(("Triton", "+")):
+            if name.startswith(("Triton", "+", "persistent")):
                 s, fn = _first_call_fresh_cache(build, args, first_call)
             else:
                 fn = build()

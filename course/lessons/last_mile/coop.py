@@ -1,0 +1,269 @@
+"""The laptop's way to run a kernel with grid barriers: Triton's interpreter, programs as co-operating threads.
+
+Triton's interpreter runs a kernel's programs one after another, each to its end: the first program to spin at a
+grid barrier would wait forever for programs that have not started. :func:`run` runs the same interpreted kernel
+with every program in a thread of its own, **one at a time**, and switches to the next live program (in turn) at
+every atomic operation: a program runs until its next atomic, so between two barriers each program runs its whole
+stage, and a program spinning at a barrier lets the others run until they arrive. The kernel's own barrier code
+runs unchanged (its atomics really add and compare), so a barrier with a wrong count never opens here either: the
+kernel's spin limit ends the wait, as it does on the GPU.
+
+**Which reads were ordered after their writes** (:class:`Trace`): for the buffers named in ``watch``, every load and
+store of every program is recorded with the program's vector clock (a count of its releases, and what it learned
+from the others' through acquires: ``sem="release"``/``"acquire"``/``"acq_rel"`` atomics). A read of an element that
+another program wrote, where the write is not ordered before the read by a release/acquire chain, is a race (and so
+is a write over another program's unordered read or write): it is reported whatever order the threads happened to
+run in, so a missing barrier is found even where this schedule read the right value by luck.
+
+What it does not model: time (nothing here says how long a barrier or a stage takes), the GPU's weaker orders
+(it runs one program at a time, so every write is seen at once: a release/acquire pair that is missing is found by
+the clocks, but L1 caches, reordered loads and ``sem`` on a plain load are not simulated), co-residency (every
+program here is resident; on the GPU a grid larger than what stays resident never reaches its first barrier), and
+registers carried across a barrier cost nothing here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Race:
+    """One unordered pair of accesses to an element of a watched buffer."""
+
+    buffer: str
+    index: int
+    kind: str  # "read before its write" | "write over an unordered read" | "two unordered writes"
+    program: int  # the program that made the second access
+    other: int  # the program whose access it is not ordered with
+    atomics: int = 0  # atomics ``program`` had made before this access (0: before it reached any barrier)
+
+    def __str__(self) -> str:
+        what = {"read before its write": f"program {self.program} read {self.buffer}[{self.index}] without waiting "
+                                         f"for program {self.other}'s write of it",
+                "write over an unordered read": f"program {self.program} wrote {self.buffer}[{self.index}] while "
+                                                f"program {self.other} may still read it",
+                "two unordered writes": f"programs {self.other} and {self.program} both wrote {self.buffer}"
+                                        f"[{self.index}] with nothing ordering the writes"}
+        return what[self.kind]
+
+
+@dataclasses.dataclass
+class Trace:
+    """What :func:`run` saw: races on watched buffers (the first ``limit``), atomics per program, switches, whether
+    the programs deadlocked (every live program spinning: two rounds of atomics that changed nothing), and for each
+    watched buffer the atomics its reader had made at its first and last read (``reads``: ``{name: [(first, last)]}``
+    per program)."""
+
+    races: list
+    atomics: list
+    switches: int
+    deadlock: bool = False
+    reads: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when no watched element was read or written out of order."""
+        return not self.races
+
+
+class _Clocks:
+    """Vector clocks of the programs and of the atomics' addresses, and the last accesses of watched elements."""
+
+    def __init__(self, n: int, watch: dict, limit: int):
+        self.n, self.limit = n, limit
+        self.now = [0] * n  # atomics each program has made so far
+        self.reads = {name: [[None, None] for _ in range(n)] for name in watch}
+        self.vc = np.eye(n, dtype=np.int64) + 0  # program p's clock: vc[p]; its own epoch vc[p, p] starts at 1
+        self.sync: dict = {}
+        self.races: list = []
+        self.bufs = []
+        for name, t in watch.items():
+            size = t.element_size()
+            first = t.data_ptr()
+            count = t.untyped_storage().nbytes() // size - t.storage_offset()
+            self.bufs.append((name, first, size, min(count, t.numel()),
+                              np.full(t.numel(), -1, np.int64), np.zeros(t.numel(), np.int64),
+                              np.zeros((n, t.numel()), np.int64)))
+
+    def atomic(self, p: int, addrs, sem: str) -> None:
+        for a in np.unique(np.asarray(addrs).ravel()):
+            a = int(a)
+            if sem in ("ACQUIRE", "ACQUIRE_RELEASE") and a in self.sync:
+                self.vc[p] = np.maximum(self.vc[p], self.sync[a])
+            if sem in ("RELEASE", "ACQUIRE_RELEASE"):
+                self.sync[a] = np.maximum(self.sync.get(a, 0), self.vc[p])
+        if sem in ("RELEASE", "ACQUIRE_RELEASE"):
+            self.vc[p, p] += 1
+
+    def access(self, p: int, addrs, mask, write: bool) -> None:
+        a = np.asarray(addrs).ravel().astype(np.int64)
+        if mask is not None:
+            a = a[np.broadcast_to(np.asarray(mask), np.asarray(addrs).shape).ravel().astype(bool)]
+        me = self.vc[p]
+        for name, first, size, count, writer, wepoch, reads in self.bufs:
+            i = (a - first) // size
+            i = i[(a >= first) & (i < count)]
+            if not i.size:
+                continue
+            if not write:
+                seen = self.reads[name][p]
+                seen[0] = self.now[p] if seen[0] is None else seen[0]
+                seen[1] = self.now[p]
+            w = writer[i]
+            bad = (w >= 0) & (w != p) & (me[np.maximum(w, 0)] < wepoch[i])
+            kind = "two unordered writes" if write else "read before its write"
+            self._report(name, i[bad], w[bad], kind, p)
+            if write:
+                r = reads[:, i]
+                unordered = (r > 0) & (me[:, None] < r)
+                unordered[p] = False
+                hit = unordered.any(axis=0)
+                self._report(name, i[hit], unordered[:, hit].argmax(axis=0), "write over an unordered read", p)
+                writer[i], wepoch[i], reads[:, i] = p, me[p], 0
+            else:
+                reads[p, i] = me[p]
+
+    def _report(self, name, idx, others, kind, p) -> None:
+        for i, o in zip(idx[: self.limit], others[: self.limit]):
+            if len(self.races) < self.limit:
+                self.races.append(Race(name, int(i), kind, p, int(o), self.now[p]))
+
+
+class _Abort(BaseException):
+    """Ends a program's thread when another program failed."""
+
+
+def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **kwargs) -> Trace:
+    """Run the interpreted ``kernel`` over ``grid`` programs as co-operating threads (see the module doc).
+
+    ``watch``: ``{name: tensor}`` buffers whose accesses are checked for order (:class:`Trace`'s races, at most
+    ``limit``). An exception in a program is raised here, with the program named; a deadlock (every live program
+    spinning, nothing changing) ends the run with ``Trace.deadlock`` set (the buffers then hold what was written).
+    """
+    from triton.runtime import interpreter as I
+
+    if not isinstance(kernel, I.InterpretedFunction):
+        raise TypeError("coop.run runs a kernel under Triton's interpreter (the laptop path); on a GPU launch it")
+    fn = kernel.rewrite()
+    ex = I.GridExecutor(fn, kernel.arg_names, (grid,))
+    spec = inspect.getfullargspec(fn)
+    kwargs = {k: v for k, v in kwargs.items() if k in spec.args}
+    args_hst, kwargs_hst = ex._init_args_hst(args, kwargs)
+    b = I.interpreter_builder
+    clocks = _Clocks(grid, watch or {}, limit)
+    state = {"turn": 0, "alive": set(range(grid)), "error": None, "switches": 0, "atomics": clocks.now,
+             "idle": 0, "deadlock": False}
+    cv = threading.Condition()
+    saved = {k: getattr(b, k) for k in ("create_atomic_rmw", "create_atomic_cas", "create_masked_load",
+                                        "create_masked_store")}
+
+    def me() -> int:
+        return b.grid_idx[0]
+
+    def wait_turn(p: int) -> None:
+        with cv:
+            cv.wait_for(lambda: state["turn"] == p or state["error"] is not None)
+            if state["error"] is not None:
+                raise _Abort()
+        b.set_grid_idx(p, 0, 0)
+
+    def pass_on(p: int, done: bool = False) -> None:
+        with cv:
+            if done:
+                state["alive"].discard(p)
+            live = sorted(state["alive"])
+            if live:
+                later = [q for q in live if q > p]
+                state["turn"] = later[0] if later else live[0]
+                state["switches"] += state["turn"] != p
+            else:
+                state["turn"] = -1
+            cv.notify_all()
+
+    def changed(ptr, before) -> bool:
+        now = saved["create_masked_load"](ptr, I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1), None,
+                                          None, True).data
+        return not np.array_equal(now, before)
+
+    def spun(p: int, progress: bool) -> None:
+        """Count atomics that changed nothing: two rounds of them by every live program is a deadlock."""
+        state["idle"] = 0 if progress else state["idle"] + 1
+        if state["idle"] > 2 * len(state["alive"]) + 2:
+            with cv:
+                state["deadlock"] = True
+                state["error"] = (p, None)
+                cv.notify_all()
+            raise _Abort()
+
+    def atomic(orig, sem_at, ptr_at):
+        def wrapped(*a):
+            ptr = a[ptr_at]
+            before = saved["create_masked_load"](ptr, I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1),
+                                                 None, None, True).data.copy()
+            out = orig(*a)
+            p = me()
+            clocks.now[p] += 1
+            clocks.atomic(p, ptr.data, a[sem_at].name)
+            spun(p, changed(ptr, before))
+            pass_on(p)
+            wait_turn(p)
+            return out
+        return wrapped
+
+    def load(ptrs, mask, other, cache_policy, is_volatile):
+        p = me()
+        clocks.access(p, ptrs.data, mask.data, False)
+        out = saved["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
+        if is_volatile:  # a spin on a volatile load: let the others run too
+            spun(p, False)
+            pass_on(p)
+            wait_turn(p)
+        return out
+
+    def store(ptrs, value, mask, cache_policy):
+        clocks.access(me(), ptrs.data, mask.data, True)
+        state["idle"] = 0
+        return saved["create_masked_store"](ptrs, value, mask, cache_policy)
+
+    def program(p: int) -> None:
+        try:
+            wait_turn(p)
+            fn(**callargs)
+        except _Abort:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            with cv:
+                state["error"] = (p, e)
+                cv.notify_all()
+            return
+        pass_on(p, done=True)
+
+    scope = I._patch_lang(fn)
+    try:
+        b.create_atomic_rmw = atomic(saved["create_atomic_rmw"], 4, 1)
+        b.create_atomic_cas = atomic(saved["create_atomic_cas"], 3, 0)
+        b.create_masked_load, b.create_masked_store = load, store
+        callargs = inspect.getcallargs(fn, *args_hst, **kwargs_hst)
+        callargs = {k: v if k in ex.constexprs else I._implicit_cvt(v) for k, v in callargs.items()}
+        b.set_grid_dim(grid, 1, 1)
+        threads = [threading.Thread(target=program, args=(p,), daemon=True) for p in range(grid)]
+        for t in threads:
+            t.start()
+        with cv:
+            cv.wait_for(lambda: state["turn"] == -1 or state["error"] is not None)
+        for t in threads:
+            t.join()
+    finally:
+        for k in saved:
+            b.__dict__.pop(k, None)  # the class's own methods again
+        scope.restore()
+    if state["error"] is not None and not state["deadlock"]:
+        p, e = state["error"]
+        raise RuntimeError(f"program {p} of {grid} failed: {type(e).__name__}: {e}") from e
+    ex._restore_args_dev(args, args_hst, kwargs, kwargs_hst)
+    reads = {k: [tuple(v) for v in per] for k, per in clocks.reads.items()}
+    return Trace(clocks.races, list(state["atomics"]), state["switches"], state["deadlock"], reads)
