@@ -66,12 +66,23 @@ class PersistentDecoder(TritonDecoder):
     """Batch-1 decode of a transformers Llama in one persistent Triton kernel per token (see the module doc)."""
 
     def __init__(self, model, max_len: int = 256, programs: int | None = None, config: Config | None = None,
-                 warps: int = 8, spin: int | None = None, watch: bool = False, ahead: bool = True):
+                 warps: int = 8, spin: int | None = None, watch: bool = False, ahead: bool = True,
+                 programs_per_sm: int = 1, tuned: bool = True):
         from course.core.triton_path import interpreting
 
         h, i, v, _, _, d = sizes(model.config)
         interp = interpreting()
         cfg = config or persistent_config(h, i, d, v, interpret=interp)
+        self.tuned = None
+        if tuned and config is None and not interp:  # this GPU's recorded search, where it chose other shapes
+            from course.lessons.last_mile.persistent_tuning import shapes_for, tuned as recorded
+
+            found = recorded(torch.cuda.get_device_name(model.device))
+            if found:
+                warps, programs_per_sm, stages = found
+                cfg = shapes_for(cfg, stages, model.config)
+                self.tuned = found
+        self.programs_per_sm = programs_per_sm
         if cfg.packed or cfg.down_split > 1 or cfg.kv_chunk:
             raise ValueError("the persistent step reads the model's own weights with whole rows per tile: "
                              "packed, down_split and kv_chunk must be off in its config")
@@ -128,7 +139,7 @@ class PersistentDecoder(TritonDecoder):
         if most < 1:
             raise ValueError(f"a program of the persistent step ({self.n_regs} registers x {32 * self.warps} "
                              f"threads, {self.shared} B shared) does not fit on an SM: use fewer warps or rows")
-        n = programs or self.sms
+        n = programs or self.sms * self.programs_per_sm
         if n > most:
             raise ValueError(f"{n} programs cannot all be resident ({self.sms} SMs x {self.per_sm} per SM = {most}): "
                              "a grid barrier would wait forever; use at most that many")
