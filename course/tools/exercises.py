@@ -114,7 +114,7 @@ def quoted_lines(stage: str, lines) -> list:
 
 
 def _values(tree) -> dict:
-    """The module-level assignments of ``tree`` whose value is a literal (strings, lists of strings...): name -> value."""
+    """The module-level assignments of ``tree`` whose value is a literal (a string, a list...): name -> value."""
     out = {}
     for node in tree.body:
         if isinstance(node, ast.Assign):

@@ -78,7 +78,7 @@ def problem(before: tuple, cache, start: int, n: int) -> str:
 
 
 def prompt_for(model, length: int = 6, seed: int = 1):
-    """A prompt of ``length`` token ids (int64 ``[1, length]``) for ``model``, on its device, drawn from a seeded generator."""
+    """``length`` token ids (int64 ``[1, length]``) for ``model``, on its device, from a seeded generator."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (1, length), generator=g)
     return ids.to(next(model.parameters()).device)

@@ -26,6 +26,7 @@ prompt), the prompt's from 0 (``start`` ignored), the prompt zeroed (a reset), o
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 
@@ -129,8 +130,13 @@ def _build(cls, dec, spy, cg):
     gc.collect()  # a graph freed by the collector in the middle of a capture would invalidate it (GPU)
     spy.order = StreamOrder(cg)
     try:
-        with collector_paused():
-            return cls(dec)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with collector_paused():
+                loop = cls(dec)
+        for w in caught:  # kept when the build succeeded; a failed capture's ("the CUDA Graph is empty") are noise
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return loop
     except NotImplementedError:
         cg.set_stream(before)
         raise
