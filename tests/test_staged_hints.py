@@ -98,3 +98,20 @@ def test_quoted_lines_catches_an_answer_given_as_a_stage():
                                                     "self.ids.copy_(self.next)"]
     assert quoted_lines("replay, clone the next token, copy it into ids", lines) == []
     assert quoted_lines("call self.graph.replay() per token", lines) == []  # an idiom shorter than MIN_QUOTE
+
+
+def test_names_come_from_constants_defaults_and_the_cells_that_run_the_checks():
+    import ast
+
+    from course.tools.exercises import check_cells, module_constants
+
+    src = 'NAME = "x.1 first"\nHINT = ["a", "b"]\ndef check_a(fn):\n    with exercise(NAME, hint=HINT):\n        pass\n'
+    assert module_constants(ast.parse(src)) == {"NAME": "x.1 first"}
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell('def check_b(fn, name="x.2 second"):\n    with exercise(name, hint=["a", "b"]):\n'
+                                  '        fn()'),
+        nbformat.v4.new_code_cell("def mine():\n    ### BEGIN SOLUTION\n    return 42\n    ### END SOLUTION"),
+        nbformat.v4.new_code_cell("check_b(mine)"),
+        nbformat.v4.new_code_cell('with exercise("x.3 third", hint=["a", "b"]):\n    pass')])
+    assert check_cells(nb) == {"x.2 second": 2, "x.3 third": 3}  # the call, not the definition
+    assert answer_lines(nb) == {"x.2 second": ["return 42"]}  # x.3 judges no answer block
