@@ -30,8 +30,8 @@ HINT = ["a prompt's keys and values are written into the decoder's KV cache by t
         "positions 4, 5 and 6, and leave 0..3 as they are"]
 ANSWER = ("self.cache = decoder.cache_for(1) in __init__ (the cache the prefill writes), and in generate: "
           "self.ids.copy_(first_ids.view(1, 1)); self.pos.fill_(start) before the loop of replays")
-WORTH = ("SmolLM2-135M writes fluent English and gets facts wrong: its answer is a test of your loop, not a source. "
-         "Check what it says against lesson 02")
+WORTH = ("A model this small (SmolLM2 has 135M parameters) writes fluent English and gets facts wrong: its answer "
+         "tests your loop; it is not a source (compare what it says with lesson 02)")
 TEXT_CHARS = 400  # the ✓ line shows the loop's text up to this many characters
 
 
