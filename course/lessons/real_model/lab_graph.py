@@ -26,6 +26,7 @@ prompt), the prompt's from 0 (``start`` ignored), the prompt zeroed (a reset), o
 from __future__ import annotations
 
 import gc
+import inspect
 import warnings
 
 import torch
@@ -201,7 +202,7 @@ def _generate(loop, spy, first, n, start=0):
     """``loop.generate(first, n, start)`` under no_grad; none of the model's forwards may run in Python."""
     seen = len(spy.calls)
     with torch.no_grad():
-        got = loop.generate(first, n, start) if start else loop.generate(first, n)
+        got = loop.generate(first, n, start=start) if start else loop.generate(first, n)
     eager = len(spy.calls) - seen
     assert eager == 0, (f"generate ran the model's forward in Python {eager} times: replay the graph instead "
                         "(self.graph.replay()); a replay runs the recorded kernels, no Python")
@@ -216,8 +217,6 @@ def _check_prompt(loop, dec, model, spy) -> None:
     positions it writes are measured (:mod:`~course.lessons.real_model.continuation`), then its tokens compared."""
     from course.lessons.real_model import continuation
     from course.lessons.real_model.chat import prefill
-
-    import inspect
 
     length, n = PROMPT
     if "start" not in inspect.signature(loop.generate).parameters:
@@ -240,7 +239,8 @@ def _check_prompt(loop, dec, model, spy) -> None:
 
 
 def check_hand_capture(cls, max_len: int = MAX_LEN) -> None:
-    """Step 5: ``cls(decoder)`` captures one decode step by hand; ``.generate(first_ids, n)`` replays it per token."""
+    """Step 5: ``cls(decoder)`` captures one decode step by hand; ``.generate(first_ids, n, start=0)`` replays it per
+    token: two sequences from position 0, then one from a prompt prefilled into the decoder's cache (as in step 6)."""
     import course
 
     with exercise(NAME, hint=HINT, answer=ANSWER):
