@@ -139,8 +139,9 @@ CHECKS = "from course.core.checks import exercise\n"
 
 
 def test_check_notebook_reports_pass_todo_fail_and_stray_errors(tmp_path, capsys):
-    nb = _nb(("code", CHECKS + 'with exercise("ok"):\n    assert True'),
-             ("code", CHECKS + 'def todo():\n    raise NotImplementedError("x")\nwith exercise("todo"):\n    todo()'),
+    nb = _nb(("code", CHECKS + 'with exercise("ok") as notes:\n    notes.append("the loop wrote: hello")'),
+             ("code", CHECKS + 'def todo():\n    raise NotImplementedError("x")\nwith exercise("todo", hint=["a", "b"]):\n'
+                      '    todo()'),
              ("code", CHECKS + 'with exercise("wrong", hint="add one"):\n    assert 1 == 2, "one is not two"'),
              ("code", "1 / 0"),
              ("code", CHECKS + 'with exercise("after the errors"):\n    pass'))
@@ -148,7 +149,8 @@ def test_check_notebook_reports_pass_todo_fail_and_stray_errors(tmp_path, capsys
     nbformat.write(nb, path)
     assert G.check_notebook(path, timeout=60) == 1
     out = capsys.readouterr().out
-    assert "✓ ok" in out and "… todo: not done yet" in out
+    assert "✓ ok: passed - the loop wrote: hello" in out and "… todo: not done yet" in out  # a ✓'s note shows
+    assert "[1/2] a" not in out  # no hint before anything was tried
     assert "✗ wrong: failed: one is not two" in out and "hint: add one" in out
     assert "cell 3 raised ZeroDivisionError" in out and "✓ after the errors" in out
     assert "2/4 passed, 1 failed, 0 crashed, 1 not done yet" in out

@@ -235,7 +235,7 @@ LAB4_MUTANTS = [
      ["whole gap"]),
     ("gap with the sign flipped", _one("return (slow_us - fast_us) / kernels", "return (fast_us - slow_us) / kernels"),
      L4, ["the sign"]),
-    # step 5, the hand capture: 14 mutants, the same verdict on the simulator and on a GPU
+    # step 5, the hand capture: 18 mutants, the same verdict on the simulator and on a GPU
     ("position a Python int, frozen at capture",
      [(_POS_BUF, _POS_BUF + "        self.position = 0\n"),
       ("        pos = self.pos\n",
@@ -265,12 +265,25 @@ LAB4_MUTANTS = [
     ("generate runs the step eagerly",
      _one("            self.graph.replay()\n", "            self.next = self.one_token()\n"), L5, ["in Python 64 times", "replay"]),
     ("a new sequence starts where the last ended", _one("self.pos.fill_(start)  # 0", "# 0"), L5,
-     ["second did not", "zero the position"]),
+     ["second did not", "self.pos.fill_(start)"]),
+    # step 5 goes on from a prompt prefilled into the decoder's cache, as step 6 does: the cache positions written
+    ("a KV cache of its own: the prompt never seen",
+     _one("        self.cache = decoder.cache_for(1)  # the static KV cache, allocated before the capture\n",
+          "        self.cache = StaticDecoder(decoder.model, decoder.max_len).cache_for(1)\n"), L5,
+     ["never wrote the decoder's KV cache", "decoder.cache_for(1)"]),
+    ("the position zeroed, not set to start", _one("self.pos.fill_(start)  # 0", "self.pos.zero_()  # 0"), L5,
+     ["decoded from position 0, not from start=5", "self.pos.fill_(start)"]),
+    ("the cache emptied by every generate",
+     _one("        self.ids.copy_(first_ids.view(1, 1))\n",
+          "        self.cache.reset()\n        self.ids.copy_(first_ids.view(1, 1))\n"), L5, ["emptied the KV cache"]),
+    ("generate without start", [("def generate(self, first_ids, n_tokens, start=0):",
+                                 "def generate(self, first_ids, n_tokens):"),
+                                ("self.pos.fill_(start)  # 0", "self.pos.fill_(0)  # 0")], L5, ["takes no `start`"]),
 ]
 
 
-def test_lab4_answer_passes_every_check(tmp_path):
-    got = run_notebook_checks(LAB4, log_dir=tmp_path)
+def test_lab4_answer_passes_every_check(tmp_path):  # to step 5; step 6 (a trained model): tests/test_lab_chat.py
+    got = run_notebook_checks(LAB4, log_dir=tmp_path, until=L5)
     assert set(got) == {L1, L2, L3, L4, L5}, sorted(got)
     bad = {k: v["message"] for k, v in got.items() if v["status"] != "pass"}
     assert not bad, bad

@@ -87,18 +87,15 @@ def failures(name: str) -> int:
     return _SESSION[name]["failures"] if name in _SESSION else carried_failures(name)
 
 
-def _hint_stage(name: str, hint, more: bool = True) -> str:
-    """The hint to show for this ✗: the next stage of a staged (list) hint."""
+def _hint_stage(name: str, hint) -> str:
+    """The hint to show for this ✗: the next stage of a staged (list) hint, the offer of the answer after the last."""
     if not hint:
         return ""
     if isinstance(hint, str):
-        return hint + (offer(name) if more else "")
+        return hint + offer(name)
     stages = list(hint)
     i = min(failures(name), len(stages) - 1)
-    if more and i < len(stages) - 1:
-        tail = " (run the check again after a change for the next hint)"
-    else:
-        tail = offer(name) if more else ""
+    tail = " (run the check again after a change for the next hint)" if i < len(stages) - 1 else offer(name)
     return f"[{i + 1}/{len(stages)}] {stages[i]}{tail}"
 
 
@@ -223,18 +220,19 @@ def raising_statuses(raise_on_fail: bool = False) -> set:
 def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = False):
     """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done.
 
-    ``answer`` is printed only when this run was asked for it (:func:`course.core.answers.requested`).
+    ``answer`` is printed only when this run was asked for it (:func:`course.core.answers.requested`). The body gets
+    a list (``with exercise(...) as notes:``): what it appends is the ✓ line's note, shown by ``course check`` too
+    (e.g. the text a loop wrote). Hints follow a ✗ only: "not done yet" shows none (nothing was tried yet).
     """
     remember(name, answer)
     shown = {"answer": answer} if answer and requested(name) else {}
     raising = raising_statuses(raise_on_fail)
     strict = raise_on_fail or CRASH in raising  # a ✗ re-raised: no "the notebook goes on" note
-    caught = None
+    caught, notes = None, []
     try:
-        yield
+        yield notes
     except NotImplementedError as e:
-        entry = record(name, TODO, str(e) or "the TODO still raises NotImplementedError",
-                       _hint_stage(name, hint, more=False), **shown)
+        entry = record(name, TODO, str(e) or "the TODO still raises NotImplementedError", **shown)
     except AssertionError as e:
         entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint), **shown)
     except Exception as e:  # noqa: BLE001 - any crash of the learner's code is a ✗, not a stop
@@ -247,7 +245,7 @@ def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = Fals
         elif not strict:
             print("  (library frames hidden; the notebook goes on. COURSE_TRACEBACK=1 shows the full traceback.)")
     else:
-        record(name, PASS, **shown)
+        record(name, PASS, " ".join(str(n) for n in notes), **shown)
         return
     if entry["status"] in raising:
         gate = os.environ.get(ENV_GATE)

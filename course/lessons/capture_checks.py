@@ -86,8 +86,9 @@ def check_capture_forward(capture_fn, run_fn) -> None:
 
     with exercise(A, hint=[
                 "a capture records what the model does to static_x; what must run before it, and where?",
-                "warm up on a side stream, capture `static_y = model(static_x)` inside cg.graph(g), return the graph "
-                "and that very tensor; to run, copy new data into static_x and replay",
+                "in capture_forward: warm the model up on a side stream, then capture its call on static_x inside "
+                "cg.graph(g) and return the graph with the very tensor that call returned; in run_forward: copy the "
+                "new data into static_x and replay",
                 "a smaller example: the recipe of section 1 above, on the lesson's model, is the same three steps: "
                 "warm-up on a side stream, capture, replay after copy_"],
             answer="side = cg.Stream(); side.wait_stream(cg.current_stream()); with cg.stream(side): model(static_x) "

@@ -209,6 +209,8 @@ def _recorder_class():
                 if out is not NotImplemented:
                     return out
             if cap is None:
+                if ss._ACTIVE:
+                    ss.OUTSIDE[0] += 1
                 watch = _watch[0] or ss.sync_debug_mode()
                 why = watch and _host_read(func, func._schema.name.split("::")[-1], args, kwargs)
                 if why:

@@ -66,7 +66,12 @@ ALREADY = "This CUDAGraph instance already owns a captured graph. To capture a n
 DEFAULT = ("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok to replay them "
            "on the default stream.)")
 EMPTY = ("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device "
-         "or stream.")
+         "or stream.")  # torch's words: said when work ran during the capture on a stream that was not capturing
+NOTHING = ("The CUDA Graph is empty: no GPU work ran between capture_begin and capture_end, so a replay does nothing "
+           "(the captured block launched no kernel: did a branch or an early return skip the work?)")
+# A capture ended by an error (``with cg.graph(g):`` left by an exception) gives no empty-graph warning here: the
+# error says what happened. torch warns there too, and the course's helpers drop warnings of a failed capture.
+_ENDED_BY_ERROR = [False]
 
 
 def _destroyed(held) -> None:
@@ -112,6 +117,7 @@ class CUDAGraph:
         sp.install()
         sd.begin()
         self._capture, self._handle, self._pool = cap, handle, mem
+        self._outside = ss.OUTSIDE[0]
 
     def capture_end(self) -> None:
         """End the capture; raise what CUDA raises if it was invalidated or left a forked stream unjoined."""
@@ -134,8 +140,8 @@ class CUDAGraph:
         cap.pool.recording = False
         self._steps, held = cap.program.finish()
         self._release = weakref.finalize(self, _destroyed, held)
-        if not self._steps:
-            warnings.warn(EMPTY, UserWarning, stacklevel=2)
+        if not self._steps and not _ENDED_BY_ERROR[0]:
+            warnings.warn(EMPTY if ss.OUTSIDE[0] > getattr(self, "_outside", 0) else NOTHING, UserWarning, stacklevel=2)
 
     def instantiate(self) -> None:
         """Nothing to do on the simulator (torch instantiates in capture_end)."""
@@ -199,7 +205,11 @@ class graph:
         self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
 
     def __exit__(self, *exc) -> None:
-        self.cuda_graph.capture_end()  # as torch: if this raises, the capture stream stays current
+        _ENDED_BY_ERROR[0] = exc[0] is not None  # an error ended the capture: it, not "empty", says why
+        try:
+            self.cuda_graph.capture_end()  # as torch: if this raises, the capture stream stays current
+        finally:
+            _ENDED_BY_ERROR[0] = False
         self.stream_ctx.__exit__(*exc)
 
 

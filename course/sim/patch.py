@@ -137,6 +137,8 @@ def _numba_patches():
     def launch(self, *args):
         stream = None if self._device else ss.stream_of_numba(getattr(self, "_course_stream", None))
         if stream is None or stream.capture is None or stream.capture not in ss._ACTIVE:
+            if ss._ACTIVE and not self._device:
+                ss.OUTSIDE[0] += 1
             return call(self, *args)
         stream.capture.program.record_kernel(self, args, stream)
 

@@ -63,6 +63,7 @@ class Capture:
 
 
 _ACTIVE: list = []  # captures under way
+OUTSIDE = [0]  # work run at once on a stream that was not capturing while a capture was under way (an empty graph's why)
 
 
 class Stream:

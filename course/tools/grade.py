@@ -26,9 +26,7 @@ and never when ``COURSE_ANSWERS=off``.
 """
 from __future__ import annotations
 
-import ast
 import csv
-import functools
 import html
 import json
 import os
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import nbformat
 
+from course.tools.exercises import course_checks, exercise_cells, exercise_names  # noqa: F401 - re-exported
 from course.tools.hints import load_hint_state, save_hint_state
 from course.core.reaper import kernel_groups, killed_on_signal
 from course.tools.render import KERNEL_ARGS, expose_course_to_kernels
@@ -46,62 +45,6 @@ STATUSES = ("pass", "fail", "crash", "todo", "skip", "timed out", "not reached")
 _MARK = {"pass": "✓", "fail": "✗", "crash": "✗", "todo": "…", "skip": "-", "timed out": "⏱", "not reached": "?"}
 _WORDS = {"pass": "passed", "fail": "failed", "crash": "crashed", "todo": "not done yet", "skip": "skipped",
           "timed out": "timed out", "not reached": "not reached"}
-
-
-def _called(node) -> str | None:
-    return getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
-
-
-def _literal_exercises(tree) -> list:
-    """The names of the ``exercise("literal")`` calls under ``tree``, in order of appearance."""
-    calls = [n for n in ast.walk(tree) if _called(n) == "exercise" and n.args and isinstance(n.args[0], ast.Constant)
-             and isinstance(n.args[0].value, str)]
-    return [n.args[0].value for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
-
-
-@functools.lru_cache(maxsize=1)
-def course_checks() -> dict:
-    """Function name -> exercise names, for the course's functions that run checks (``lab.check_key`` ...).
-
-    A notebook that calls one of them declares its exercises as surely as one that calls ``exercise("...")``.
-    """
-    found = {}
-    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.FunctionDef) and (names := _literal_exercises(node)):
-                known = found.setdefault(node.name, [])
-                known += [n for n in names if n not in known]
-    return found
-
-
-def exercise_names(nb) -> list:
-    """The names of the exercises a notebook declares, in order (see :func:`exercise_cells`)."""
-    return list(exercise_cells(nb))
-
-
-def exercise_cells(nb) -> dict:
-    """Exercise name -> index of the first code cell that contains its check.
-
-    A check is an ``exercise("...")`` call, or a call of a course function that runs one (:func:`course_checks`,
-    unless the notebook defines a function of that name itself).
-    """
-    trees = {}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            try:
-                trees[i] = ast.parse(cell.source)
-            except SyntaxError:
-                continue
-    own = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
-    known = {k: v for k, v in course_checks().items() if k not in own}
-    found = {}
-    for i, tree in trees.items():
-        names = _literal_exercises(tree)
-        calls = sorted((n for n in ast.walk(tree) if _called(n) in known), key=lambda n: (n.lineno, n.col_offset))
-        names += [name for n in calls for name in known[_called(n)]]
-        for name in names:
-            found.setdefault(name, i)
-    return found
 
 
 def _error(cell):
@@ -280,7 +223,7 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         counts[x["status"]] += 1
         line = f"  {_MARK[x['status']]} {x['name']}"
         if x["status"] == "pass":
-            print(line + ": passed")
+            print(line + ": passed" + (f" - {x['message']}" if x.get("message") else ""))
             if x.get("answer"):
                 print(f"      answer (you asked for it): {x['answer']}")
             continue

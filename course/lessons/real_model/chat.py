@@ -89,16 +89,23 @@ def answer(loop, decoder, prompt, n: int) -> dict:
     writes that position of the cache; the prefill comes after them.
 
     Returns ``tokens`` (the loop's ``[1, n]``), ``want`` (generate's ``[1, m]``, ``m <= n``: it stops at
-    end-of-sequence), ``want_logits``, ``agree`` (leading tokens equal) and ``compared`` (``m``).
+    end-of-sequence), ``want_logits``, ``agree`` (leading tokens equal), ``compared`` (``m``), ``start`` and
+    ``cache_problem``: what the positions the loop wrote into the decoder's cache show it did wrong ('' when it wrote
+    exactly ``start..start+n-1``; :mod:`~course.lessons.real_model.continuation`).
     """
+    from course.lessons.real_model import continuation
+
     if prompt.shape[1] + n > decoder.max_len:
         raise ValueError(f"prompt ({prompt.shape[1]}) + {n} tokens exceed the decoder's {decoder.max_len} positions")
     prefill(decoder, prompt)
+    start = prompt.shape[1] - 1
+    before = continuation.snapshot(decoder.cache_for(1))
     with torch.no_grad():
-        got = loop.generate(prompt[0, -1:], n, start=prompt.shape[1] - 1)
+        got = loop.generate(prompt[0, -1:], n, start=start)
+    why = continuation.problem(before, decoder.cache_for(1), start, n)
     want, logits = generate_tokens(decoder.model, prompt, n)
     return {"tokens": got, "want": want, "want_logits": logits, "agree": agreement(got, want),
-            "compared": want.shape[1]}
+            "compared": want.shape[1], "start": start, "cache_problem": why}
 
 
 def until_eos(tokens, eos) -> list:

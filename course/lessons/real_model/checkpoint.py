@@ -229,12 +229,22 @@ def keep(model, tokenizer, where: Path) -> bool:
         return False
 
 
+def quiet_tokenizer(tok):
+    """``tok`` with transformers' space clean-up off where a BPE tokenizer skips it anyway: the same text, without
+    the "Ignoring clean_up_tokenization_spaces" warning on the first decode. Other tokenizers are left as they are."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE" and getattr(tok, "clean_up_tokenization_spaces",
+                                                                                 False):
+        tok.clean_up_tokenization_spaces = False
+    return tok
+
+
 def _ready(model, tok, src: Source, dev, t0: float) -> Trained:
     model = model.to(dev).eval()
     model.requires_grad_(False)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = model.config.eos_token_id
-    return Trained(model, tok, src, time.perf_counter() - t0)
+    return Trained(model, quiet_tokenizer(tok), src, time.perf_counter() - t0)
 
 
 def load_trained(name: str | None = None, dtype=None, device=None, log=print) -> Trained:

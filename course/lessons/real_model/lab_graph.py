@@ -17,10 +17,17 @@ its verdict is the GPU's on both. What it sees, besides the tokens:
 Wrong tokens are diagnosed by the outcome each usual slip gives: every token the last one (the next token kept
 without a clone), every step at position 0 (a position frozen at capture), the first token never fed back, the
 second sequence wrong (buffers not reset).
+
+Last, as step 6 will: a prompt prefilled into the decoder's cache (``decoder.cache_for(1)``), then
+``generate(last, n, start=L-1)``. Which positions of that cache the replays wrote is measured
+(:mod:`~course.lessons.real_model.continuation`): none (the graph reads a cache of its own, so it never sees the
+prompt), the prompt's from 0 (``start`` ignored), the prompt zeroed (a reset), or others than ``L-1..L+n-2``.
 """
 from __future__ import annotations
 
 import gc
+import inspect
+import warnings
 
 import torch
 
@@ -34,14 +41,26 @@ from course.lessons.stream_order import StreamOrder
 
 NAME = "lab 4.5 the token loop, captured by hand"
 RUNS = ((3, 64), (11, 16))  # (first token, greedy tokens): a sequence, then a second one on the same graph
+PROMPT = (6, 16)  # then a prompt of 6 tokens prefilled into the decoder's cache, and 16 tokens from its last one
 MAX_LEN = 128  # room for both runs even when the position is never reset (no write past the cache)
 HINT = ["a replay reads and writes only the tensors the capture saw: the token, the position, the KV cache and "
         "the next token must all be tensors made before the capture, and stay the same tensors",
-        "make ids [1, 1] and pos [1] on the device and the cache (decoder.cache_for(1)); warm one_token() up on a "
-        "side stream; capture it in cg.graph(g); then per token: replay, clone the next token, copy it into ids, "
-        "advance pos",
-        "with cg.graph(self.graph): self.next = self.one_token()  ...  for each token: self.graph.replay(); "
-        "out.append(self.next.clone()); self.ids.copy_(self.next); self.pos.add_(1)"]
+        "make ids [1, 1] and pos [1] on the device and take the decoder's cache (decoder.cache_for(1)); warm "
+        "one_token() up on a side stream; capture it in cg.graph(g); then per token: replay, clone the next token, "
+        "copy it into ids, advance pos. generate sets pos to `start` first",
+        "a smaller example, with no model: x = torch.zeros(1, device=dev); warm up, then with cg.graph(g): y = x * 2 "
+        "+ 1. Now x.fill_(3); g.replay() leaves 7 in y: the replay read the new value from the same x and wrote the "
+        "same y (y.clone() keeps it before the next replay)"]
+ANSWER = ("__init__: self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev); self.pos = torch.zeros(1, "
+          "dtype=torch.long, device=dev); self.cache = decoder.cache_for(1); side = cg.Stream(); "
+          "side.wait_stream(cg.current_stream()); with cg.stream(side): self.one_token() (twice); "
+          "cg.current_stream().wait_stream(side); self.graph = cg.CUDAGraph(); with cg.graph(self.graph): self.next = "
+          "self.one_token().  one_token: for layer in self.cache.layers: layer.cumulative_length.copy_(self.pos[0]); "
+          "mask = (self.decoder._arange <= self.pos).view(1, 1, 1, -1); out = self.model(input_ids=self.ids, "
+          "position_ids=self.pos.view(1, 1), attention_mask=mask, past_key_values=self.cache, use_cache=True); return "
+          "out.logits[:, -1].argmax(-1, keepdim=True).  generate: self.ids.copy_(first_ids.view(1, 1)); "
+          "self.pos.fill_(start); per token: self.graph.replay(); out.append(self.next.clone()); "
+          "self.ids.copy_(self.next); self.pos.add_(1); return torch.cat(out, dim=1)")
 HOST_READ = ("a host read or a wait inside the capture (.item(), int(), .tolist(), print of a tensor, a "
              "synchronize): the capture records GPU work and cannot stop to hand a value to Python. Keep the next "
              "token on the device: argmax(-1, keepdim=True)")
@@ -112,8 +131,13 @@ def _build(cls, dec, spy, cg):
     gc.collect()  # a graph freed by the collector in the middle of a capture would invalidate it (GPU)
     spy.order = StreamOrder(cg)
     try:
-        with collector_paused():
-            return cls(dec)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with collector_paused():
+                loop = cls(dec)
+        for w in caught:  # kept when the build succeeded; a failed capture's ("the CUDA Graph is empty") are noise
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return loop
     except NotImplementedError:
         cg.set_stream(before)
         raise
@@ -157,8 +181,9 @@ def _diagnose(loop, dec, got, want, first, n, run, attrs) -> str:
         return ("every replay decoded the first token again: the next token never reached the buffer the graph "
                 "reads. Copy it in before the next replay (self.ids.copy_(self.next))")
     if run > 0:
-        return ("the first sequence decoded right and the second did not: generate must start a new sequence "
-                "from its first token at position 0 (copy first_ids into the token buffer, zero the position)")
+        return ("the first sequence decoded right and the second did not: each generate must start its sequence "
+                "from its own first token at position `start` (copy first_ids into the token buffer, then "
+                "self.pos.fill_(start): 0 for a new sequence, as here; step 6 passes a prompt's last position)")
     for cache in _static_caches(loop, dec):
         counter = int(cache.layers[0].cumulative_length)
         if counter != n:
@@ -173,11 +198,52 @@ def _diagnose(loop, dec, got, want, first, n, run, attrs) -> str:
     return f"{n} greedy tokens differ from eager decoding from step {step}: check the position and the mask"
 
 
+def _generate(loop, spy, first, n, start=0):
+    """``loop.generate(first, n, start)`` under no_grad; none of the model's forwards may run in Python."""
+    seen = len(spy.calls)
+    with torch.no_grad():
+        got = loop.generate(first, n, start=start) if start else loop.generate(first, n)
+    eager = len(spy.calls) - seen
+    assert eager == 0, (f"generate ran the model's forward in Python {eager} times: replay the graph instead "
+                        "(self.graph.replay()); a replay runs the recorded kernels, no Python")
+    assert isinstance(got, torch.Tensor), f"generate() should return a tensor, got {type(got).__name__}"
+    assert tuple(got.shape) == (1, n), (f"generate(first_ids, {n}) returned shape {tuple(got.shape)}: expected "
+                                        f"[1, {n}] (torch.cat of the [1, 1] tokens, dim=1)")
+    return got.long()
+
+
+def _check_prompt(loop, dec, model, spy) -> None:
+    """A prompt prefilled into the decoder's cache, then ``generate(last, n, start=L-1)``, as step 6 does it: the
+    positions it writes are measured (:mod:`~course.lessons.real_model.continuation`), then its tokens compared."""
+    from course.lessons.real_model import continuation
+    from course.lessons.real_model.chat import prefill
+
+    length, n = PROMPT
+    if "start" not in inspect.signature(loop.generate).parameters:
+        raise AssertionError("generate takes no `start`: step 6 goes on from a prompt's last position, so write "
+                             "def generate(self, first_ids, n_tokens, start=0) and set the position to it")
+    prompt = continuation.prompt_for(model, length)
+    ref = StaticDecoder(model, dec.max_len)
+    prefill(ref, prompt)
+    want = greedy(ref.step, prompt[0, -1:], n, start=length - 1)
+    prefill(dec, prompt)
+    before = continuation.snapshot(dec.cache_for(1))
+    got = _generate(loop, spy, prompt[0, -1:], n, start=length - 1)
+    why = continuation.problem(before, dec.cache_for(1), length - 1, n)
+    assert not why, f"after a prompt of {length} tokens (as in step 6): {why}"
+    if not torch.equal(got, want):
+        step = int((got != want).any(0).nonzero()[0])
+        raise AssertionError(f"after a prompt of {length} tokens prefilled into the decoder's cache, generate(last, "
+                             f"{n}, start={length - 1}) wrote the right positions but its tokens differ from eager "
+                             f"decoding from step {step}: check the mask (keys 0..position) and the position ids")
+
+
 def check_hand_capture(cls, max_len: int = MAX_LEN) -> None:
-    """Step 5: ``cls(decoder)`` captures one decode step by hand; ``.generate(first_ids, n)`` replays it per token."""
+    """Step 5: ``cls(decoder)`` captures one decode step by hand; ``.generate(first_ids, n, start=0)`` replays it per
+    token: two sequences from position 0, then one from a prompt prefilled into the decoder's cache (as in step 6)."""
     import course
 
-    with exercise(NAME, hint=HINT):
+    with exercise(NAME, hint=HINT, answer=ANSWER):
         model = lab_model()
         cg = course.graphs()
         dec = StaticDecoder(model, max_len)
@@ -189,17 +255,11 @@ def check_hand_capture(cls, max_len: int = MAX_LEN) -> None:
             assert not why, why
             for run, (token, n) in enumerate(RUNS):
                 first = torch.tensor([token], device=model.device)
-                attrs, seen = _tensors(loop), len(spy.calls)
-                with torch.no_grad():
-                    got = loop.generate(first, n)
-                eager = len(spy.calls) - seen
-                assert eager == 0, (f"generate ran the model's forward in Python {eager} times: replay the graph "
-                                    "instead (self.graph.replay()); a replay runs the recorded kernels, no Python")
-                assert isinstance(got, torch.Tensor), f"generate() should return a tensor, got {type(got).__name__}"
-                assert tuple(got.shape) == (1, n), (f"generate(first_ids, {n}) returned shape {tuple(got.shape)}: "
-                                                    f"expected [1, {n}] (torch.cat of the [1, 1] tokens, dim=1)")
+                attrs = _tensors(loop)
+                got = _generate(loop, spy, first, n)
                 want = greedy(StaticDecoder(model, max_len).step, first, n)
-                if not torch.equal(got.long(), want):
-                    raise AssertionError(_diagnose(loop, dec, got.long(), want, first, n, run, attrs))
+                if not torch.equal(got, want):
+                    raise AssertionError(_diagnose(loop, dec, got, want, first, n, run, attrs))
+            _check_prompt(loop, dec, model, spy)
         finally:
             handle.remove()

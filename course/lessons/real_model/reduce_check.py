@@ -46,11 +46,14 @@ HINT = ["three things make reduce-overhead record one graph and keep it: address
         "mark each cache layer's keys, values and cumulative_length, decoder._arange, self.ids and self.pos with "
         "torch._dynamo.mark_static_address; compile decoder.step with mode=\"reduce-overhead\"; per token copy ids "
         "and pos into the buffers, call torch.compiler.cudagraph_mark_step_begin(), call the compiled step, clone",
-        "for layer in self.cache.layers: for t in (layer.keys, layer.values, layer.cumulative_length): "
-        "torch._dynamo.mark_static_address(t) (and the same for decoder._arange, self.ids, self.pos); "
-        "self.compiled = torch.compile(decoder.step, mode=\"reduce-overhead\", fullgraph=True); in step: "
-        "self.ids.copy_(ids); self.pos.copy_(pos); torch.compiler.cudagraph_mark_step_begin(); "
-        "return self.compiled(self.ids, self.pos).clone()"]
+        "a smaller example, one buffer and a function of it: buf = torch.zeros(4, device=dev); "
+        "torch._dynamo.mark_static_address(buf); f = torch.compile(lambda x: x * 2, mode=\"reduce-overhead\"); per "
+        "call: buf.copy_(new); torch.compiler.cudagraph_mark_step_begin(); y = f(buf).clone()"]
+ANSWER = ("in __init__: for layer in self.cache.layers: for t in (layer.keys, layer.values, layer.cumulative_length): "
+          "torch._dynamo.mark_static_address(t); the same for decoder._arange, self.ids and self.pos; self.compiled = "
+          "torch.compile(decoder.step, mode=\"reduce-overhead\", fullgraph=True). In step: self.ids.copy_(ids); "
+          "self.pos.copy_(pos); torch.compiler.cudagraph_mark_step_begin(); return self.compiled(self.ids, "
+          "self.pos).clone()")
 
 
 def unmarked_decoder(model, max_len: int = MAX_LEN, batch: int = 1) -> StaticDecoder:
@@ -219,7 +222,7 @@ def check_reduce_overhead(cls) -> None:
     logits survive the next steps and every token's logits match the eager step's.
     """
     on_gpu = runtime().on_gpu
-    with exercise(NAME, hint=HINT), torch.no_grad():
+    with exercise(NAME, hint=HINT, answer=ANSWER), torch.no_grad():
         model = lab_model()
         reset_compile()
         try:

@@ -151,10 +151,10 @@ def check_captures(capture_and_replay, failing_line) -> None:
     with exercise("03.4 capture them yourself", hint=[
                 "a capture of your own: warm up, capture, and on new inputs replay and compare with eager; when it "
                 "fails, the error's traceback says where",
-                "warm up on a side stream; `with collector_paused(), cg.graph(g): out = fn(*static)` in a try; "
-                "except: recover(stream=before, graph=g) and return ('fails', e); else copy_ the new inputs in, "
-                "g.replay(), compare with fn(*new). failing_line: follow error.__context__ to the first error, then "
-                "its traceback",
+                "in capture_and_replay: warm up on a side stream; capture fn on the static inputs in cg.graph(g) with "
+                "the collector paused, in a try whose except recovers (the stream that was current, the graph) and "
+                "returns ('fails', e); else copy_ the new inputs in, replay, compare with fn(*new). failing_line: "
+                "follow error.__context__ to the first error, then its traceback",
                 "a smaller example: try: {}['k'] except KeyError: try: 1 / 0 except ZeroDivisionError as e: err = e —"
                 " err.__context__ is the KeyError, and traceback.extract_tb(err.__context__.__traceback__)[-1].lineno"
                 " its line"],
