@@ -49,8 +49,9 @@ def test_tuned_reads_the_recording_of_this_gpu_only(tmp_path, monkeypatch):
     name = list(T.CANDIDATES)[2]
     res = _result([(T.DEFAULT, "ok", 1400.0, True), (name, "ok", 1000.0, True)])
     (tmp_path / f"{T.NAME}.json").write_text(json.dumps(res.to_dict(), default=str))
-    assert T.tuned("NVIDIA H200") == T.CANDIDATES[name]
+    assert T.tuned("NVIDIA H200") == T.CANDIDATES[name] and T.chosen("NVIDIA H200") == name
     assert T.tuned("NVIDIA H100 80GB HBM3") is None  # another GPU: the defaults
+    assert T.chosen("NVIDIA H100 80GB HBM3") == T.DEFAULT
     quick = _result([(T.DEFAULT, "ok", 1400.0, True), (name, "ok", 1000.0, True)], quick=True)
     (tmp_path / f"{T.NAME}.json").write_text(json.dumps(quick.to_dict(), default=str))
     assert T.tuned("NVIDIA H200") is None  # a smoke run never sets the shapes

@@ -184,10 +184,16 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
                 state["turn"] = -1
             cv.notify_all()
 
+    # the interpreter's load takes (ptrs, mask, other, <cache hints>, is_volatile); Triton 3.6 has two cache hints
+    # (cache_modifier, eviction_policy), 3.9 one (cache_policy): read their number off the signature
+    hints = len(inspect.signature(saved["create_masked_load"]).parameters) - 4
+
+    def peek(ptr):
+        mask = I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1)
+        return saved["create_masked_load"](ptr, mask, None, *([None] * hints), True).data
+
     def changed(ptr, before) -> bool:
-        now = saved["create_masked_load"](ptr, I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1), None,
-                                          None, True).data
-        return not np.array_equal(now, before)
+        return not np.array_equal(peek(ptr), before)
 
     def spun(p: int, progress: bool) -> None:
         """Count atomics that changed nothing: two rounds of them by every live program is a deadlock."""
@@ -202,8 +208,7 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
     def atomic(orig, sem_at, ptr_at):
         def wrapped(*a):
             ptr = a[ptr_at]
-            before = saved["create_masked_load"](ptr, I.TensorHandle(np.ones_like(ptr.data, dtype=bool), I.tl.int1),
-                                                 None, None, True).data.copy()
+            before = peek(ptr).copy()
             out = orig(*a)
             p = me()
             clocks.now[p] += 1
@@ -214,20 +219,20 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
             return out
         return wrapped
 
-    def load(ptrs, mask, other, cache_policy, is_volatile):
+    def load(ptrs, mask, other, *hints_and_volatile):
         p = me()
         clocks.access(p, ptrs.data, mask.data, False)
-        out = saved["create_masked_load"](ptrs, mask, other, cache_policy, is_volatile)
-        if is_volatile:  # a spin on a volatile load: let the others run too
+        out = saved["create_masked_load"](ptrs, mask, other, *hints_and_volatile)
+        if hints_and_volatile[-1]:  # is_volatile: a spin on a volatile load: let the others run too
             spun(p, False)
             pass_on(p)
             wait_turn(p)
         return out
 
-    def store(ptrs, value, mask, cache_policy):
+    def store(ptrs, value, mask, *hints):
         clocks.access(me(), ptrs.data, mask.data, True)
         state["idle"] = 0
-        return saved["create_masked_store"](ptrs, value, mask, cache_policy)
+        return saved["create_masked_store"](ptrs, value, mask, *hints)
 
     def program(p: int) -> None:
         try:

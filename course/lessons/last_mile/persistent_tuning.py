@@ -51,16 +51,22 @@ def choose(result) -> str | None:
     return min(ok, key=lambda r: r["us"])["candidate"] if ok else None
 
 
-def tuned(device_name: str):
-    """``(warps, programs per SM, stages)`` of the recorded search's chosen candidate when the recording was made
-    on a GPU called ``device_name`` and chose one (see :func:`choose`); else None (the defaults stand)."""
+def chosen(device_name: str) -> str:
+    """The name of the candidate the persistent decoder takes on a GPU called ``device_name``: the recorded search's
+    choice where it was made on that GPU and chose one (:func:`choose`), else :data:`DEFAULT`."""
     from course.core.reference import load_reference
 
     try:
         res = load_reference(NAME)
     except FileNotFoundError:
-        return None
+        return DEFAULT
     if res.provenance.get("device") != device_name or res.params.get("quick"):
-        return None
-    name = choose(res)
-    return CANDIDATES.get(name) if name else None
+        return DEFAULT
+    return choose(res) or DEFAULT
+
+
+def tuned(device_name: str):
+    """``(warps, programs per SM, stages)`` of :func:`chosen`'s candidate on a GPU called ``device_name``, or None
+    where that is the defaults."""
+    name = chosen(device_name)
+    return None if name == DEFAULT else CANDIDATES[name]

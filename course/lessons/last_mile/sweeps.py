@@ -185,6 +185,9 @@ def shapes_experiment(shapes=("tinyllama", "smollm2-135m", "llama-3.2-1b"), posi
                  params={"shapes": list(shapes), "position": position, "run": run, "repeats": repeats,
                          "n_tokens": n_tokens, "torch": torch.__version__})
     res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    from course.lessons.last_mile.persistent_tuning import chosen
+
+    res.add_summary("persistent_shapes", chosen(torch.cuda.get_device_name()), "")
     return res
 
 
