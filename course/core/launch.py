@@ -88,6 +88,17 @@ class Context:
         return torch.device(self.device)
 
 
+def device_mesh(ctx, group=None):
+    """A 1-D DeviceMesh over every rank of the launch, or over ``group``'s ranks (a subgroup), on this rank's device
+    (inside a worker: lesson 05's DTensor lookups and lesson 08's ``parallelize_module`` split both use it)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    dev = ctx.torch_device.type
+    if group is None:
+        return init_device_mesh(dev, (ctx.world_size,))
+    return DeviceMesh.from_group(group, dev)
+
+
 def plan(world_size: int | None = None, backend: str | None = None) -> Plan:
     """The layout of a run. Default: NCCL on every GPU when there are 2 or more, else gloo with 2 processes."""
     n = gpu_count()
