@@ -17,12 +17,10 @@ arrived is killed after a short grace period (the result is kept).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import gc
 import multiprocessing as mp
-import os
 import queue as _queue
 import socket
 import time
@@ -30,6 +28,7 @@ import traceback
 
 from course.core.runtime import ENV_CACHE, ENV_FORCE, gpu_count, runtime
 from course.core.cell_workers import portable
+from course.core.isolate import env_set
 
 TEARDOWN_GRACE_S = 10.0
 
@@ -127,22 +126,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
 def _child_env(p: Plan):
-    """gloo workers run the course's CPU path (simulator), even when the parent is on a GPU."""
-    saved = {k: os.environ.get(k) for k in (ENV_FORCE, ENV_CACHE, "OMP_NUM_THREADS")}
-    try:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if p.backend == "gloo" and runtime().on_gpu:
-            os.environ[ENV_FORCE] = "sim"
-            os.environ.pop(ENV_CACHE, None)
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """gloo workers run the course's CPU path (simulator), even when the parent is on a GPU; one thread each."""
+    values = {"OMP_NUM_THREADS": "1"}
+    if p.backend == "gloo" and runtime().on_gpu:
+        values.update({ENV_FORCE: "sim", ENV_CACHE: None})
+    return env_set(values)
 
 
 def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: float) -> None:
