@@ -41,11 +41,15 @@ PLATFORMS = {
 }
 
 
-def _declared_requirements() -> list:
-    """What `make setup` installs: the Makefile's torch first, then the course with [test,lab]."""
+PLATFORMS["linux-x86_64-gpu"] = PLATFORMS["linux-x86_64"]  # a machine with an NVIDIA driver: GPU_TORCH
+
+
+def _declared_requirements(driver: bool = False) -> list:
+    """What `make setup` installs: torch_install's torch for the machine (TORCH unset) first, then the course with
+    [test,lab]."""
     proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = proj["optional-dependencies"]
-    torch = re.search(r"^TORCH \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    torch = torch_install.default_requirement(driver)
     deps = [d for d in proj["dependencies"] if not d.startswith("torch")]
     return [torch] + deps + list(extras["test"]) + list(extras["lab"])
 
@@ -68,12 +72,15 @@ def test_dependencies_resolve_for_every_platform(name, pypi, tmp_path):
     cmd = [sys.executable, "-c", _PIP_SHIM, json.dumps(env), "install", "--isolated", "--dry-run", "--ignore-installed",
            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
            *[a for t in tags for a in ("--platform", t)], "--target", str(tmp_path / "t"),
-           "--quiet", "--report", str(report), *_declared_requirements()]
+           "--quiet", "--report", str(report), *_declared_requirements(name.endswith("-gpu"))]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     errors = "\n".join(l for l in out.stderr.splitlines() if "is ignored" not in l)
     assert out.returncode == 0, f"{name}: the dependencies do not resolve:\n{errors[-3000:]}"
     names = {i["metadata"]["name"].lower().replace("_", "-") for i in json.loads(report.read_text())["install"]}
     assert {"torch", "numba", "numpy", "nbval", "jupyterlab"} <= names, names
+    torch_v = next(i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+                   if i["metadata"]["name"].lower() == "torch")
+    assert torch_v == torch_install.pinned_version(torch_install.default_requirement(name.endswith("-gpu"))), torch_v
     if name.startswith("macos"):
         assert "numba-cuda" not in names and not any(n.startswith(("nvidia-", "cuda-")) for n in names), names
     else:
