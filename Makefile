@@ -18,6 +18,12 @@ TORCH_INDEX ?=
 export TORCH TORCH_INDEX
 TEST_PATHS := tests notebooks labs solutions
 NBVAL := --nbval-lax --nbval-cell-timeout=900
+# `make test` runs the suite in TEST_WORKERS processes (pytest-xdist), a file per process at a time (a notebook's
+# cells share one kernel): 2 by default, which pays on 2 cores since notebook kernels and worker processes wait on
+# each other. TEST_WORKERS=0 runs it in this one process. The GPU lane (gpu-test) stays in one process: its
+# measurements must not share the GPU.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 
 ifeq ($(USE_VENV),)
 CONDA_ENV := $(filter-out base,$(and $(CONDA_PREFIX),$(CONDA_DEFAULT_ENV)))
@@ -55,7 +61,7 @@ course: setup  ## set up, check the environment, execute every notebook into bui
 	$(PY) -m course run
 
 test: setup  ## set up, then run the unit tests and every notebook, lab and solution under nbval
-	$(PY) -m pytest -p no:cacheprovider $(TEST_PATHS) $(NBVAL)
+	$(PY) -m pytest -p no:cacheprovider $(XDIST) $(TEST_PATHS) $(NBVAL)
 
 doctor: setup
 	COURSE_FROM_MAKE=doctor $(PY) -m course doctor

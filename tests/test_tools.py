@@ -87,6 +87,32 @@ def test_run_reports_a_failing_notebook(tmp_path, monkeypatch):
     assert s["notebooks"][0]["status"] == "failed" and "boom" in s["notebooks"][0]["error"]
 
 
+def test_run_executes_two_notebooks_at_once_and_lists_them_in_the_courses_order(tmp_path, monkeypatch):
+    import nbformat
+
+    entries = []
+    for name, src in (("slow", "import time; time.sleep(3); print('slow')"), ("fast", "print('fast')")):
+        path = tmp_path / f"{name}.ipynb"
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src)])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, path)
+        entries.append(catalog.Entry(str(path.relative_to("/")), name, "lesson", ""))
+    monkeypatch.setattr(render, "CATALOG", tuple(entries))
+    monkeypatch.setattr(render, "ROOT", Path("/"))
+    assert render.main(out=str(tmp_path / "out"), jobs=2) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["jobs"] == 2 and [r["notebook"] for r in s["notebooks"]] == [e.path for e in entries]
+    assert all(r["status"] == "passed" and r["html"] for r in s["notebooks"])
+    executed = nbformat.read(tmp_path / "out" / "executed" / entries[0].path, as_version=4)
+    assert executed.cells[0].outputs[0]["text"].strip() == "slow"
+
+
+def test_default_jobs_is_one_on_a_gpu_and_two_on_two_cpus():
+    assert render.default_jobs(on_gpu=True, cpus=64) == 1
+    assert render.default_jobs(on_gpu=False, cpus=2) == 2 and render.default_jobs(on_gpu=False, cpus=16) == 2
+    assert render.default_jobs(on_gpu=False, cpus=1) == 1
+
+
 def test_run_rejects_unknown_notebook(tmp_path):
     assert main(["run", "--only", "nope.ipynb", "--out", str(tmp_path)]) == 2
 
