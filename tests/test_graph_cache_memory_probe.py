@@ -227,3 +227,14 @@ def test_run_one_on_a_gpu_notes_every_step_and_frees_what_the_cache_owns():
     assert {"weight", "cache's static input (bucket 32)", "cache's static output (bucket 32)"} <= names
     after = {b["name"] for s in res["segments"] for b in s["live_blocks"]}
     assert not any(n.startswith("cache's") for n in after), after
+
+
+def test_what_stays_after_a_clear_names_the_streams_and_no_pool():
+    from course.lessons.graph_cache.lab_clear import what_stays
+
+    snap = [_seg(0, (0, 0), 20), _seg(0, (0, 0), 2), _seg(7, (0, 0), 32)]
+    text = what_stays(72 * MiB, 70 * MiB, snap, {0: "the default stream"})
+    assert text.startswith("clear_cache() gave back 72.0 MiB (the captures' pool held 70.0 MiB); 54.0 MiB stay")
+    assert "22.0 MiB on the default stream" in text and "32.0 MiB on stream 7" in text
+    assert "0.0 MiB of it in a graph pool" in text
+    assert "2.0 MiB of it in a graph pool" in what_stays(0, 2 * MiB, [_seg(9, (1, 4), 2)])

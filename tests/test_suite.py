@@ -128,3 +128,11 @@ def test_every_printed_speedup_names_its_spread(path):
     bare = [i for src, i in _code_cells(path) if INLINE_SPEEDUP.search(src) and "IQR" not in src]
     assert not bare, (f"{path.name}: cells {bare} print a speedup without the IQRs of both sides: print both medians "
                       "and IQRs (course.core.timing.speedup does), or say it is inside the noise")
+
+
+@pytest.mark.parametrize("path", catalog.all_notebooks_on_disk(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_probe_placeholder_is_left_for_a_learner(path):
+    """A number that only a GPU probe gives is written in as ⟪probe: field⟫ until someone runs the probe there;
+    no notebook may ship one (fill it from `python -m course.lessons.graph_cache.memory_probe --json probe.json`)."""
+    left = re.findall(r"⟪probe:[^⟫]*⟫", path.read_text(encoding="utf-8"))
+    assert not left, f"{path.name} still has {len(left)} placeholder(s) for the GPU probe's numbers: {left[:3]}"
