@@ -61,14 +61,28 @@ def test_doctor_flags_missing_torch(monkeypatch):
 
 
 def test_run_executes_a_notebook_and_writes_html(tmp_path, monkeypatch):
+    """`course run` on a notebook with figures (a stand-in for a lesson: every lesson runs under nbval already):
+    the executed copy keeps the figures and the HTML carries them."""
+    import nbformat
+
     monkeypatch.setenv("MPLBACKEND", "Agg")  # must not keep figures out of the executed notebook
-    code = main(["run", "--only", "01_launch_overhead.ipynb", "--out", str(tmp_path)])
+    src = tmp_path / "notebooks" / "01_figures.ipynb"
+    src.parent.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import course\ncourse.header()")] + [
+        nbformat.v4.new_code_cell(f"import matplotlib.pyplot as plt\nplt.plot([0, 1], [{i}, 2])\nplt.show()")
+        for i in range(3)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, src)
+    rel = str(src.relative_to("/"))
+    monkeypatch.setattr(render, "CATALOG", (catalog.Entry(rel, "figures", "lesson", ""),))
+    monkeypatch.setattr(render, "ROOT", Path("/"))
+    code = render.main(out=str(tmp_path / "out"), only=[Path(rel).name])
     assert code == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["path"] == course.runtime().path
     assert summary["notebooks"][0]["status"] == "passed"
-    assert (tmp_path / "html" / "notebooks" / "01_launch_overhead.html").stat().st_size > 10_000
-    executed = json.loads((tmp_path / "executed" / "notebooks" / "01_launch_overhead.ipynb").read_text())
+    assert (tmp_path / "out" / "html" / Path(rel).with_suffix(".html")).stat().st_size > 10_000
+    executed = json.loads((tmp_path / "out" / "executed" / rel).read_text())
     assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
     images = [o for c in executed["cells"] for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 3, "the executed notebook should carry its figures"
