@@ -209,14 +209,15 @@ def test_make_targets_venv_conda_lab_and_gpu_lane(tmp_path):
     plain = _make_n("test")
     assert "-m venv .venv" in plain and "course.tools.torch_install" in plain
     assert "TORCH ?=\n" in (ROOT / "Makefile").read_text(), "the Makefile must leave TORCH empty by default"
-    assert ".venv/bin/python -m pytest -p no:cacheprovider tests notebooks labs solutions" in plain
+    assert ".venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile tests notebooks labs solutions" in plain
+    assert "-m pytest -p no:cacheprovider  tests notebooks" in _make_n("test", TEST_WORKERS="0")
     conda = _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="capture-replay")
     assert "-m venv" not in conda and f"{tmp_path}/bin/python -m pytest" in conda
     assert f"{tmp_path}/bin/python -m pip install -e . --no-deps" in conda
     assert "-m venv .venv" in _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="base")
     assert "-m course workspace --lab" in _make_n("lab")
     gpu = _make_n("gpu-test", WHEELS=str(tmp_path))
-    assert "--target" in gpu and "COURSE_PATH=cuda" in gpu and "gpu-site" in gpu
+    assert "--target" in gpu and "COURSE_PATH=cuda" in gpu and "gpu-site" in gpu and " -n " not in gpu
 
 
 def test_pyproject_license_is_an_spdx_string():
