@@ -178,6 +178,8 @@ def test_stream_names_number_new_streams_and_skip_the_ones_torch_only_wraps():
     assert names.names == {0: "default", a.cuda_stream: "side 1 (call, batch 256)", b.cuda_stream: "side 2"}
     names.name(b, "capture")
     assert names.names[b.cuda_stream] == "capture"
+    names.uninstall()
+    assert fake.cuda.Stream is FakeStream and names.names[0] == "default"
 
 
 @pytest.mark.skipif(ON_GPU, reason="the caches run on the simulator's graphs here")

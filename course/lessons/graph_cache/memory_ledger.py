@@ -135,6 +135,7 @@ class StreamNames:
         self.names: dict = {}
         self.context = ""
         self._made = 0
+        self._restore = None
 
     def name(self, stream, name: str) -> None:
         """Name a stream (a ``torch.cuda.Stream``) or a raw handle."""
@@ -160,6 +161,14 @@ class StreamNames:
                 return s
 
         torch.cuda.Stream = NamedStream
+        self._restore = (torch.cuda, base)
+
+    def uninstall(self) -> None:
+        """Put ``torch.cuda.Stream`` back as :meth:`install` found it (the names stay)."""
+        if self._restore is not None:
+            module, base = self._restore
+            module.Stream = base
+            self._restore = None
 
 
 def workspace_facts() -> dict:

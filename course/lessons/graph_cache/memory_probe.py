@@ -152,6 +152,16 @@ def run_one(cache: str = "answer", workspaces: str = "released", after: str = "n
 
     streams = StreamNames()
     streams.install(torch)
+    release = hardware.release_blas_workspaces
+    try:
+        return _scenario(torch, hardware, GraphCache, streams, cache, workspaces, after, width, buckets, stacks)
+    finally:  # this process may go on (a test): torch, the backend's release and the history as they were
+        streams.uninstall()
+        hardware.release_blas_workspaces = release
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _scenario(torch, hardware, GraphCache, streams, cache, workspaces, after, width, buckets, stacks) -> dict:
     streams.name(torch.cuda.default_stream(), "default")
     streams.context = "workspace facts"
     ws = workspace_facts()  # first: it also tells the size of one workspace, to name blocks by their size
@@ -213,7 +223,6 @@ def run_one(cache: str = "answer", workspaces: str = "released", after: str = "n
         release(state)
         led.step(name)
     look("after every release")
-    torch.cuda.memory._record_memory_history(enabled=None)
     facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0),
              "pool_handle": repr(pool), "pool_MiB_before_clear": pool_bytes / MiB, "after": after,
              "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -223,7 +232,7 @@ def run_one(cache: str = "answer", workspaces: str = "released", after: str = "n
             "summary": held_and_kept(led.rows)}
 
 
-def probe(runs=RUNS, timeout: float = 60, **kw) -> dict:
+def probe(runs=RUNS, timeout: float = 90, **kw) -> dict:
     """:func:`run_one` for each ``(cache, workspaces, after)`` of ``runs``, each in a fresh process (GPU)."""
     from course.core.capture import require_gpu
     from course.core.isolate import run_isolated
@@ -261,7 +270,7 @@ def main(argv=None) -> int:
                     help="comma-separated cache:workspaces:after (answer|GraphCache : released|kept : nothing|eager)")
     ap.add_argument("--stacks", default="python", choices=("python", "all"),
                     help="frames recorded per allocation (all: C++ too, slower to symbolize)")
-    ap.add_argument("--timeout", type=float, default=60, help="seconds per run (each in its own process)")
+    ap.add_argument("--timeout", type=float, default=90, help="seconds per run (each in its own process)")
     args = ap.parse_args(argv)
     runs = [tuple(r.split(":")) for r in args.runs.split(",")]
     bad = [r for r in runs if len(r) != 3 or r[0] not in CACHES or r[1] not in WORKSPACES or r[2] not in AFTER]
