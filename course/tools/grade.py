@@ -51,23 +51,33 @@ def _called(node) -> str | None:
     return getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
 
 
-def _literal_exercises(tree) -> list:
-    """The names of the ``exercise("literal")`` calls under ``tree``, in order of appearance."""
-    calls = [n for n in ast.walk(tree) if _called(n) == "exercise" and n.args and isinstance(n.args[0], ast.Constant)
-             and isinstance(n.args[0].value, str)]
-    return [n.args[0].value for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
+def _literal_exercises(tree, constants=None) -> list:
+    """The names of the ``exercise("literal")`` calls under ``tree``, in order of appearance; with ``constants``
+    (name -> string: a module's ``NAME = "..."``), ``exercise(NAME)`` counts too."""
+
+    def name_of(a):
+        return a.value if isinstance(a, ast.Constant) else (constants or {}).get(getattr(a, "id", None))
+
+    calls = [n for n in ast.walk(tree) if _called(n) == "exercise" and n.args and isinstance(name_of(n.args[0]), str)]
+    return [name_of(n.args[0]) for n in sorted(calls, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def module_constants(tree) -> dict:
+    """A module's top-level string constants: ``{"NAME": "lab 4.5 ..."}`` for ``NAME = "lab 4.5 ..."``."""
+    return {n.targets[0].id: n.value.value for n in getattr(tree, "body", []) if isinstance(n, ast.Assign)
+            and isinstance(n.targets[0], ast.Name) and isinstance(getattr(n.value, "value", None), str)}
 
 
 @functools.lru_cache(maxsize=1)
 def course_checks() -> dict:
-    """Function name -> exercise names, for the course's functions that run checks (``lab.check_key`` ...).
-
-    A notebook that calls one of them declares its exercises as surely as one that calls ``exercise("...")``.
-    """
+    """Function name -> exercise names, for the course's functions that run checks (``lab.check_key`` ...): a
+    notebook that calls one of them declares its exercises as surely as one that calls ``exercise("...")``."""
     found = {}
     for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.FunctionDef) and (names := _literal_exercises(node)):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = module_constants(tree)  # exercise(NAME) counts with NAME = "..." at the module's top
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and (names := _literal_exercises(node, constants)):
                 known = found.setdefault(node.name, [])
                 known += [n for n in names if n not in known]
     return found
