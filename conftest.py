@@ -5,6 +5,10 @@
 - ``COURSE_PATH=cuda`` (the GPU lane, `make gpu-test`) makes the run fail at once if the
   GPU path is not available, rather than silently testing the simulator.
 - Records which notebooks nbval collected, for tests/test_suite.py to compare with disk.
+- Orders the run by file, heaviest units first (:func:`run_order`): every notebook before the test modules, so that
+  with ``-n 2 --dist loadfile`` (pytest-xdist, ``make test``) the two workers end on short test files rather than one
+  of them on a long notebook; a file's items keep their order and stay together (nbval runs a notebook's cells in
+  one kernel).
 - The gate (:mod:`course.tools.gate`): an answer version (solutions/) fails unless every exercise
   passed or was skipped with a reason; a learner version (notebooks/, labs/) fails on any ✗.
 - Makes the lane self-contained: notebook kernels (child processes that start in the
@@ -48,7 +52,16 @@ def _nbval_active(config) -> bool:
     return bool(getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False))
 
 
+def run_order(path) -> tuple:
+    """The sort key of a collected file: notebooks first (answer versions, then lessons, then labs), then the test
+    modules, each group by name."""
+    p = Path(str(path))
+    rank = {"solutions": 0, "notebooks": 1, "labs": 2}.get(p.parent.name, 3) if p.suffix == ".ipynb" else 4
+    return rank, p.name
+
+
 def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: run_order(item.fspath))  # stable: a file's items keep their order
     collected = set()
     for item in items:
         path = Path(str(item.fspath))

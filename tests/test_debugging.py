@@ -85,6 +85,37 @@ def test_watched_sees_each_slip_of_a_capture():
         capturecheck.assert_captured_well(w)
     w.calls[-1]["gc"] = False
     capturecheck.assert_captured_well(w)
+
+
+def test_watched_with_streams_names_a_missing_fork_or_join_and_puts_the_events_back():
+    from course.core.capture import collector_paused
+    from course.core.stream_order import FORK, JOIN
+
+    cg = course.graphs()
+    record = cg.Event.record
+    for fork, join, want in ((True, True, None), (False, True, FORK), (True, False, JOIN)):
+        x = torch.ones(3, device=course.device())
+        w = capturecheck.Watched(lambda t: t * 2, streams=True)
+        try:
+            side = cg.Stream()
+            if fork:
+                side.wait_stream(cg.current_stream())
+            with cg.stream(side):
+                w(x)
+            if join:
+                cg.current_stream().wait_stream(side)
+            g = cg.CUDAGraph()
+            with collector_paused(), cg.graph(g):
+                w(x)
+        finally:
+            w.close()
+        assert w.stream_problem() == want and cg.Event.record is record
+        if want is None:
+            capturecheck.assert_captured_well(w)
+        else:
+            with pytest.raises(AssertionError, match=want.split(":")[0][:40]):
+                capturecheck.assert_captured_well(w)
+    assert capturecheck.Watched(lambda t: t).stream_problem() is None
     try:
         try:
             raise ValueError("first")

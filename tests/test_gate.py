@@ -167,3 +167,19 @@ def test_keep_outputs_writes_what_each_cell_printed(tmp_path, monkeypatch):
     assert "measured 42 us" in "".join(o.get("text", "") for o in nb.cells[0].outputs)
     monkeypatch.delenv("COURSE_KEEP_OUTPUTS")
     assert keep_outputs(None) is None  # not asked for: nothing written, nothing read
+
+
+def test_a_check_named_by_a_module_constant_is_declared_too():
+    """``exercise(NAME)`` with ``NAME = "..."`` at its module's top declares NAME, as ``exercise("...")`` does: the
+    gate then fails an answer version whose check never reported (lab 4.5 and 02.6-02.8 were unseen before)."""
+    import ast
+
+    from course.lessons import capture_checks
+    from course.lessons.real_model import lab_graph, reduce_check
+
+    known = G.course_checks()
+    assert known["check_hand_capture"] == [lab_graph.NAME] and known["check_reduce_overhead"] == [reduce_check.NAME]
+    assert known["check_shared_pool"] == [capture_checks.C]
+    assert G.module_constants(ast.parse('A = "x"\nB = 3\nC, D = "1", "2"\ndef f():\n    E = "in"\n')) == {"A": "x"}
+    nb = nbformat.read(ROOT / "solutions" / "lab4_real_model.ipynb", as_version=4)
+    assert G.exercise_names(nb)[-1] == lab_graph.NAME

@@ -4,6 +4,7 @@ import torch
 
 from course.core import hardware
 from course.core.runtime import CourseEnvironmentError, runtime
+from course.lessons.graph_cache import memory_ledger as ml
 from course.lessons.graph_cache import memory_probe as mp
 from course.lessons.graph_cache.backends import CudaGraphBackend
 from course.lessons.graph_cache.counting import CountingBackend
@@ -112,3 +113,130 @@ def test_pool_bytes_counts_a_static_output_still_referenced():
         assert backend.pool_bytes() == 4 * 8 * 4, "the output, still referenced, keeps its bytes"
         del out
         assert backend.pool_bytes() == 0
+
+
+def _seg(stream, pool, mib, blocks=()):
+    return {"stream": stream, "segment_pool_id": pool, "total_size": mib * MiB, "allocated_size": 0,
+            "blocks": list(blocks)}
+
+
+def test_by_stream_pool_sums_segments_per_stream_and_pool_largest_first():
+    snap = [_seg(0, (0, 0), 20), _seg(9, (1, 2), 2), _seg(9, (1, 2), 32), _seg(0, (0, 0), 2), _seg(5, None, 32)]
+    got = ml.by_stream_pool(snap, {0: "default", 9: "capture"})
+    assert got == {"capture/pool (1, 2)": 34 * MiB, "stream 5/ordinary": 32 * MiB, "default/ordinary": 22 * MiB}
+    assert ml.pool_kind((0, 0)) == ml.pool_kind(None) == "ordinary" and ml.pool_kind([3, 4]) == "pool (3, 4)"
+
+
+def test_a_ledger_with_a_split_notes_where_each_rows_memory_lies():
+    led = ml.Ledger("answer", "released", lambda: (52 * MiB, 40 * MiB), split=lambda: {"default/ordinary": 52 * MiB})
+    row = led.step("weight")
+    assert row["where_MiB"] == {"default/ordinary": 52.0}
+    assert "in: default/ordinary 52.0" in ml.format_rows(led.rows).splitlines()[-1]
+
+
+def test_held_and_kept_are_measured_from_the_weights_row():
+    rows = [{"step": s, "reserved_MiB": v} for s, v in [("start", 0.0), ("weight", 16.0),
+                                                         ("settled, before the clear", 172.0),
+                                                         ("gc + synchronize + empty_cache", 100.0)]]
+    assert ml.held_and_kept(rows) == {"held_MiB": 156.0, "kept_MiB": 84.0}
+
+
+def test_name_block_prefers_known_tensors_then_cublas_frames_then_the_workspace_size():
+    known = {1: "weight"}
+    assert ml.name_block(1, 32 * MiB, ["at::cuda::getCurrentCUDABlasHandle (x.cpp:1)"], known, 32 * MiB) == "weight"
+    assert ml.name_block(2, 8, ["getCUDABlasLtWorkspace (x.cpp:2)"], known) == "cuBLAS workspace"
+    assert ml.name_block(3, 32 * MiB, [], known, 32 * MiB) == "cuBLAS workspace (by its size)"
+    assert ml.name_block(4, 32 * MiB, ["<lambda> (p.py:3)"], known, None) == "made in the forward (no tensor)"
+    assert ml.name_block(5, 2 * MiB, [], known, 32 * MiB) == "?"
+
+
+def test_format_segments_lists_each_segments_live_blocks():
+    segs = mp.snapshot_summary([_seg(0, (0, 0), 20, [{"address": 1, "size": 16 * MiB, "state": "active_allocated"}]),
+                                _seg(7, (0, 1), 2)], {1: "weight"}, {0: "default"})
+    lines = ml.format_segments(segs)
+    assert "stream default" in lines[0] and "weight 16.0" in lines[0] and "no live block" in lines[1]
+
+
+def test_stream_names_number_new_streams_and_skip_the_ones_torch_only_wraps():
+    class FakeStream:
+        def __new__(cls, *args, **kwargs):
+            s = object.__new__(cls)
+            s.cuda_stream = kwargs.get("stream_id", 100 + FakeStream.count)
+            FakeStream.count += 1
+            return s
+
+    FakeStream.count = 0
+    fake = type("T", (), {"cuda": type("C", (), {"Stream": FakeStream})})
+    names = ml.StreamNames()
+    names.install(fake)
+    names.name(0, "default")
+    names.context = "call, batch 256"
+    a = fake.cuda.Stream()
+    fake.cuda.Stream(stream_id=0)  # torch wrapping the current stream: not a new one
+    names.context = ""
+    b = fake.cuda.Stream()
+    assert names.names == {0: "default", a.cuda_stream: "side 1 (call, batch 256)", b.cuda_stream: "side 2"}
+    names.name(b, "capture")
+    assert names.names[b.cuda_stream] == "capture"
+    names.uninstall()
+    assert fake.cuda.Stream is FakeStream and names.names[0] == "default"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the caches run on the simulator's graphs here")
+def test_cache_tensors_names_the_static_inputs_and_outputs_of_both_caches():
+    from course.lessons.graph_cache import GraphCache
+
+    w = torch.randn(4, 4)
+    fwd = lambda t: torch.relu(t @ w) @ w  # noqa: E731
+    for cache in (mp.answer_cache_class()(fwd, buckets=[2, 4]), GraphCache(fwd, buckets=[2, 4])):
+        cache(torch.randn(3, 4))
+        names = sorted(mp.cache_tensors(cache).values())
+        assert names == ["cache's static input (bucket 4)", "cache's static output (bucket 4)"], type(cache)
+
+
+def test_report_says_held_and_kept_the_workspace_facts_and_the_segments():
+    rows = [{"cache": "answer", "workspaces": "released", "step": "weight", "what": "", "reserved_MiB": 16.0,
+             "allocated_MiB": 16.0, "freed_MiB": 0.0}]
+    run = {"rows": rows, "summary": {"held_MiB": 156.0, "kept_MiB": 84.0},
+           "facts": {"after": "nothing", "torch": "2.11.0+cu130", "device": "H200",
+                     "workspace_facts": {"mm float32": {"kept_MiB": 32.0, "left_after_release_MiB": 0.0}}},
+           "snapshots": {"after the clear": mp.snapshot_summary([_seg(0, (0, 0), 20)], {}, {0: "default"})}}
+    text = mp.report({"rows": rows, "runs": [run]})
+    assert "156.0 MiB held before the clear, 84.0 MiB kept after it" in text
+    assert "mm float32 32.00 MiB (0.00 left after the release)" in text and "segments reserved, after the clear" in text
+
+
+def test_the_command_line_names_a_bad_run(capsys):
+    with pytest.raises(SystemExit):
+        mp.main(["--json", "x.json", "--runs", "answer:released:twice"])
+    assert "cache:workspaces:after" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_workspace_facts_on_a_gpu_measure_each_product():
+    facts = ml.workspace_facts()
+    assert set(facts) == {"mm float32", "addmm with bias float32", "mm bfloat16", "addmm with bias bfloat16"}
+    assert all(v["kept_MiB"] >= 0 for v in facts.values())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_run_one_on_a_gpu_notes_every_step_and_frees_what_the_cache_owns():
+    res = mp.run_one("answer", "released", "eager", width=256, buckets=(16, 32))
+    steps = [r["step"] for r in res["rows"]]
+    assert steps[:2] == ["start", "weight"] and "eager forward after the captures" in steps
+    assert set(res["snapshots"]) == {"settled, before the clear", "after the clear", "after every release"}
+    names = {b["name"] for s in res["snapshots"]["settled, before the clear"] for b in s["live_blocks"]}
+    assert {"weight", "cache's static input (bucket 32)", "cache's static output (bucket 32)"} <= names
+    after = {b["name"] for s in res["segments"] for b in s["live_blocks"]}
+    assert not any(n.startswith("cache's") for n in after), after
+
+
+def test_what_stays_after_a_clear_names_the_streams_and_no_pool():
+    from course.lessons.graph_cache.lab_clear import what_stays
+
+    snap = [_seg(0, (0, 0), 20), _seg(0, (0, 0), 2), _seg(7, (0, 0), 32)]
+    text = what_stays(72 * MiB, 70 * MiB, snap, {0: "the default stream"})
+    assert text.startswith("clear_cache() gave back 72.0 MiB (the captures' pool held 70.0 MiB); 54.0 MiB stay")
+    assert "22.0 MiB on the default stream" in text and "32.0 MiB on stream 7" in text
+    assert "0.0 MiB of it in a graph pool" in text
+    assert "2.0 MiB of it in a graph pool" in what_stays(0, 2 * MiB, [_seg(9, (1, 4), 2)])

@@ -41,11 +41,15 @@ PLATFORMS = {
 }
 
 
-def _declared_requirements() -> list:
-    """What `make setup` installs: the Makefile's torch first, then the course with [test,lab]."""
+PLATFORMS["linux-x86_64-gpu"] = PLATFORMS["linux-x86_64"]  # a machine with an NVIDIA driver: GPU_TORCH
+
+
+def _declared_requirements(driver: bool = False) -> list:
+    """What `make setup` installs: torch_install's torch for the machine (TORCH unset) first, then the course with
+    [test,lab]."""
     proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = proj["optional-dependencies"]
-    torch = re.search(r"^TORCH \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    torch = torch_install.default_requirement(driver)
     deps = [d for d in proj["dependencies"] if not d.startswith("torch")]
     return [torch] + deps + list(extras["test"]) + list(extras["lab"])
 
@@ -68,12 +72,15 @@ def test_dependencies_resolve_for_every_platform(name, pypi, tmp_path):
     cmd = [sys.executable, "-c", _PIP_SHIM, json.dumps(env), "install", "--isolated", "--dry-run", "--ignore-installed",
            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
            *[a for t in tags for a in ("--platform", t)], "--target", str(tmp_path / "t"),
-           "--quiet", "--report", str(report), *_declared_requirements()]
+           "--quiet", "--report", str(report), *_declared_requirements(name.endswith("-gpu"))]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     errors = "\n".join(l for l in out.stderr.splitlines() if "is ignored" not in l)
     assert out.returncode == 0, f"{name}: the dependencies do not resolve:\n{errors[-3000:]}"
     names = {i["metadata"]["name"].lower().replace("_", "-") for i in json.loads(report.read_text())["install"]}
     assert {"torch", "numba", "numpy", "nbval", "jupyterlab"} <= names, names
+    torch_v = next(i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+                   if i["metadata"]["name"].lower() == "torch")
+    assert torch_v == torch_install.pinned_version(torch_install.default_requirement(name.endswith("-gpu"))), torch_v
     if name.startswith("macos"):
         assert "numba-cuda" not in names and not any(n.startswith(("nvidia-", "cuda-")) for n in names), names
     else:
@@ -111,6 +118,70 @@ def test_torch_plan_driver_macos_and_override():
     assert args[:4] == ["torch==2.11.0", "--pre", "--index-url", "https://example.invalid/whl"]
 
 
+def test_torch_plan_without_TORCH_gives_a_gpu_box_the_version_the_gpu_path_was_measured_with():
+    never = lambda: pytest.fail("the CPU index must not be probed with a driver")  # noqa: E731
+    args, why = torch_install.plan(None, system="Linux", machine="x86_64", driver=True, index_env=None,
+                                   cpu_index_ok=never)
+    assert args == [torch_install.GPU_TORCH] == ["torch==2.11.0"] and "measured" in why and "TORCH=" in why
+    args, why = torch_install.plan("", system="Linux", machine="x86_64", driver=False, index_env=None,
+                                   cpu_index_ok=lambda: True)
+    assert args[:3] == [torch_install.LAPTOP_TORCH, "--index-url", torch_install.CPU_INDEX]
+    assert torch_install.plan(None, system="Darwin", machine="arm64", driver=False, index_env=None,
+                              cpu_index_ok=never)[0] == [torch_install.LAPTOP_TORCH]
+    # TORCH says otherwise: it wins on a GPU box too
+    assert torch_install.plan("torch==2.13.0", system="Linux", machine="x86_64", driver=True, index_env=None,
+                              cpu_index_ok=never)[0] == ["torch==2.13.0"]
+    assert torch_install.default_requirement(True) == "torch==2.11.0"
+    assert torch_install.default_requirement(False) == torch_install.LAPTOP_TORCH
+    assert torch_install.pinned_version("torch==2.11.0 --pre") == "2.11.0"
+    assert torch_install.pinned_version("torch>=2.4") is None and torch_install.pinned_version("") is None
+
+
+def test_the_gpu_boxs_torch_is_the_one_the_recordings_name():
+    gpu = doctor.tested_torch()["cuda"]
+    assert gpu and gpu.split("+")[0] == torch_install.pinned_version(torch_install.GPU_TORCH), (
+        f"the GPU recordings were made with torch {gpu}; torch_install.GPU_TORCH says {torch_install.GPU_TORCH}")
+
+
+def test_torch_install_on_a_simulated_gpu_box_installs_the_gpu_paths_torch(monkeypatch, capsys):
+    ran = []
+    monkeypatch.delenv("TORCH", raising=False)
+    monkeypatch.delenv("TORCH_INDEX", raising=False)
+    monkeypatch.setattr(torch_install, "torch_imports", lambda python=None: None)
+    monkeypatch.setattr(torch_install, "has_nvidia_driver", lambda: True)
+    monkeypatch.setattr(torch_install, "index_reachable", lambda *a, **k: pytest.fail("no CPU index on a GPU box"))
+    monkeypatch.setattr(torch_install.subprocess, "run",
+                        lambda cmd, **k: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    assert torch_install.main() == 0
+    assert ran[-1][-1] == "torch==2.11.0" and "Installing torch==2.11.0" in capsys.readouterr().out
+    monkeypatch.setenv("TORCH", "torch==2.12.0")
+    assert torch_install.main() == 0 and ran[-1][-1] == "torch==2.12.0"
+
+
+def test_doctor_names_the_torch_each_path_was_tested_with_and_warns_on_another(tmp_path):
+    tested = {"cuda": "2.11.0+cu130", "sim": "2.13.0"}
+    ok = doctor.torch_tested_row("2.11.0+cu130", "cuda", tested)
+    assert ok.status == doctor.OK and "GPU path: 2.11.0+cu130" in ok.value and "simulator path: 2.13.0" in ok.value
+    assert doctor.torch_tested_row("2.11.0", "cuda", tested).status == doctor.OK  # PyPI's build of the same release
+    bad = doctor.torch_tested_row("2.13.0+cu130", "cuda", tested)
+    assert bad.status == doctor.WARN and "pip install torch==2.11.0" in bad.fix and "2.13.0+cu130" in bad.fix
+    assert doctor.torch_tested_row("2.13.0+cpu", "sim", tested).status == doctor.OK
+    lap = doctor.torch_tested_row("2.12.1", "sim", tested)
+    assert lap.status == doctor.WARN and "pip install torch==2.13.0" in lap.fix
+    for i, (path, torch_v) in enumerate([("cuda", "2.11.0+cu130"), ("cuda", "2.11.0+cu130"), ("cuda", "2.10.0"),
+                                         ("sim", "2.13.0")]):
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"provenance": {"path": path, "torch": torch_v}}))
+    (tmp_path / "broken.json").write_text("{")
+    assert doctor.tested_torch(tmp_path)["cuda"] == "2.11.0+cu130"
+    assert doctor.tested_torch(tmp_path / "none")["cuda"] is None
+
+
+def test_the_doctor_reports_the_tested_torch_here():
+    rows, verdict = doctor.diagnose()
+    row = next(r for r in rows if r.item == "torch tested")
+    assert "GPU path: 2.11.0" in row.value and verdict["path"] in ("sim", "cuda")
+
+
 def test_torch_probes_are_quick_and_safe():
     assert torch_install.index_reachable("http://127.0.0.1:9/nothing", timeout=2) is False
     assert isinstance(torch_install.has_nvidia_driver(), bool)
@@ -137,14 +208,16 @@ def _make_n(target, **env):
 def test_make_targets_venv_conda_lab_and_gpu_lane(tmp_path):
     plain = _make_n("test")
     assert "-m venv .venv" in plain and "course.tools.torch_install" in plain
-    assert ".venv/bin/python -m pytest -p no:cacheprovider tests notebooks labs solutions" in plain
+    assert "TORCH ?=\n" in (ROOT / "Makefile").read_text(), "the Makefile must leave TORCH empty by default"
+    assert ".venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile tests notebooks labs solutions" in plain
+    assert "-m pytest -p no:cacheprovider  tests notebooks" in _make_n("test", TEST_WORKERS="0")
     conda = _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="capture-replay")
     assert "-m venv" not in conda and f"{tmp_path}/bin/python -m pytest" in conda
     assert f"{tmp_path}/bin/python -m pip install -e . --no-deps" in conda
     assert "-m venv .venv" in _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="base")
     assert "-m course workspace --lab" in _make_n("lab")
     gpu = _make_n("gpu-test", WHEELS=str(tmp_path))
-    assert "--target" in gpu and "COURSE_PATH=cuda" in gpu and "gpu-site" in gpu
+    assert "--target" in gpu and "COURSE_PATH=cuda" in gpu and "gpu-site" in gpu and " -n " not in gpu
 
 
 def test_pyproject_license_is_an_spdx_string():

@@ -203,3 +203,20 @@ def test_cpu_dispatch_result_finds_the_floor_and_the_doubling():
     assert res.value("dispatch_floor_us") == pytest.approx(1.5)
     assert res.value("size_at_twice_floor_bytes") == 16384 * 4
     assert res.rows[0]["q1_us"] == pytest.approx(1.8) and res.params["threads"] >= 1
+
+
+def test_env_set_sets_and_unsets_for_the_block_then_puts_everything_back(monkeypatch):
+    import os
+
+    from course.core.isolate import env_set
+
+    monkeypatch.setenv("COURSE_T_KEEP", "old")
+    monkeypatch.setenv("COURSE_T_GONE", "there")
+    monkeypatch.delenv("COURSE_T_NEW", raising=False)
+    with pytest.raises(RuntimeError):
+        with env_set({"COURSE_T_KEEP": "new", "COURSE_T_GONE": None, "COURSE_T_NEW": 3}):
+            assert os.environ["COURSE_T_KEEP"] == "new" and os.environ["COURSE_T_NEW"] == "3"
+            assert "COURSE_T_GONE" not in os.environ
+            raise RuntimeError("the block fails: the environment comes back all the same")
+    assert os.environ["COURSE_T_KEEP"] == "old" and os.environ["COURSE_T_GONE"] == "there"
+    assert "COURSE_T_NEW" not in os.environ

@@ -250,3 +250,15 @@ def test_too_few_gpus_caption_says_so(monkeypatch):
     monkeypatch.setattr(reference, "gpu_count", lambda: 1)
     cap = reference.run("sharding_capture").caption()
     assert "this machine has 1 GPU(s) and the experiment needs 2" in cap and "no usable GPU" not in cap
+
+
+def test_eager_versus_reads_a_rows_medians_and_spreads():
+    from course.core.timing import eager_versus
+
+    row = {"eager_us": 900.0, "eager_q1_us": 850.0, "eager_q3_us": 950.0, "replay_us": 20.0, "replay_q1_us": 19.0,
+           "replay_q3_us": 21.0, "speedup": 45.0}
+    assert eager_versus(row, "replay") == ("eager 900.0 us (IQR 850.0-950.0) -> replay 20.0 us (IQR 19.0-21.0): "
+                                           "45.0x faster")
+    graph = {"eager_us": 9000.0, "eager_q1_us": 8000.0, "eager_q3_us": 9900.0, "graph_us": 8500.0,
+             "graph_q1_us": 7000.0, "graph_q3_us": 8000.0, "speedup": 1.06}
+    assert eager_versus(graph, "graph", ",.0f").endswith("graph 8,500 us (IQR 7,000-8,000): inside the spread, noise")

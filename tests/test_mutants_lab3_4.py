@@ -3,8 +3,9 @@
 Each mutant is the answer version's own code (the solution notebook's answer cells, read from disk)
 with textual edits from a table: (name, [(find, replace)...], the check that must fail, words its
 message must contain). The cells run as the notebook runs them, in one namespace (its setup cells
-first, then the answer and check cells in order, up to the expected check); outcomes come from the
-check log (``COURSE_CHECK_LOG``). The unmutated answer must pass every check, and a find-string that
+first, then the answer and check cells in order, up to the expected check; the check cells of other steps
+before it are left out, since their verdict on the unmutated answer is the answer test's, unless the expected
+check's cell reads another check's outcome); outcomes come from the check log (``COURSE_CHECK_LOG``). The unmutated answer must pass every check, and a find-string that
 does not occur exactly once fails its test (the table must follow the answers).
 
 The same tests run on the simulator path and on a GPU (the checks use this machine's backend). A
@@ -13,13 +14,17 @@ the reason, on the other. Lab 4's steps run the tiny Llama (a second or two per 
 hand capture decodes 64 + 16 tokens, a few seconds).
 """
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from cellrun import apply_edits, run_cells
 from course.core import checks
 from course.core.runtime import runtime
+from course.tools.grade import exercise_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = runtime().on_gpu
@@ -34,6 +39,25 @@ def _source(cell) -> str:
     return "".join(cell["source"])
 
 
+@lru_cache(maxsize=None)
+def _checks_by_cell(notebook: str) -> dict:
+    """Code-cell index -> the exercise its check reports (``course check``'s own reading of the notebook)."""
+    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    code = {j: k for k, j in enumerate(j for j, c in enumerate(nb.cells) if c.cell_type == "code")}
+    return {code[i]: name for name, i in exercise_cells(nb).items()}
+
+
+def _runs(i: int, cell, target, cells) -> bool:
+    """Whether code cell ``i`` runs in a mutant's notebook: every answer cell; a check cell unless it comes before the
+    expected check's own cell ``target`` (all run when that cell reads another check's outcome, or with no target)."""
+    src = _source(cell)
+    if "### BEGIN SOLUTION" in src:
+        return True
+    if "check" not in cell.get("metadata", {}).get("tags", []):
+        return False
+    return target is None or i >= target or bool(re.search(r"checks\.(passed|status)\(", _source(cells[target])))
+
+
 def run_notebook_checks(notebook: str, edits=(), log_dir=None, until: str = "") -> dict:
     """Run a solution notebook's setup, answer and check cells with ``edits`` applied; check name -> outcome entry.
 
@@ -45,8 +69,8 @@ def run_notebook_checks(notebook: str, edits=(), log_dir=None, until: str = "") 
     cells = _code_cells(notebook)
     first = next(i for i, c in enumerate(cells) if "### BEGIN SOLUTION" in _source(c))
     setup = [_source(c) for c in cells[:first]]
-    steps = [_source(c) for c in cells[first:]
-             if "### BEGIN SOLUTION" in _source(c) or "check" in c.get("metadata", {}).get("tags", [])]
+    target = next((i for i, name in _checks_by_cell(notebook).items() if name == until), None) if until else None
+    steps = [_source(c) for i, c in enumerate(cells) if i >= first and _runs(i, c, target, cells)]
     steps = apply_edits(steps, edits, f"{notebook}'s answer and check cells")
     checks.reset()
     out = {}

@@ -70,3 +70,19 @@ def test_entries_name_their_functions():
         "to_device": ("to_device_hazard", "to_device_fixed"),
         "first_compile": ("first_compile_hazard", "first_compile_fixed"),
     }
+
+
+def test_the_shared_affine_kernel_is_compiled_once_and_computes_2x_plus_1():
+    import torch
+
+    from course.core import numba_kernels
+    from course.core.runtime import as_numba, numba_stream
+    from course.sim.parity_streams import _affine
+
+    k = numba_kernels.affine()
+    assert k is numba_kernels.affine() is _affine() is numba_zoo.kernels()[0]
+    x = torch.arange(40, dtype=torch.float32, device=course.device())
+    out = torch.zeros_like(x)
+    k[2, 32, numba_stream()](as_numba(x), as_numba(out))
+    course.graphs().synchronize()
+    assert torch.equal(out, 2 * x + 1)

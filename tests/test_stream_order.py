@@ -1,4 +1,4 @@
-"""course.lessons.stream_order: which stream waited for which, from the calls that order streams (both paths).
+"""course.core.stream_order: which stream waited for which, from the calls that order streams (both paths).
 
 Each case queues "work" (what a watched model call reports) on streams of ``cg = course.graphs()`` (torch.cuda on
 a GPU, the simulator's streams otherwise) and asks what is missing: the fork, the join, or nothing.
@@ -6,7 +6,7 @@ a GPU, the simulator's streams otherwise) and asks what is missing: the fork, th
 import pytest
 
 import course
-from course.lessons.stream_order import FORK, JOIN, StreamOrder
+from course.core.stream_order import FORK, JOIN, StreamOrder
 
 
 def _warm(order, side) -> None:

@@ -128,3 +128,25 @@ def test_every_printed_speedup_names_its_spread(path):
     bare = [i for src, i in _code_cells(path) if INLINE_SPEEDUP.search(src) and "IQR" not in src]
     assert not bare, (f"{path.name}: cells {bare} print a speedup without the IQRs of both sides: print both medians "
                       "and IQRs (course.core.timing.speedup does), or say it is inside the noise")
+
+
+@pytest.mark.parametrize("path", catalog.all_notebooks_on_disk(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_probe_placeholder_is_left_for_a_learner(path):
+    """A number that only a GPU probe gives is written in as ⟪probe: field⟫ until someone runs the probe there;
+    no notebook may ship one (fill it from `python -m course.lessons.graph_cache.memory_probe --json probe.json`)."""
+    left = re.findall(r"⟪probe:[^⟫]*⟫", path.read_text(encoding="utf-8"))
+    assert not left, f"{path.name} still has {len(left)} placeholder(s) for the GPU probe's numbers: {left[:3]}"
+
+
+def test_the_run_takes_notebooks_first_answer_versions_first_then_the_tests():
+    """With two pytest-xdist processes (`make test`), the long units (notebooks) go first, so the run ends on short
+    test files; a file's items keep their order (nbval runs a notebook's cells in one kernel)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_suite_conftest", ROOT / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    paths = ["tests/test_a.py", "labs/lab1.ipynb", "notebooks/01.ipynb", "solutions/lab1.ipynb", "solutions/01.ipynb",
+             "tests/cellrun.py"]
+    assert sorted(paths, key=mod.run_order) == ["solutions/01.ipynb", "solutions/lab1.ipynb", "notebooks/01.ipynb",
+                                                "labs/lab1.ipynb", "tests/cellrun.py", "tests/test_a.py"]

@@ -195,7 +195,7 @@ def every_rank_worker(ctx):
     x.fill_(2.0)
     g.replay()
     out["after_replay"] = y.tolist()
-    from course.lessons.sharding.workers import device_mesh
+    from course.core.launch import device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     d = distribute_tensor(torch.ones(4, 2), device_mesh(ctx), [Shard(0)])

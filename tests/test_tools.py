@@ -61,14 +61,28 @@ def test_doctor_flags_missing_torch(monkeypatch):
 
 
 def test_run_executes_a_notebook_and_writes_html(tmp_path, monkeypatch):
+    """`course run` on a notebook with figures (a stand-in for a lesson: every lesson runs under nbval already):
+    the executed copy keeps the figures and the HTML carries them."""
+    import nbformat
+
     monkeypatch.setenv("MPLBACKEND", "Agg")  # must not keep figures out of the executed notebook
-    code = main(["run", "--only", "01_launch_overhead.ipynb", "--out", str(tmp_path)])
+    src = tmp_path / "notebooks" / "01_figures.ipynb"
+    src.parent.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import course\ncourse.header()")] + [
+        nbformat.v4.new_code_cell(f"import matplotlib.pyplot as plt\nplt.plot([0, 1], [{i}, 2])\nplt.show()")
+        for i in range(3)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, src)
+    rel = str(src.relative_to("/"))
+    monkeypatch.setattr(render, "CATALOG", (catalog.Entry(rel, "figures", "lesson", ""),))
+    monkeypatch.setattr(render, "ROOT", Path("/"))
+    code = render.main(out=str(tmp_path / "out"), only=[Path(rel).name])
     assert code == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["path"] == course.runtime().path
     assert summary["notebooks"][0]["status"] == "passed"
-    assert (tmp_path / "html" / "notebooks" / "01_launch_overhead.html").stat().st_size > 10_000
-    executed = json.loads((tmp_path / "executed" / "notebooks" / "01_launch_overhead.ipynb").read_text())
+    assert (tmp_path / "out" / "html" / Path(rel).with_suffix(".html")).stat().st_size > 10_000
+    executed = json.loads((tmp_path / "out" / "executed" / rel).read_text())
     assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
     images = [o for c in executed["cells"] for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 3, "the executed notebook should carry its figures"
@@ -85,6 +99,32 @@ def test_run_reports_a_failing_notebook(tmp_path, monkeypatch):
     assert render.main(out=str(tmp_path / "out")) == 1
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["notebooks"][0]["status"] == "failed" and "boom" in s["notebooks"][0]["error"]
+
+
+def test_run_executes_two_notebooks_at_once_and_lists_them_in_the_courses_order(tmp_path, monkeypatch):
+    import nbformat
+
+    entries = []
+    for name, src in (("slow", "import time; time.sleep(3); print('slow')"), ("fast", "print('fast')")):
+        path = tmp_path / f"{name}.ipynb"
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src)])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, path)
+        entries.append(catalog.Entry(str(path.relative_to("/")), name, "lesson", ""))
+    monkeypatch.setattr(render, "CATALOG", tuple(entries))
+    monkeypatch.setattr(render, "ROOT", Path("/"))
+    assert render.main(out=str(tmp_path / "out"), jobs=2) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["jobs"] == 2 and [r["notebook"] for r in s["notebooks"]] == [e.path for e in entries]
+    assert all(r["status"] == "passed" and r["html"] for r in s["notebooks"])
+    executed = nbformat.read(tmp_path / "out" / "executed" / entries[0].path, as_version=4)
+    assert executed.cells[0].outputs[0]["text"].strip() == "slow"
+
+
+def test_default_jobs_is_one_on_a_gpu_and_two_on_two_cpus():
+    assert render.default_jobs(on_gpu=True, cpus=64) == 1
+    assert render.default_jobs(on_gpu=False, cpus=2) == 2 and render.default_jobs(on_gpu=False, cpus=16) == 2
+    assert render.default_jobs(on_gpu=False, cpus=1) == 1
 
 
 def test_run_rejects_unknown_notebook(tmp_path):

@@ -3,9 +3,11 @@
 A learner's capture is their own code around ``cg.graph(g)``. What a check can see of it is how the captured
 function was called: :class:`Watched` wraps that function and records each call (on the default stream or not,
 inside a capture or not, with the garbage collector on or not) and, from the call inside the capture, the static
-inputs and the output. :func:`assert_captured_well` then names the usual slips: no capture at all, no warm-up, a
-warm-up on the default stream, the collector left on during the capture (a graph it frees there breaks the
-capture: lesson 03). :func:`root_cause` and :func:`first_line` read the error of a failed capture.
+inputs and the output; with ``streams=True`` it also reads which stream waited for which
+(:class:`course.core.stream_order.StreamOrder`, until :meth:`Watched.close`). :func:`assert_captured_well` then names
+the usual slips: no capture at all, no warm-up, a warm-up on the default stream, a missing fork or join around the
+side stream's warm-up, the collector left on during the capture (a graph it frees there breaks the capture: lesson
+03). :func:`root_cause` and :func:`first_line` read the error of a failed capture.
 """
 from __future__ import annotations
 
@@ -28,15 +30,35 @@ def first_line(error: BaseException) -> str:
 
 class Watched:
     """``fn``, recording how each call ran: ``calls`` (dicts: default stream, capturing, collector on), and from the
-    latest call inside a capture, ``static`` (its arguments) and ``output`` (what it returned)."""
+    latest call inside a capture, ``static`` (its arguments) and ``output`` (what it returned).
 
-    def __init__(self, fn, name: str | None = None):
+    ``streams=True``: also the order of the streams (a :class:`~course.core.stream_order.StreamOrder` made now, so the
+    stream current now is the one the data was written on); call :meth:`close` once the capture is done.
+    """
+
+    def __init__(self, fn, name: str | None = None, streams: bool = False):
         self.fn, self.calls, self.static, self.output = fn, [], None, None
         self.__name__ = name or getattr(fn, "__name__", "fn")
+        self.order = None
+        if streams:
+            from course.core.stream_order import StreamOrder
+
+            self.order = StreamOrder(graphs())
+
+    def close(self) -> None:
+        """Stop reading the streams' order (puts back what :class:`StreamOrder` patched); the verdict stays."""
+        if self.order is not None:
+            self.order.close()
+
+    def stream_problem(self) -> str | None:
+        """The missing fork or join the streams' order showed (``streams=True``), else None."""
+        return None if self.order is None else self.order.problem
 
     def __call__(self, *args, **kwargs):
         cg = graphs()
         capturing = bool(cg.is_current_stream_capturing())
+        if self.order is not None:
+            self.order.work(capturing)
         self.calls.append({"default": cg.current_stream() == cg.default_stream(), "capturing": capturing,
                            "gc": gc.isenabled()})
         out = self.fn(*args, **kwargs)
@@ -60,6 +82,8 @@ def assert_captured_well(watched: Watched, what: str = "fn") -> None:
     assert not any(c["default"] for c in warm), (
         "the warm-up ran on the default stream: run it on a side stream (s = cg.Stream(); "
         "s.wait_stream(cg.current_stream()); with cg.stream(s): ...), then cg.current_stream().wait_stream(s)")
+    problem = watched.stream_problem()
+    assert problem is None, problem
     assert not any(watched.calls[i]["gc"] for i in captured), (
         "the garbage collector was on during your capture: a graph it frees in the middle of a capture breaks that "
         "capture (lesson 03, 'A graph freed during another capture'). Capture inside collector_paused()")

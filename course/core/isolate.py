@@ -2,10 +2,14 @@
 
 Used for experiments that start ``torch.profiler`` (CUPTI state) and for captures that are meant to fail in ways
 CUDA may not fully undo (a capture ended with unjoined streams): whatever they leave behind stays in that process.
+:func:`env_set` sets the environment a child process inherits (workers, notebook kernels) for a block, and puts the
+parent's back after it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 
@@ -24,3 +28,23 @@ def run_isolated(module: str, func: str, *, timeout: float = 600, **kwargs):
             return json.loads(line[len("ISOLATED "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     raise RuntimeError(f"{module}.{func} failed in its own process (exit {proc.returncode}): {' / '.join(tail)}")
+
+
+@contextlib.contextmanager
+def env_set(values: dict):
+    """Inside the block, ``os.environ`` holds ``values`` (a name -> a string; None: the name unset); after it, each
+    name is back as it was (set to its old value, or unset). What a child process started inside inherits."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(v)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -23,12 +23,10 @@ closed by peer", a time-out: :func:`~course.core.agree.knock_on`) is named as th
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import datetime
 import gc
 import multiprocessing as mp
-import os
 import queue as _queue
 import socket
 import time
@@ -38,6 +36,7 @@ from course.core.agree import knock_on
 from course.core.reaper import die_with_parent
 from course.core.runtime import ENV_CACHE, ENV_FORCE, gpu_count, runtime
 from course.core.cell_workers import portable
+from course.core.isolate import env_set
 
 TEARDOWN_GRACE_S = 10.0
 _LIVE: set = set()  # worker processes of launches under way in this process (killed at exit)
@@ -104,6 +103,17 @@ class Context:
         return torch.device(self.device)
 
 
+def device_mesh(ctx, group=None):
+    """A 1-D DeviceMesh over every rank of the launch, or over ``group``'s ranks (a subgroup), on this rank's device
+    (inside a worker: lesson 05's DTensor lookups and lesson 08's ``parallelize_module`` split both use it)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    dev = ctx.torch_device.type
+    if group is None:
+        return init_device_mesh(dev, (ctx.world_size,))
+    return DeviceMesh.from_group(group, dev)
+
+
 def plan(world_size: int | None = None, backend: str | None = None) -> Plan:
     """The layout of a run. Default: NCCL on every GPU when there are 2 or more, else gloo with 2 processes."""
     n = gpu_count()
@@ -132,22 +142,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
 def _child_env(p: Plan):
-    """gloo workers run the course's CPU path (simulator), even when the parent is on a GPU."""
-    saved = {k: os.environ.get(k) for k in (ENV_FORCE, ENV_CACHE, "OMP_NUM_THREADS")}
-    try:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if p.backend == "gloo" and runtime().on_gpu:
-            os.environ[ENV_FORCE] = "sim"
-            os.environ.pop(ENV_CACHE, None)
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """gloo workers run the course's CPU path (simulator), even when the parent is on a GPU; one thread each."""
+    values = {"OMP_NUM_THREADS": "1"}
+    if p.backend == "gloo" and runtime().on_gpu:
+        values.update({ENV_FORCE: "sim", ENV_CACHE: None})
+    return env_set(values)
 
 
 def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: float, parent: int = 0) -> None:

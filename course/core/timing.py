@@ -265,3 +265,17 @@ class Speedup:
 def speedup(slow_name: str, slow: Timing, fast_name: str, fast: Timing) -> Speedup:
     """A :class:`Speedup` of ``fast`` over ``slow``; print it to name both medians and IQRs."""
     return Speedup(slow_name, slow, fast_name, fast)
+
+
+def eager_versus(row: dict, other: str, fmt: str = ".1f") -> str:
+    """``eager X us (IQR a-b) -> <other> Y us (IQR c-d): <verdict>`` from a result row's ``eager_us``,
+    ``eager_q1_us``, ``eager_q3_us``, ``<other>_us``, ``<other>_q1_us``, ``<other>_q3_us`` and ``speedup``
+    (numbers formatted with ``fmt``). The verdict is "inside the spread, noise" when ``other``'s upper quartile
+    reaches eager's lower one, else "<speedup>x faster"."""
+    def side(name):
+        return (f"{name} {row[f'{name}_us']:{fmt}} us (IQR {row[f'{name}_q1_us']:{fmt}}-"
+                f"{row[f'{name}_q3_us']:{fmt}})")
+
+    noise = row[f"{other}_q3_us"] >= row["eager_q1_us"]
+    return (f"{side('eager')} -> {side(other)}: "
+            + ("inside the spread, noise" if noise else f"{row['speedup']:.1f}x faster"))

@@ -44,8 +44,11 @@ def check_capture(capture_fn, lookup, vocab: int = 1000, dim: int = 64) -> None:
     dev, g = torch_device(), torch.Generator().manual_seed(4)
     weight = torch.randn(vocab, dim, generator=g).to(dev)
     static_ids = torch.randint(0, vocab, (4, 32), generator=g).to(dev)
-    watched = Watched(lookup, "the lookup")
-    graph, static_out = capture_fn(watched, static_ids, weight)
+    watched = Watched(lookup, "the lookup", streams=True)  # a missing fork or join is named too
+    try:
+        graph, static_out = capture_fn(watched, static_ids, weight)
+    finally:
+        watched.close()
     assert_captured_well(watched, "the lookup")
     assert static_out is watched.output, (
         "return the output of the captured call itself (out = fn(*static) inside `with cg.graph(g):`): every replay "

@@ -2,7 +2,7 @@
 
 :class:`Watch` sees, on both paths alike, each call of the model (was a capture under way, was the default stream
 current, the batch, the output's dtype, were the gradients None) and each optimizer step (capturing, stream,
-whether its param groups are capturable), and which stream waited for which (:mod:`course.lessons.stream_order`):
+whether its param groups are capturable), and which stream waited for which (:mod:`course.core.stream_order`):
 enough to name a missing warm-up, a warm-up on the default stream, a missing fork or join of the side stream or a
 non-capturable optimizer inside a capture, whatever error CUDA raised first. :func:`restored` leaves the notebook
 usable however the learner's code ends, with the garbage collector off while it runs.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import course
-from course.lessons.stream_order import StreamOrder
+from course.core.stream_order import StreamOrder
 
 SIDE = ("warm up on a side stream: side = cg.Stream(); side.wait_stream(cg.current_stream()); "
         "with cg.stream(side): ...; then cg.current_stream().wait_stream(side)")

@@ -9,8 +9,6 @@ import torch
 
 from course.sim.parity_tools import capture, capture_error, close, x8
 
-ncuda = None  # numba.cuda, set by _affine(): a module global, so the simulator can swap it inside the kernel
-
 
 def fork_join(cg, dev, join: bool = True):
     """Work forked to a side stream and joined back: captured."""
@@ -64,22 +62,11 @@ def pool_freed_memory_reused(cg, dev):
 # --------------------------------------------------------------------------- Numba launches
 
 def _affine():
-    global ncuda
-    from course.core.runtime import cuda
+    from course.core.numba_kernels import affine
 
-    if "affine" not in _KERNELS:
-        ncuda = cuda()
-
-        @ncuda.jit
-        def affine(x, out):
-            i = ncuda.grid(1)
-            if i < x.size:
-                out[i] = 2.0 * x[i] + 1.0
-        _KERNELS["affine"] = affine
-    return _KERNELS["affine"]
+    return affine()
 
 
-_KERNELS: dict = {}
 
 
 def numba_kernel(cg, dev, on_torch_stream: bool = True):

@@ -24,7 +24,7 @@ def _doctor(args) -> int:
 
 def _run(args) -> int:
     from course.tools.render import main as render_main
-    return render_main(out=args.out, only=args.only, timeout=args.timeout)
+    return render_main(out=args.out, only=args.only, timeout=args.timeout, jobs=args.jobs)
 
 
 def _bench(args) -> int:
@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="build", help="output folder (default: build)")
     r.add_argument("--only", nargs="*", default=None, help="notebook paths to run (default: all)")
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
+    r.add_argument("--jobs", type=int, default=None,
+                   help="notebooks executed at once (default: 2 on the simulator path with 2+ CPUs, 1 on a GPU)")
     r.set_defaults(func=_run)
     b = sub.add_parser("bench", help="write reference data (GPU only)")
     b.add_argument("names", nargs="*", help="experiments to run (default: on 1 GPU the single-GPU experiments, "

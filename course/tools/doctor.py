@@ -42,6 +42,46 @@ def _version_tuple(v: str) -> tuple:
     return tuple(out)
 
 
+def tested_torch(reference_dir=None) -> dict:
+    """The torch each path was tested with: ``{"cuda": ..., "sim": ...}``.
+
+    GPU path: the torch the recordings' provenance names (``course/reference/*.json`` written on a GPU; the most
+    frequent one when they differ); simulator path: the version CI installs and tests it with
+    (:data:`course.tools.torch_install.LAPTOP_TORCH`).
+    """
+    from collections import Counter
+
+    from course.tools.torch_install import LAPTOP_TORCH, pinned_version
+
+    seen: Counter = Counter()
+    for f in sorted(Path(reference_dir or ROOT / "course" / "reference").glob("*.json")):
+        try:
+            prov = json.loads(f.read_text(encoding="utf-8")).get("provenance") or {}
+        except (OSError, ValueError):
+            continue
+        if prov.get("path") == "cuda" and prov.get("torch"):
+            seen[prov["torch"]] += 1
+    return {"cuda": seen.most_common(1)[0][0] if seen else None, "sim": pinned_version(LAPTOP_TORCH)}
+
+
+def torch_tested_row(running: str, path: str, tested: dict) -> Row:
+    """The doctor's row naming the torch each path was tested with; a warning when the running torch's release
+    differs from the one the path in use (``path``: "cuda" or "sim") was tested with."""
+    gpu, sim = tested.get("cuda"), tested.get("sim")
+    value = f"GPU path: {gpu or 'unknown'} (the GPU recordings); simulator path: {sim or 'unknown'} (CI)"
+    want = gpu if path == "cuda" else sim
+    if not want or _version_tuple(running) == _version_tuple(want):
+        return Row("torch tested", value)
+    release = want.split("+")[0]
+    if path == "cuda":
+        fix = (f"this GPU runs torch {running}; the GPU path was measured with {want}: for the same combination, "
+               f"pip install torch=={release} (a fresh `make setup` on a machine with an NVIDIA driver installs it)")
+    else:
+        fix = (f"this machine runs torch {running}; the simulator path was tested with {want}: if a notebook "
+               f"disagrees with its text, pip install torch=={release}")
+    return Row("torch tested", value, WARN, fix)
+
+
 def diagnose() -> tuple[list, dict]:
     """Collect the table rows and the verdict (path, reason, fixes, broken flag)."""
     rows = [Row("Python", f"{platform.python_version()} ({sys.executable})",
@@ -108,6 +148,9 @@ def diagnose() -> tuple[list, dict]:
         try:
             rt = runtime()
             verdict.update(path=rt.path, reason=rt.reason, fixes=list(rt.fixes), device=rt.device_name)
+            import torch
+
+            rows.append(torch_tested_row(torch.__version__, rt.path, tested_torch()))
             if rt.on_gpu:
                 rows.append(Row("trivial kernel", "compiled and ran on the GPU"))
             else:

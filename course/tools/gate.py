@@ -171,16 +171,10 @@ def pytest_runtest_setup(item):
     if gate is None or getattr(item.parent, "kernel", None) is not None:
         yield
         return
-    saved = {k: os.environ.get(k) for k in (ENV_GATE, ENV_LOG)}
-    os.environ[ENV_GATE], os.environ[ENV_LOG] = gate["mode"], gate["log"]
-    try:
+    from course.core.isolate import env_set
+
+    with env_set({ENV_GATE: gate["mode"], ENV_LOG: gate["log"]}):
         yield  # the notebook's kernel starts here (nbval's setup), with these two variables
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def pytest_unconfigure(config):

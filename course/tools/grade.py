@@ -36,7 +36,7 @@ from pathlib import Path
 
 import nbformat
 
-from course.tools.exercises import course_checks, exercise_cells, exercise_names  # noqa: F401 - re-exported
+from course.tools.exercises import course_checks, exercise_cells, exercise_names, module_constants  # noqa: F401
 from course.tools.hints import load_hint_state, save_hint_state
 from course.core.reaper import kernel_groups, killed_on_signal
 from course.tools.render import KERNEL_ARGS, expose_course_to_kernels
@@ -74,55 +74,47 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
 
     from course.core.answers import ENV_SHOW
     from course.core.checks import ENV_LOG, ENV_STAGES, PASS
+    from course.core.isolate import env_set
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     cells = exercise_cells(nb)
     fd, log_path = tempfile.mkstemp(prefix="course-check-", suffix=".jsonl")
     os.close(fd)
-    old = {k: os.environ.get(k) for k in (ENV_LOG, ENV_STAGES, ENV_SHOW)}
-    os.environ[ENV_LOG] = log_path
-    os.environ.pop(ENV_STAGES, None)  # the kernel inherits it: only this run's stages, never a stale value
-    os.environ.pop(ENV_SHOW, None)  # and only the answers asked for in this run
-    if stages:
-        os.environ[ENV_STAGES] = json.dumps(stages)
-    if show:
-        os.environ[ENV_SHOW] = json.dumps(list(show))
+    # the kernel inherits these: this run's log, and only this run's stages and answers asked for (never stale ones)
+    env = env_set({ENV_LOG: log_path, ENV_STAGES: json.dumps(stages) if stages else None,
+                   ENV_SHOW: json.dumps(list(show)) if show else None})
     expose_course_to_kernels()  # the kernel imports this checkout's course, installed or not
     start, stopped, ran = time.monotonic(), None, set()
     deadline = start + total_timeout if total_timeout else None
     client = NotebookClient(nb, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
                             kernel_name="python3", extra_arguments=list(KERNEL_ARGS),
                             resources={"metadata": {"path": str(path.parent.resolve())}})
-    try:
-        client.reset_execution_trackers()
-        with client.setup_kernel(cwd=str(path.parent.resolve())), \
-                killed_on_signal(lambda: kernel_groups(client), f"check {path.name}"):
-            for i, cell in enumerate(nb.cells):
-                if cell.cell_type != "code":
-                    continue
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 1:
-                    stopped = f"the notebook's time limit ({total_timeout} s) ran out before cell {i}"
-                    break
-                client.timeout = int(min(cell_timeout, left)) if left is not None else cell_timeout
-                try:
-                    client.execute_cell(cell, i, execution_count=client.code_cells_executed + 1)
-                except DeadKernelError:
-                    stopped = f"the kernel died in cell {i}"
+    with env:
+        try:
+            client.reset_execution_trackers()
+            with client.setup_kernel(cwd=str(path.parent.resolve())), \
+                    killed_on_signal(lambda: kernel_groups(client), f"check {path.name}"):
+                for i, cell in enumerate(nb.cells):
+                    if cell.cell_type != "code":
+                        continue
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 1:
+                        stopped = f"the notebook's time limit ({total_timeout} s) ran out before cell {i}"
+                        break
+                    client.timeout = int(min(cell_timeout, left)) if left is not None else cell_timeout
+                    try:
+                        client.execute_cell(cell, i, execution_count=client.code_cells_executed + 1)
+                    except DeadKernelError:
+                        stopped = f"the kernel died in cell {i}"
+                        ran.add(i)
+                        break
                     ran.add(i)
-                    break
-                ran.add(i)
-    except Exception as e:  # noqa: BLE001 - a kernel that cannot start: say so
-        stopped = stopped or f"the notebook could not be run: {type(e).__name__}: {e}"
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        text = Path(log_path).read_text(encoding="utf-8") if Path(log_path).exists() else ""
-        Path(log_path).unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot start: say so
+            stopped = stopped or f"the notebook could not be run: {type(e).__name__}: {e}"
+        finally:
+            text = Path(log_path).read_text(encoding="utf-8") if Path(log_path).exists() else ""
+            Path(log_path).unlink(missing_ok=True)
 
     outcome = {}
     for line in text.splitlines():

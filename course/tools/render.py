@@ -109,13 +109,61 @@ def to_html(nb) -> tuple[str | None, str | None]:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
-def main(out: str = "build", only=None, timeout: int = 900) -> int:
-    """Run the notebooks (all, or those in ``only``); exit 1 if any failed."""
+def default_jobs(on_gpu: bool, cpus: int | None = None) -> int:
+    """How many notebooks ``course run`` executes at once by default: 1 on the GPU path (its live measurements must
+    not share the GPU), else 2 where there are 2 or more CPUs (a notebook's kernel often waits on worker processes,
+    so two side by side pay on two cores), else 1."""
+    cpus = os.cpu_count() if cpus is None else cpus
+    return 1 if on_gpu or (cpus or 1) < 2 else 2
+
+
+def run_one(path: str, rel: str, out_dir: str, timeout: int = 900) -> dict:
+    """Execute the notebook at ``path`` (catalog path ``rel``) and write its executed copy and HTML under
+    ``out_dir``; its row of the summary. Runs in a worker process when ``course run`` executes several at once."""
+    import nbformat
+
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    nb, err = execute(Path(path), timeout=timeout)
+    secs = time.perf_counter() - t0
+    exe, html = out / "executed" / rel, out / "html" / Path(rel).with_suffix(".html")
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    html.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, exe)
+    body, html_err = to_html(nb)
+    if body is not None:
+        html.write_text(body, encoding="utf-8")
+    return {"notebook": rel, "status": "passed" if err is None else "failed", "seconds": round(secs, 1),
+            "error": err, "html": str(html.relative_to(out)) if body is not None else None, "html_error": html_err}
+
+
+def _rows(todo: list, out_dir: Path, timeout: int, jobs: int, tqdm):
+    """Yield the summary row of each ``(path, rel)`` in ``todo`` as it finishes (``jobs`` at once, in processes)."""
+    if jobs <= 1 or len(todo) <= 1:
+        for src, rel in todo:
+            yield run_one(str(src), rel, str(out_dir), timeout)
+        return
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(run_one, str(src), rel, str(out_dir), timeout): rel for src, rel in todo}
+        for fut in cf.as_completed(futures):
+            try:
+                yield fut.result()
+            except Exception as e:  # noqa: BLE001 - a worker that died: the notebook failed, the run goes on
+                yield {"notebook": futures[fut], "status": "failed", "seconds": 0.0, "html": None,
+                       "error": f"its worker process failed: {type(e).__name__}: {e}", "html_error": None}
+
+
+def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = None) -> int:
+    """Run the notebooks (all, or those in ``only``), ``jobs`` at once (default :func:`default_jobs`); exit 1 if any
+    failed. The summary lists them in the course's order whatever order they finished in."""
     from tqdm.auto import tqdm
 
     from course.core.runtime import runtime
 
-    rt = runtime()  # decided once here; kernels inherit the decision through the environment
+    rt = runtime()  # decided once here; kernels (and worker processes) inherit the decision through the environment
     out_dir = Path(out)
     if not out_dir.is_absolute():
         out_dir = ROOT / out_dir
@@ -123,36 +171,27 @@ def main(out: str = "build", only=None, timeout: int = 900) -> int:
     if only and not wanted:
         print(f"course run: none of {only} is in the course; choose from {[e.path for e in CATALOG]}")
         return 2
-    print(rt.describe())
-    results = []
-    for e in tqdm(wanted, desc="notebooks"):
-        src = ROOT / e.path
-        if not src.exists():
-            results.append({"notebook": e.path, "status": "missing", "seconds": 0.0, "error": "file not found"})
-            continue
-        t0 = time.perf_counter()
-        nb, err = execute(src, timeout=timeout)
-        secs = time.perf_counter() - t0
-        exe = out_dir / "executed" / e.path
-        html = out_dir / "html" / Path(e.path).with_suffix(".html")
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        html.parent.mkdir(parents=True, exist_ok=True)
-        import nbformat
-        nbformat.write(nb, exe)
-        body, html_err = to_html(nb)
-        if body is not None:
-            html.write_text(body, encoding="utf-8")
-        else:
-            tqdm.write(f"     no HTML for {e.path}: {html_err} (the executed notebook is written)")
-        results.append({"notebook": e.path, "status": "passed" if err is None else "failed",
-                        "seconds": round(secs, 1), "error": err,
-                        "html": str(html.relative_to(out_dir)) if body is not None else None,
-                        "html_error": html_err})
-        tqdm.write(f"{'ok ' if err is None else 'FAIL'} {e.path} ({secs:.0f} s)" + (f": {err}" if err else ""))
+    jobs = default_jobs(rt.on_gpu) if jobs is None else max(1, int(jobs))
+    print(rt.describe() + (f" Executing {jobs} notebooks at once." if jobs > 1 else ""))
+    results = {e.path: {"notebook": e.path, "status": "missing", "seconds": 0.0, "error": "file not found"}
+               for e in wanted if not (ROOT / e.path).exists()}
+    todo = [(ROOT / e.path, e.path) for e in wanted if (ROOT / e.path).exists()]
+    bar = tqdm(total=len(wanted), desc="notebooks")
+    bar.update(len(results))
+    for row in _rows(todo, out_dir, timeout, jobs, tqdm):
+        results[row["notebook"]] = row
+        if row.get("html") is None and row.get("html_error"):
+            tqdm.write(f"     no HTML for {row['notebook']}: {row['html_error']} (the executed notebook is written)")
+        err = row["error"]
+        tqdm.write(f"{'ok ' if err is None else 'FAIL'} {row['notebook']} ({row['seconds']:.0f} s)"
+                   + (f": {err}" if err else ""))
+        bar.update(1)
+    bar.close()
+    results = [results[e.path] for e in wanted]
     rendered = [e.path for e in wanted if (ROOT / e.path).exists()]
     copy_linked(ROOT, rendered, out_dir / "executed")
     copy_linked(ROOT, rendered, out_dir / "html", html=True)
-    summary = {"path": rt.path, "device": rt.device_name, "reason": rt.reason, "notebooks": results}
+    summary = {"path": rt.path, "device": rt.device_name, "reason": rt.reason, "jobs": jobs, "notebooks": results}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     lines = [f"# Course run: {rt.path} path ({rt.device_name})", "", rt.reason, "",
              "| notebook | status | seconds |", "| --- | --- | --- |"]

@@ -10,8 +10,11 @@ Standard library only: it runs in a fresh venv before anything else is installed
   CPU wheel), with a warning that says how to pick the index.
 - Anything else (an NVIDIA driver, macOS, Windows): PyPI's default build (CUDA on Linux, CPU or MPS elsewhere).
 
-``TORCH`` sets the requirement (default ``torch==2.13.0``). Pip runs without ``-q`` so the download
-shows its progress.
+Which version: ``TORCH`` sets the requirement. Unset, a machine with an NVIDIA driver gets :data:`GPU_TORCH`, the
+version every GPU recording and live GPU run of the course used (the recordings' provenance in
+``course/reference/*.json`` names it; a test keeps the two equal), and every other machine :data:`LAPTOP_TORCH`, the
+version CI runs the simulator path with. ``python -m course doctor`` names both and warns when the running torch is
+not the one its path was tested with. Pip runs without ``-q`` so the download shows its progress.
 """
 from __future__ import annotations
 
@@ -25,7 +28,21 @@ from pathlib import Path
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 PYPI = "https://pypi.org/simple"
-DEFAULT_TORCH = "torch==2.13.0"
+GPU_TORCH = "torch==2.11.0"  # what the GPU path was measured with (the recordings' provenance: 2.11.0+cu130)
+LAPTOP_TORCH = "torch==2.13.0"  # what CI tests the simulator path with
+DEFAULT_TORCH = LAPTOP_TORCH  # (the name before the split; kept for callers)
+
+
+def default_requirement(driver: bool) -> str:
+    """The torch requirement when ``TORCH`` is unset: :data:`GPU_TORCH` with an NVIDIA driver, else
+    :data:`LAPTOP_TORCH`."""
+    return GPU_TORCH if driver else LAPTOP_TORCH
+
+
+def pinned_version(requirement: str) -> str | None:
+    """The version an ``==`` requirement pins (``"torch==2.11.0"`` -> ``"2.11.0"``), else None."""
+    first = shlex.split(requirement)[0] if requirement.strip() else ""
+    return first.split("==", 1)[1] if "==" in first else None
 
 
 def has_nvidia_driver() -> bool:
@@ -52,9 +69,12 @@ def plan(requirement: str, *, system: str, machine: str, driver: bool, index_env
          cpu_index_ok) -> tuple[list, str]:
     """The pip arguments to install ``requirement`` and one sentence saying why.
 
-    ``cpu_index_ok`` is a callable, asked only when the CPU index matters (so no probe on
-    machines that do not need it).
+    ``requirement`` None or empty (``TORCH`` unset): :func:`default_requirement` for ``driver``. ``cpu_index_ok`` is a
+    callable, asked only when the CPU index matters (so no probe on machines that do not need it).
     """
+    chosen = not (requirement or "").strip()
+    if chosen:
+        requirement = default_requirement(driver)
     req = shlex.split(requirement)
     if index_env:
         return req + ["--index-url", index_env, "--extra-index-url", PYPI], f"TORCH_INDEX={index_env}"
@@ -65,6 +85,9 @@ def plan(requirement: str, *, system: str, machine: str, driver: bool, index_env
         return (req, f"no NVIDIA driver, but {CPU_INDEX} did not answer: pip's configured indexes. If this "
                      "downloads nvidia-* packages, stop it and run again with TORCH_INDEX=<a CPU wheel index>")
     if driver:
+        if chosen:
+            return req, (f"NVIDIA driver found: the CUDA build from PyPI of {requirement}, the version the course's "
+                         f"GPU path was measured with (TORCH=... picks another)")
         return req, "NVIDIA driver found: the CUDA build from PyPI"
     return req, f"{system} {machine}: PyPI's build"
 
@@ -77,7 +100,7 @@ def torch_imports(python: str = sys.executable) -> str | None:
 
 def main(argv=None) -> int:
     """Install torch into this interpreter's environment unless it already imports; returns pip's exit code."""
-    requirement = os.environ.get("TORCH") or DEFAULT_TORCH
+    requirement = os.environ.get("TORCH") or None
     have = torch_imports()
     if have:
         print(f"torch {have} is already installed here; leaving it (remove it to let setup choose a build).")
@@ -86,7 +109,7 @@ def main(argv=None) -> int:
                      driver=has_nvidia_driver(), index_env=os.environ.get("TORCH_INDEX") or None,
                      cpu_index_ok=index_reachable)
     cmd = [sys.executable, "-m", "pip", "install", "--progress-bar", "on", *args]
-    print(f"Installing {requirement} ({why}):\n  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    print(f"Installing {args[0]} ({why}):\n  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
     return subprocess.run(cmd).returncode
 
 

@@ -16,7 +16,9 @@
   the notebook runs live.
 - :mod:`~course.lessons.graph_cache.lab`: lab 3's checks, run on the learner's own key function, buffers and cache.
 - :mod:`~course.lessons.graph_cache.memory_probe`: what a cleared cache leaves reserved on a GPU, and which release
-  gives it back (a probe run by hand: ``python3 -m course.lessons.graph_cache.memory_probe --json probe.json``).
+  gives it back (a probe run by hand: ``python3 -m course.lessons.graph_cache.memory_probe --json probe.json``);
+  its bookkeeping (rows, segments by stream and pool, named streams and blocks) in
+  :mod:`~course.lessons.graph_cache.memory_ledger`.
 """
 from course.lessons.graph_cache.backends import CaptureFailed, CudaGraphBackend, RecordingBackend, default_backend
 from course.lessons.graph_cache.buckets import PRESETS, bucket_sizes, decode_trace, next_bucket, padding_report

@@ -1,7 +1,8 @@
 """Lab 3's step 7 check: ``set_enabled`` and ``clear_cache`` (re-exported by :mod:`course.lessons.graph_cache.lab`).
 
 A cleared cache must give back what its captures held: no graph alive, nothing left in their memory pool, and the
-memory reserved down by at least what the pool held (on a GPU, the allocator's segments of that pool).
+memory reserved down by at least what the pool held (on a GPU, the allocator's segments of that pool). On a GPU the
+passing check then says what stays reserved and on which stream (:func:`what_stays`): none of it is the cache's.
 """
 from __future__ import annotations
 
@@ -25,6 +26,22 @@ def reserved_now(backend) -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     return backend.memory_reserved()
+
+
+def what_stays(freed: int, held: int, snapshot, streams=None) -> str:
+    """One sentence after a clear: the bytes it gave back (``freed``) against what the captures' pool held (``held``),
+    and what stays reserved, by stream and pool, from ``snapshot`` (``torch.cuda.memory_snapshot()`` after it;
+    ``streams``: stream handle -> name)."""
+    from course.lessons.graph_cache.memory_ledger import MiB, by_stream_pool
+
+    where = by_stream_pool(snapshot, streams or {})
+    left = sum(where.values())
+    pools = sum(v for k, v in where.items() if not k.endswith("/ordinary"))
+    parts = ", ".join(f"{v / MiB:.1f} MiB on {k.split('/')[0]}" for k, v in where.items()) or "nothing"
+    return (f"clear_cache() gave back {freed / MiB:.1f} MiB (the captures' pool held {held / MiB:.1f} MiB); "
+            f"{left / MiB:.1f} MiB stay reserved ({parts}), {pools / MiB:.1f} MiB of it in a graph pool: outside "
+            "the captures' pool, what stays is the caller's (its tensors) and torch's (a cuBLAS workspace per stream "
+            "that ran a matrix product since the clear)")
 
 
 def check_enable_clear(cls) -> None:
@@ -80,5 +97,8 @@ def check_enable_clear(cls) -> None:
         assert before - after >= held, (
             f"clear_cache() freed the graphs and their pool, but reserved memory fell by only {before - after} bytes "
             f"({before} before, {after} after), less than the {held} bytes the pool held")
+        if backend.name != "recording":
+            print(what_stays(before - after, held, torch.cuda.memory_snapshot(),
+                             {torch.cuda.default_stream().cuda_stream: "the default stream"}))
         cache(x)
         assert backend.captures == 2 and cache.stats["cache_misses"] == 2, "after clear_cache() the next call records"

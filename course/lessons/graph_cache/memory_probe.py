@@ -3,21 +3,27 @@
 The scenario: the buckets 256, 512 and 1024 of a ``width``-wide ``relu(t @ w) @ w`` through a cache, then
 ``clear_cache()``, a collection, a synchronize and ``empty_cache()``. It runs for lab 3's answer cache
 (``MyGraphCache``, read from ``solutions/lab3_graph_cache.ipynb``: its setup and answer cells, without their checks)
-and for the course's :class:`~course.lessons.graph_cache.cache.GraphCache`, each in a fresh process, each twice: with
-the backend as it is (it drops torch's cuBLAS workspaces before each capture and at ``reset_pool()``:
+and for the course's :class:`~course.lessons.graph_cache.cache.GraphCache`, each in a fresh process: with the backend
+as it is (it drops torch's cuBLAS workspaces before each capture and at ``reset_pool()``:
 :func:`course.core.hardware.release_blas_workspaces`) and with that release switched off (``workspaces="kept"``).
 
-Each step's row holds ``torch.cuda.memory_reserved()`` and ``memory_allocated()`` (MiB) and what the step freed.
-After the clear, the releases the candidates need are tried one at a time, each followed by a collection, a
-synchronize and ``empty_cache()``: the backend's pool handle dropped, torch's cuBLAS workspaces dropped
-(``torch._C._cuda_clearCublasWorkspaces()``), the caller's inputs dropped, the cleared cache object dropped, the
-weight dropped; so the table says which release gives back how many MiB. The allocator's snapshot, taken right after
-the clear, lists every segment still reserved (its stream, its pool, its size) and every live block with the frames
-that allocated it (memory history recorded from the start), each block named when it is a known tensor or allocated
-by cuBLAS.
+Each step's row holds ``torch.cuda.memory_reserved()`` and ``memory_allocated()`` (MiB), what the step freed, and
+where the reserved memory lies (the allocator's segments summed by stream and pool: "default", "capture", and each
+side stream a cache made, named by the call that made it). After the clear, the releases the candidates need are
+tried one at a time, each followed by a collection, a synchronize and ``empty_cache()``: the backend's pool handle
+dropped, torch's cuBLAS workspaces dropped (``torch._C._cuda_clearCublasWorkspaces()``), the caller's inputs dropped,
+the cleared cache object dropped, the weight dropped; so the table says which release gives back how many MiB. The
+allocator's snapshot, before the clear, right after it and after every release, lists every segment reserved (stream,
+pool, size) and every live block, named: the weight, the caller's inputs, the cache's static inputs and outputs, a
+cuBLAS workspace (by its allocating frame, or by its size), or what the forward made. A run with ``after="eager"``
+runs the forward eagerly after the last capture (default and side stream), as a caller checking results would. Each
+run starts by measuring what a fresh stream's first ``mm`` and ``addmm`` (cuBLAS and cuBLASLt paths) keep and what
+the workspace release gives back (:func:`~course.lessons.graph_cache.memory_ledger.workspace_facts`). The summary
+line gives the run in a caller's terms: MiB held before the clear and kept after it, above the weight's row.
 
 ``python3 -m course.lessons.graph_cache.memory_probe --json probe.json`` prints the table and writes everything as
-JSON. It needs a GPU: on the simulator path it refuses (exit 2) and says so.
+JSON (five runs, each in a fresh process; ``--runs`` picks others). It needs a GPU: on the simulator path it refuses
+(exit 2) and says so.
 """
 from __future__ import annotations
 
@@ -28,44 +34,18 @@ import os
 import sys
 from pathlib import Path
 
-MiB = 2**20
+from course.lessons.graph_cache.memory_ledger import (MiB, Ledger, StreamNames, by_stream_pool,  # noqa: F401
+                                                      format_rows, format_segments, held_and_kept, snapshot_summary,
+                                                      workspace_facts)
+
 ROOT = Path(__file__).resolve().parents[3]
 LAB3 = ROOT / "solutions" / "lab3_graph_cache.ipynb"
 CACHES = ("answer", "GraphCache")
 WORKSPACES = ("released", "kept")
-
-
-class Ledger:
-    """The rows of one run: ``step(name)`` reads ``read()`` -> (reserved, allocated) bytes and notes the change."""
-
-    def __init__(self, cache: str, workspaces: str, read):
-        self.cache, self.workspaces, self.read, self.rows = cache, workspaces, read, []
-
-    def step(self, step: str, what: str = "") -> dict:
-        """Append and return the row of ``step``: reserved and allocated MiB, and the MiB freed since the last row."""
-        reserved, allocated = self.read()
-        prev = self.rows[-1]["reserved_MiB"] if self.rows else reserved / MiB
-        row = {"cache": self.cache, "workspaces": self.workspaces, "step": step, "what": what,
-               "reserved_MiB": reserved / MiB, "allocated_MiB": allocated / MiB, "freed_MiB": prev - reserved / MiB}
-        self.rows.append(row)
-        return row
-
-
-def format_rows(rows) -> str:
-    """The rows as a fixed-width table (one line per step)."""
-    head = f"{'cache':<11} {'workspaces':<10} {'step':<34} {'reserved':>9} {'allocated':>9} {'freed':>7}  what"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['cache']:<11} {r['workspaces']:<10} {r['step']:<34} {r['reserved_MiB']:>9.1f} "
-                     f"{r['allocated_MiB']:>9.1f} {r['freed_MiB']:>7.1f}  {r['what']}")
-    return "\n".join(lines)
-
-
-def release_table(rows) -> list:
-    """``[{"cache", "workspaces", "release", "freed_MiB"}]``: what the clear and each release after it gave back."""
-    keep = ("clear_cache()", "gc + synchronize + empty_cache") + tuple(n for n, _ in RELEASES)
-    return [{"cache": r["cache"], "workspaces": r["workspaces"], "release": r["step"], "freed_MiB": r["freed_MiB"]}
-            for r in rows if r["step"] in keep]
+AFTER = ("nothing", "eager")  # after the last capture: nothing, or the forward run eagerly (default and side stream)
+# the runs of a plain probe: (cache, workspaces, after); each in its own process
+RUNS = (("answer", "released", "nothing"), ("answer", "released", "eager"), ("answer", "kept", "nothing"),
+        ("GraphCache", "released", "nothing"), ("GraphCache", "kept", "nothing"))
 
 
 def answer_cache_class(path=LAB3):
@@ -90,53 +70,6 @@ def _settle():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-
-
-def _now():
-    import torch
-
-    return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-
-
-def _frames(block, n: int = 6) -> list:
-    """The allocating frames of a snapshot block, innermost first, without the allocator's own frames."""
-    out = []
-    for f in block.get("frames") or []:
-        name, file = f.get("name", ""), f.get("filename", "")
-        if "CachingAllocator" in name or "c10::" in name or "??" in name:
-            continue
-        out.append(f"{name} ({os.path.basename(file)}:{f.get('line', 0)})")
-        if len(out) == n:
-            break
-    return out
-
-
-def snapshot_summary(snapshot, known: dict, streams: dict) -> list:
-    """One dict per reserved segment of ``torch.cuda.memory_snapshot()``: stream, pool, sizes, its live blocks.
-
-    ``known``: data pointer -> name of a tensor the probe made; ``streams``: stream handle -> name. A live block is
-    named by ``known``, else "cuBLAS workspace" when a frame that allocated it is cuBLAS's, else "?".
-    """
-    segs = []
-    for seg in snapshot:
-        blocks = []
-        for b in seg.get("blocks", []):
-            if b.get("state") != "active_allocated":
-                continue
-            frames = _frames(b)
-            name = known.get(b.get("address"))
-            if name is None and any("blas" in f.lower() for f in frames):
-                name = "cuBLAS workspace"
-            elif name is None:  # Python frames only: what the forward allocated and nothing references is a workspace
-                name = "made in the forward (no tensor)" if any("<lambda>" in f for f in frames) else "?"
-            blocks.append({"size_MiB": b["size"] / MiB, "name": name, "frames": frames})
-        pool = seg.get("segment_pool_id")
-        segs.append({"stream": streams.get(seg.get("stream"), f"stream {seg.get('stream')}"),
-                     "pool": list(pool) if isinstance(pool, (tuple, list)) else pool,
-                     "private_pool": bool(pool) and tuple(pool) != (0, 0),
-                     "total_MiB": seg["total_size"] / MiB, "allocated_MiB": seg.get("allocated_size", 0) / MiB,
-                     "live_blocks": blocks})
-    return segs
 
 
 def _drop_pool(state):
@@ -170,92 +103,184 @@ RELEASES = [("drop the pool handle", _drop_pool), ("drop cuBLAS workspaces", _dr
             ("drop the weight", _drop_weight)]
 
 
-def run_one(cache: str = "answer", workspaces: str = "released", width: int = 2048, buckets=(256, 512, 1024),
-            stacks: str = "python") -> dict:
-    """The scenario for one cache (``"answer"`` or ``"GraphCache"``) in this process; rows, segments, facts (GPU)."""
+def release_table(rows) -> list:
+    """``[{"cache", "workspaces", "release", "freed_MiB"}]``: what the clear and each release after it gave back."""
+    keep = ("clear_cache()", "gc + synchronize + empty_cache") + tuple(n for n, _ in RELEASES)
+    return [{"cache": r["cache"], "workspaces": r["workspaces"], "release": r["step"], "freed_MiB": r["freed_MiB"]}
+            for r in rows if r["step"] in keep]
+
+
+def cache_tensors(cache) -> dict:
+    """data pointer -> name of each static input and static output a cache holds (lab 3's entries or GraphCache's)."""
+    import torch
+
+    named = {}
+    entries = getattr(cache, "entries", None)
+    if entries is None:  # GraphCache: Entry(inputs, recorded.output)
+        entries = {k: {"static": e.inputs, "output": getattr(e.recorded, "output", None), "bucket": e.bucket}
+                   for k, e in cache._entries.items()}  # noqa: SLF001 - the probe names what the cache holds
+    for key, e in entries.items():
+        rows = e.get("bucket") or next((t.shape[0] for t in e.get("static") or () if isinstance(t, torch.Tensor)), "?")
+        for t in e.get("static") or ():
+            if isinstance(t, torch.Tensor):
+                named[t.data_ptr()] = f"cache's static input (bucket {rows})"
+        outs = e.get("output")
+        for t in (outs if isinstance(outs, (tuple, list)) else [outs]):
+            if isinstance(t, torch.Tensor):
+                named[t.data_ptr()] = f"cache's static output (bucket {rows})"
+    return named
+
+
+def run_one(cache: str = "answer", workspaces: str = "released", after: str = "nothing", width: int = 2048,
+            buckets=(256, 512, 1024), stacks: str = "python") -> dict:
+    """The scenario for one cache (``"answer"`` or ``"GraphCache"``) in this process: rows (each with where its
+    reserved memory lies, by stream and pool), the live blocks at the main steps, and facts (GPU).
+
+    ``after="eager"`` runs the forward eagerly after the last capture, on the default stream and on a side stream,
+    as a caller who checks the cache's results would: those streams then hold cuBLAS workspaces at the clear.
+    """
     from course.core.capture import require_gpu
 
     require_gpu("the graph cache memory probe (it reads a GPU's caching allocator)")
-    if cache not in CACHES or workspaces not in WORKSPACES:
-        raise ValueError(f"cache must be one of {CACHES} and workspaces one of {WORKSPACES}, "
-                         f"got {cache!r}, {workspaces!r}")
+    if cache not in CACHES or workspaces not in WORKSPACES or after not in AFTER:
+        raise ValueError(f"cache must be one of {CACHES}, workspaces one of {WORKSPACES} and after one of {AFTER}, "
+                         f"got {cache!r}, {workspaces!r}, {after!r}")
     import torch
 
     from course.core import hardware
     from course.lessons.graph_cache import GraphCache
 
+    streams = StreamNames()
+    streams.install(torch)
+    release = hardware.release_blas_workspaces
+    try:
+        return _scenario(torch, hardware, GraphCache, streams, cache, workspaces, after, width, buckets, stacks)
+    finally:  # this process may go on (a test): torch, the backend's release and the history as they were
+        streams.uninstall()
+        hardware.release_blas_workspaces = release
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _scenario(torch, hardware, GraphCache, streams, cache, workspaces, after, width, buckets, stacks) -> dict:
+    streams.name(torch.cuda.default_stream(), "default")
+    streams.context = "workspace facts"
+    ws = workspace_facts()  # first: it also tells the size of one workspace, to name blocks by their size
+    ws_bytes = round(ws["mm float32"]["kept_MiB"] * MiB) or None
     if workspaces == "kept":
         hardware.release_blas_workspaces = lambda: False  # the backend as it was: torch keeps every workspace
     torch.cuda.memory._record_memory_history(max_entries=200000, stacks=stacks)
-    led = Ledger(cache, workspaces, _settle)
-    led.step("start")
+    known: dict = {}
+    snaps: dict = {}
+
+    def look(step):
+        snaps[step] = snapshot_summary(torch.cuda.memory_snapshot(), known, streams.names, ws_bytes)
+
+    led = Ledger(cache, workspaces, _settle, split=lambda: by_stream_pool(torch.cuda.memory_snapshot(), streams.names))
+    streams.context = ""
+    led.step("start", "after the workspace facts (released)")
     weight = torch.randn(width, width, device="cuda")
+    known[weight.data_ptr()] = "weight"
     state = {"weight": weight}
     state["forward"] = lambda t: torch.relu(t @ state["weight"]) @ state["weight"]  # the state holds the weight
     del weight
-    led.step("weight", f"{width}x{width} float32")
+    led.step("weight", f"{width}x{width} float32 (the baseline)")
     fwd = state["forward"]
     cls = answer_cache_class() if cache == "answer" else None
     state["cache"] = cls(fwd, buckets=list(buckets)) if cls else GraphCache(fwd, buckets=list(buckets))
     state["inputs"] = [torch.randn(b, width, device="cuda") for b in buckets]
+    known.update({t.data_ptr(): f"caller's input {tuple(t.shape)}" for t in state["inputs"]})
     for x in state["inputs"]:
+        streams.context = f"call, batch {x.shape[0]}"
         state["cache"](x)
+        cap = getattr(torch.cuda.graph, "default_capture_stream", None)
+        if cap is not None:
+            streams.name(cap, "capture")
+        known.update(cache_tensors(state["cache"]))
         led.step(f"call, batch {x.shape[0]}", "a miss: warm-up, capture, replay")
+    if after == "eager":
+        streams.context = "eager after the captures"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fwd(state["inputs"][-1])
+        torch.cuda.current_stream().wait_stream(side)
+        fwd(state["inputs"][-1])
+        led.step("eager forward after the captures", "default stream and a side stream, outputs dropped")
+    streams.context = ""
     state["pool"] = state["cache"].backend._pool  # noqa: SLF001
     pool = state["pool"]
     pool_id = tuple(pool) if isinstance(pool, (tuple, list)) else pool
     pool_bytes = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
                      if tuple(s.get("segment_pool_id") or ()) == pool_id)
     led.step("settled, before the clear", f"the graphs' pool: {pool_bytes / MiB:.1f} MiB")
+    look("settled, before the clear")
     state["cache"].clear_cache()
     led.step("clear_cache()", "as the cache does it")
     led.step("gc + synchronize + empty_cache")
-    known = {t.data_ptr(): f"caller's input {tuple(t.shape)}" for t in state["inputs"]}
-    known[state["weight"].data_ptr()] = "weight"
-    streams = {torch.cuda.default_stream().cuda_stream: "default"}
-    cap = getattr(torch.cuda.graph, "default_capture_stream", None)
-    if cap is not None:
-        streams[cap.cuda_stream] = "capture"
-    segments = snapshot_summary(torch.cuda.memory_snapshot(), known, streams)
+    look("after the clear")
     del fwd
     for name, release in RELEASES:
         release(state)
         led.step(name)
-    torch.cuda.memory._record_memory_history(enabled=None)
-    facts = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "pool_handle": repr(pool),
-             "pool_MiB_before_clear": pool_bytes / MiB, "CUBLAS_WORKSPACE_CONFIG": os.environ.get(
-                 "CUBLAS_WORKSPACE_CONFIG"), "width": width, "buckets": list(buckets)}
-    return {"rows": led.rows, "segments": segments, "facts": facts}
+    look("after every release")
+    facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0),
+             "pool_handle": repr(pool), "pool_MiB_before_clear": pool_bytes / MiB, "after": after,
+             "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+             "CUBLASLT_WORKSPACE_SIZE": os.environ.get("CUBLASLT_WORKSPACE_SIZE"),
+             "width": width, "buckets": list(buckets), "workspace_facts": ws, "streams": sorted(streams.names.values())}
+    return {"rows": led.rows, "segments": snaps["after the clear"], "snapshots": snaps, "facts": facts,
+            "summary": held_and_kept(led.rows)}
 
 
-def probe(caches=CACHES, workspaces=WORKSPACES, timeout: float = 100, **kw) -> dict:
-    """:func:`run_one` for each cache and workspace setting, each in a fresh process (GPU); ``{"runs": [...]}``."""
+def probe(runs=RUNS, timeout: float = 90, **kw) -> dict:
+    """:func:`run_one` for each ``(cache, workspaces, after)`` of ``runs``, each in a fresh process (GPU)."""
     from course.core.capture import require_gpu
     from course.core.isolate import run_isolated
 
     require_gpu("the graph cache memory probe (it reads a GPU's caching allocator)")
-    runs = [run_isolated("course.lessons.graph_cache.memory_probe", "run_one", timeout=timeout, cache=c, workspaces=w, **kw)
-            for c in caches for w in workspaces]
-    rows = [r for run in runs for r in run["rows"]]
-    return {"runs": runs, "rows": rows, "releases": release_table(rows)}
+    out = [run_isolated("course.lessons.graph_cache.memory_probe", "run_one", timeout=timeout, cache=c, workspaces=w,
+                        after=a, **kw) for c, w, a in runs]
+    rows = [r for run in out for r in run["rows"]]
+    return {"runs": out, "rows": rows, "releases": release_table(rows)}
+
+
+def report(res) -> str:
+    """The probe's printout: the table, then per run its summary, the workspace facts and the live blocks."""
+    lines = [format_rows(res["rows"])]
+    for run in res["runs"]:
+        f, s = run["facts"], run["summary"]
+        lines.append(f"\n{run['rows'][0]['cache']}, workspaces {run['rows'][0]['workspaces']}, after the captures: "
+                     f"{f['after']} (torch {f['torch']}, {f['device']}): above the baseline (weight allocated), "
+                     f"{s['held_MiB']:.1f} MiB held before the clear, {s['kept_MiB']:.1f} MiB kept after it")
+        lines.append("  a fresh stream's first product keeps: " + "; ".join(
+            f"{k} {v['kept_MiB']:.2f} MiB ({v['left_after_release_MiB']:.2f} left after the release)"
+            for k, v in f["workspace_facts"].items()))
+        for step, segs in run["snapshots"].items():
+            lines.append(f"  segments reserved, {step}:")
+            lines.extend(format_segments(segs))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    """The command line: the table on stdout, everything as JSON at ``--json``; exit 2 on the simulator path."""
+    """The command line: the report on stdout, everything as JSON at ``--json``; exit 2 on the simulator path."""
     ap = argparse.ArgumentParser(prog="python3 -m course.lessons.graph_cache.memory_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the rows, segments and facts")
-    ap.add_argument("--caches", default=",".join(CACHES), help="comma-separated: answer, GraphCache")
-    ap.add_argument("--workspaces", default=",".join(WORKSPACES), help="comma-separated: released, kept")
+    ap.add_argument("--runs", default=",".join(":".join(r) for r in RUNS),
+                    help="comma-separated cache:workspaces:after (answer|GraphCache : released|kept : nothing|eager)")
     ap.add_argument("--stacks", default="python", choices=("python", "all"),
                     help="frames recorded per allocation (all: C++ too, slower to symbolize)")
-    ap.add_argument("--timeout", type=float, default=100, help="seconds per run (each in its own process)")
+    ap.add_argument("--timeout", type=float, default=90, help="seconds per run (each in its own process)")
     args = ap.parse_args(argv)
+    runs = [tuple(r.split(":")) for r in args.runs.split(",")]
+    bad = [r for r in runs if len(r) != 3 or r[0] not in CACHES or r[1] not in WORKSPACES or r[2] not in AFTER]
+    if bad:
+        ap.error(f"--runs: {bad} are not cache:workspaces:after with cache in {CACHES}, workspaces in {WORKSPACES}, "
+                 f"after in {AFTER}")
     from course.core.runtime import CourseEnvironmentError
 
     try:
-        res = probe(caches=tuple(args.caches.split(",")), workspaces=tuple(args.workspaces.split(",")),
-                    timeout=args.timeout, stacks=args.stacks)
+        res = probe(runs=runs, timeout=args.timeout, stacks=args.stacks)
     except CourseEnvironmentError:
         from course.core.runtime import runtime
 
@@ -263,13 +288,7 @@ def main(argv=None) -> int:
               f"path ({runtime().reason}) Run it where torch sees an NVIDIA GPU (COURSE_PATH=cuda makes the course "
               "use it or say why it cannot).", file=sys.stderr)
         return 2
-    print(format_rows(res["rows"]))
-    for run in res["runs"]:
-        r0 = run["rows"][0]
-        print(f"\n{r0['cache']}, workspaces {r0['workspaces']}: segments reserved right after the clear")
-        for seg in run["segments"]:
-            names = ", ".join(f"{b['name']} {b['size_MiB']:.1f}" for b in seg["live_blocks"]) or "no live block"
-            print(f"  {seg['total_MiB']:7.1f} MiB  stream {seg['stream']:<8} pool {seg['pool']}  live: {names}")
+    print(report(res))
     Path(args.json).write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     print(f"\nwrote {args.json}")
     return 0

@@ -8,7 +8,7 @@ its verdict is the GPU's on both. What it sees, besides the tokens:
 - a forward pre-hook on the model (:class:`CallSpy`) records every forward that ran in Python: on which stream,
   inside a capture or not, with which KV cache. Replays run no Python, so it sees the warm-up (there must be
   one, on a side stream, forked from the stream the buffers were written on and joined before the capture:
-  :mod:`course.lessons.stream_order`), the capture, and any forward that ``generate`` ran eagerly instead of
+  :mod:`course.core.stream_order`), the capture, and any forward that ``generate`` ran eagerly instead of
   replaying;
 - the learner's tensor attributes before and after ``generate``: one rebound instead of copied into is named;
 - the KV cache's own counter after a sequence: a cache left to advance it writes where it counts, not at the
@@ -37,7 +37,7 @@ from course.sim.parity_tools import phrase
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.generate import greedy
 from course.lessons.real_model.lab import lab_model
-from course.lessons.stream_order import StreamOrder
+from course.core.stream_order import StreamOrder
 
 NAME = "lab 4.5 the token loop, captured by hand"
 RUNS = ((3, 64), (11, 16))  # (first token, greedy tokens): a sequence, then a second one on the same graph

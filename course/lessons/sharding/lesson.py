@@ -15,6 +15,7 @@ import time
 
 import course.core.plots as plots
 from course.core.reference import get, run
+from course.core.timing import eager_versus
 import course.lessons.sharding.workers as W
 from course.lessons.sharding.experiments import dtensor_result
 from course.core.launch import WorkerError, WorkerTimeout, launch, plan
@@ -65,11 +66,7 @@ def capture_summary(res) -> str:
         return "No capture figures on this machine yet (see above)."
     lines = [res.caption()]
     for r in res.rows:
-        noise = r["replay_q3_us"] >= r["eager_q1_us"]
-        lines.append(f"{r['variant']:>16} on {r['world_size']} GPUs: eager {r['eager_us']:.1f} us "
-                     f"(IQR {r['eager_q1_us']:.1f}-{r['eager_q3_us']:.1f}) -> replay {r['replay_us']:.1f} us "
-                     f"(IQR {r['replay_q1_us']:.1f}-{r['replay_q3_us']:.1f}): "
-                     + ("inside the spread, noise" if noise else f"{r['speedup']:.1f}x faster")
+        lines.append(f"{r['variant']:>16} on {r['world_size']} GPUs: {eager_versus(r, 'replay')}"
                      + ("" if r["replay_correct"] else "  REPLAY WRONG"))
     by = {r["variant"]: r for r in res.rows}
     if "numba_over_torch_replay" in res.summary and {"vocab_numba", "vocab_torch"} <= set(by):

@@ -7,8 +7,8 @@ processes import them by name.
 - :func:`dtensor_worker`: PyTorch's DTensor sharded-embedding test cases, both layouts, plus the ``max_norm`` error.
 - :func:`lesson_worker`: notebook 05's eager part: the ownership picture, DTensor vs hand-written
   vocab-parallel lookup (Numba and ``F.embedding``), and the bad inputs refused on every rank.
-- :func:`full_table`, :func:`same_ids`, :func:`device_mesh`: the same table, the same ids and a mesh on every rank
-  (lesson 05's experiment cells build their workers from them).
+- :func:`full_table`, :func:`same_ids`, and :func:`~course.core.launch.device_mesh` (re-exported): the same table,
+  the same ids and a mesh on every rank (lesson 05's experiment cells build their workers from them).
 - :func:`bucket_worker`: data-parallel ranks (different batches) pick a shape bucket and (optionally) agree on it
   before the collectives.
 """
@@ -18,15 +18,7 @@ import torch
 
 import course.lessons.sharding.layouts as L
 import course.lessons.sharding.vocab_parallel as V
-
-
-def device_mesh(ctx, group=None):
-    """A 1-D DeviceMesh over every rank of the launch, or over ``group``'s ranks (a subgroup), on this rank's device."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    dev = ctx.torch_device.type
-    if group is None:
-        return init_device_mesh(dev, (ctx.world_size,))
-    return DeviceMesh.from_group(group, dev)
+from course.core.launch import device_mesh  # noqa: F401 - lesson 05's cells call it as W.device_mesh
 
 
 def dtensor_worker(ctx, cases=None, max_norm: bool = True, mesh=None) -> dict:

@@ -13,6 +13,7 @@ import time
 import course.core.plots as plots
 from course.core.reference import available, get, heavy, reference_path, run
 from course.core.results import Result
+from course.core.timing import eager_versus
 from course.core.launch import launch, plan
 from course.lessons.tensor_parallel.experiments import layout_bytes, scaling
 from course.lessons.tensor_parallel.shard import head_plan, mlp_rows, predicted_all_reduces
@@ -82,11 +83,7 @@ def timing_summary(res) -> str:
         return "No multi-GPU figures on this machine yet (see above)."
     lines = [res.caption()]
     for r in res.rows:
-        noise = r["graph_q3_us"] >= r["eager_q1_us"]
-        lines.append(f"{r['variant']:>9} TP={r['world_size']}: eager {r['eager_us']:,.0f} us (IQR "
-                     f"{r['eager_q1_us']:,.0f}-{r['eager_q3_us']:,.0f}) -> graph {r['graph_us']:,.0f} us (IQR "
-                     f"{r['graph_q1_us']:,.0f}-{r['graph_q3_us']:,.0f}): "
-                     + ("inside the spread" if noise else f"{r['speedup']:.1f}x")
+        lines.append(f"{r['variant']:>9} TP={r['world_size']}: {eager_versus(r, 'graph', ',.0f')}"
                      + f"; all-reduces eager/graph/predicted {r['all_reduces_eager']}/{r['all_reduces_graph']}/"
                      f"{r['all_reduces_predicted']}; floor {r['floor_us']:,.0f} us ({r['weights_us']:,.0f} weights + "
                      f"{r['collectives_us']:,.0f} all-reduces): the floor is {r['floor_us'] / r['graph_us']:.0%} of the graph's "

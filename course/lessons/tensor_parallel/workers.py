@@ -31,7 +31,7 @@ def make_decoder(variant: str, model, ctx, world: int | None = None, group=None,
     if variant == "dtensor":
         if world == 1:
             return StaticDecoder(model, max_len)
-        from course.lessons.sharding.workers import device_mesh
+        from course.core.launch import device_mesh
         return DTensorDecoder(parallelize(model, device_mesh(ctx, group)), world, max_len)
     if variant in ("hand", "hand_gemv"):
         return HandShardedDecoder(model, ctx.rank, world, group, max_len, "gemv" if variant == "hand_gemv" else "torch")

@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import torch
 
+from course.core import numba_kernels
 from course.core.results import Result
 from course.core.text import clip
 from course.core.runtime import as_numba, cuda, numba_stream, runtime
@@ -25,16 +26,11 @@ ncuda = None  # numba.cuda, set by kernels(); a module global, so the simulator 
 
 
 def kernels():
-    """``(affine, scale_by, copy)``: 2 * x + 1, x * w + 1, and a copy (module-level kernels, compiled once)."""
+    """``(affine, scale_by, copy)``: 2 * x + 1 (:func:`course.core.numba_kernels.affine`), x * w + 1, and a copy
+    (module-level kernels, compiled once)."""
     global ncuda
     if not _K:
         ncuda = cuda()
-
-        @ncuda.jit
-        def affine(x, out):
-            i = ncuda.grid(1)
-            if i < x.size:
-                out[i] = 2.0 * x[i] + 1.0
 
         @ncuda.jit
         def scale_by(x, w, out):
@@ -48,7 +44,7 @@ def kernels():
             if i < a.size:
                 out[i] = a[i]
 
-        _K.update(affine=affine, scale_by=scale_by, copy=copy)
+        _K.update(affine=numba_kernels.affine(), scale_by=scale_by, copy=copy)
     return _K["affine"], _K["scale_by"], _K["copy"]
 
 
