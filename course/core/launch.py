@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import gc
 import multiprocessing as mp
+import os
 import queue as _queue
 import socket
 import time

@@ -217,6 +217,8 @@ def _summarize(res: Result, t: dict, floor: float, bw: float, nbytes: int) -> No
     from course.core.timing import speedup
 
     res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    import torch
+
     from course.lessons.last_mile.persistent_tuning import chosen
 
     res.add_summary("persistent_shapes", chosen(torch.cuda.get_device_name()), "")
