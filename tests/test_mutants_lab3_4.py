@@ -58,18 +58,20 @@ def _runs(i: int, cell, target, cells) -> bool:
     return target is None or i >= target or bool(re.search(r"checks\.(passed|status)\(", _source(cells[target])))
 
 
-def run_notebook_checks(notebook: str, edits=(), log_dir=None, until: str = "") -> dict:
+def run_notebook_checks(notebook: str, edits=(), log_dir=None, until: str = "", every: bool = False) -> dict:
     """Run a solution notebook's setup, answer and check cells with ``edits`` applied; check name -> outcome entry.
 
     ``edits``: (find, replace) pairs, each find occurring exactly once in the answer and check cells (else
     the test fails: the table no longer follows the answer). Setup cells are the code cells before the first
     answer cell (imports, the model); answer cells hold ``### BEGIN SOLUTION``; check cells are tagged
-    ``check``; other cells (measurements, summaries) are skipped. ``until``: stop once that check has run.
+    ``check``; other cells (measurements, summaries) are skipped. ``until``: stop once that check has run, having run
+    only the check cells from its own on (see :func:`_runs`), or every check cell before it too with ``every``.
     """
     cells = _code_cells(notebook)
     first = next(i for i, c in enumerate(cells) if "### BEGIN SOLUTION" in _source(c))
     setup = [_source(c) for c in cells[:first]]
-    target = next((i for i, name in _checks_by_cell(notebook).items() if name == until), None) if until else None
+    target = next((i for i, name in _checks_by_cell(notebook).items() if name == until), None) \
+        if until and not every else None
     steps = [_source(c) for i, c in enumerate(cells) if i >= first and _runs(i, c, target, cells)]
     steps = apply_edits(steps, edits, f"{notebook}'s answer and check cells")
     checks.reset()
@@ -307,7 +309,7 @@ LAB4_MUTANTS = [
 
 
 def test_lab4_answer_passes_every_check(tmp_path):  # to step 5; step 6 (a trained model): tests/test_lab_chat.py
-    got = run_notebook_checks(LAB4, log_dir=tmp_path, until=L5)
+    got = run_notebook_checks(LAB4, log_dir=tmp_path, until=L5, every=True)
     assert set(got) == {L1, L2, L3, L4, L5}, sorted(got)
     bad = {k: v["message"] for k, v in got.items() if v["status"] != "pass"}
     assert not bad, bad
