@@ -538,7 +538,7 @@ def test_recorded_waterfall_and_timeline_if_present():
     assert names[-1] == "floor" and set(names[:-1]) <= {n for n, _ in STEPS} and "Triton + PDL" in names
     assert wf.provenance["path"] == "cuda" and wf.params.get("quick") is False
     tl_res = reference.load_reference("last_mile_timeline")
-    assert {r["variant"] for r in tl_res.rows} == {"Triton", "Triton + PDL"}
+    assert {r["variant"] for r in tl_res.rows} == {"Triton", "Triton + PDL", "persistent"}
 
 
 def test_plots_draw_recorded_or_synthetic_results():

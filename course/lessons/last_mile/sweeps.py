@@ -187,7 +187,8 @@ def shapes_experiment(shapes=("tinyllama", "smollm2-135m", "llama-3.2-1b"), posi
     res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
     from course.lessons.last_mile.persistent_tuning import chosen
 
-    res.add_summary("persistent_shapes", chosen(torch.cuda.get_device_name()), "")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    res.add_summary("persistent_shapes", chosen(gpu), "")
     return res
 
 

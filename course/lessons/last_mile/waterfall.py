@@ -221,7 +221,8 @@ def _summarize(res: Result, t: dict, floor: float, bw: float, nbytes: int) -> No
 
     from course.lessons.last_mile.persistent_tuning import chosen
 
-    res.add_summary("persistent_shapes", chosen(torch.cuda.get_device_name()), "")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    res.add_summary("persistent_shapes", chosen(gpu), "")
     res.add_summary("bytes_per_token", nbytes, "B")
     res.add_summary("floor_us", floor, "us")
     names = [n for n, _ in STEPS if n in t]
