@@ -365,11 +365,17 @@ def test_trained_smollm2_answers_the_chat_prompt_as_the_five_kernel_step_does():
     print(t.tokenizer.decode(got))
 
 
-def test_probe_and_coop_refuse_the_wrong_path():
+def test_probe_and_coop_refuse_the_wrong_path(monkeypatch):
+    import faulthandler
+
     from course.lessons.last_mile import coop, persistent_probe
 
     if not ON_GPU:
+        cancelled = []
+        real = faulthandler.cancel_dump_traceback_later
+        monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: (cancelled.append(1), real()))
         assert persistent_probe.main(["--shapes", "tiny-tied", "--limit", "60"]) == 2  # says it needs a GPU
+        assert cancelled, "the probe's watchdog outlived its refusal: it would end the caller's process later"
     with pytest.raises(TypeError, match="interpreter"):
         coop.run(lambda: None, 2)
     r = coop.Race("h", 3, "read before its write", 0, 2)

@@ -124,36 +124,38 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, default=230.0, help="seconds before the watchdog ends the probe")
     a = p.parse_args(argv)
     faulthandler.dump_traceback_later(a.limit, exit=True)  # a C-level watchdog: fires even inside a hung CUDA call
-    start = time.monotonic()
-    import course
+    try:  # the watchdog is the probe's own: cancelled however main ends (a caller's process lives on)
+        start = time.monotonic()
+        import course
 
-    course.header()
-    from course.core.runtime import runtime
+        course.header()
+        from course.core.runtime import runtime
 
-    if not runtime().on_gpu:
-        print("persistent_probe needs a GPU (COURSE_PATH=cuda on a machine with one)")
-        return 2
-    import torch
+        if not runtime().on_gpu:
+            print("persistent_probe needs a GPU (COURSE_PATH=cuda on a machine with one)")
+            return 2
+        import torch
 
-    from course.lessons.real_model.roofline import copy_bandwidth_GBps
+        from course.lessons.real_model.roofline import copy_bandwidth_GBps
 
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    bw = copy_bandwidth_GBps()
-    print(f"copy bandwidth {bw:.0f} GB/s")
-    rows = []
-    for i, name in enumerate(a.shapes):
-        print(f"{name} (elapsed {time.monotonic() - start:.0f} s)")
-        rows += probe_shape(name, a.position, a.tokens, a.repeats, bw, i == 0, start + 0.45 * a.limit)
-    print(f"\n{'shape':14} {'variant':38} {'us':>8} {'IQR':>13} {'x floor':>8} {'launch':>6} {'tokens=':>7} ok")
-    for r in rows:
-        iqr = f"{r.get('q1_us', float('nan')):.0f}-{r.get('q3_us', float('nan')):.0f}"
-        print(f"{r['shape']:14} {r['variant']:38} {r.get('us', float('nan')):8.1f} {iqr:>13} "
-              f"{r.get('x_floor', float('nan')):8.2f} {r.get('launches', float('nan')):6} "
-              f"{str(r.get('tokens_equal', '')):>7} {r.get('logits_ok', '')} {r.get('error', '')}")
-    print("JSON " + json.dumps({"copy_bandwidth_GBps": bw, "position": a.position, "rows": rows}, default=str))
-    print(f"probe done in {time.monotonic() - start:.0f} s")
-    faulthandler.cancel_dump_traceback_later()
-    return 0 if all(r.get("logits_ok") and "error" not in r for r in rows) else 1
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        bw = copy_bandwidth_GBps()
+        print(f"copy bandwidth {bw:.0f} GB/s")
+        rows = []
+        for i, name in enumerate(a.shapes):
+            print(f"{name} (elapsed {time.monotonic() - start:.0f} s)")
+            rows += probe_shape(name, a.position, a.tokens, a.repeats, bw, i == 0, start + 0.45 * a.limit)
+        print(f"\n{'shape':14} {'variant':38} {'us':>8} {'IQR':>13} {'x floor':>8} {'launch':>6} {'tokens=':>7} ok")
+        for r in rows:
+            iqr = f"{r.get('q1_us', float('nan')):.0f}-{r.get('q3_us', float('nan')):.0f}"
+            print(f"{r['shape']:14} {r['variant']:38} {r.get('us', float('nan')):8.1f} {iqr:>13} "
+                  f"{r.get('x_floor', float('nan')):8.2f} {r.get('launches', float('nan')):6} "
+                  f"{str(r.get('tokens_equal', '')):>7} {r.get('logits_ok', '')} {r.get('error', '')}")
+        print("JSON " + json.dumps({"copy_bandwidth_GBps": bw, "position": a.position, "rows": rows}, default=str))
+        print(f"probe done in {time.monotonic() - start:.0f} s")
+        return 0 if all(r.get("logits_ok") and "error" not in r for r in rows) else 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
