@@ -1,6 +1,6 @@
 """What the exercise-variant tests share: apply a mutant's edits to answer cells, run cells as a notebook kernel
 would, and read the check log they wrote (imported by test_capture_exercises_02, test_reduce_overhead_exercise
-and test_mutants_lab3_4)."""
+and the lab mutant tests)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,11 +8,16 @@ import io
 import json
 import linecache
 import os
+import re
+from functools import lru_cache
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from course.core import checks
+from course.core.runtime import runtime
+from course.tools.grade import exercise_cells
 
 
 def apply_edits(sources: list, edits, where: str) -> list:
@@ -56,3 +61,93 @@ def run_cells(cells: list, log_dir, label: str, until: str = "") -> list:
             else:
                 os.environ[k] = v
     return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()] if log.exists() else []
+
+
+ROOT = Path(__file__).resolve().parent.parent
+ON_GPU = runtime().on_gpu
+
+
+def _code_cells(notebook: str) -> list:
+    nb = json.loads((ROOT / "solutions" / notebook).read_text(encoding="utf-8"))
+    return [c for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def _source(cell) -> str:
+    return "".join(cell["source"])
+
+
+@lru_cache(maxsize=None)
+def _checks_by_cell(notebook: str) -> dict:
+    """Code-cell index -> the exercise its check reports (``course check``'s own reading of the notebook)."""
+    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    code = {j: k for k, j in enumerate(j for j, c in enumerate(nb.cells) if c.cell_type == "code")}
+    return {code[i]: name for name, i in exercise_cells(nb).items()}
+
+
+def _runs(i: int, cell, target, cells) -> bool:
+    """Whether code cell ``i`` runs in a mutant's notebook: every answer cell; a check cell unless it comes before the
+    expected check's own cell ``target`` (all run when that cell reads another check's outcome, or with no target)."""
+    src = _source(cell)
+    if "### BEGIN SOLUTION" in src:
+        return True
+    if "check" not in cell.get("metadata", {}).get("tags", []):
+        return False
+    return target is None or i >= target or bool(re.search(r"checks\.(passed|status)\(", _source(cells[target])))
+
+
+def run_notebook_checks(notebook: str, edits=(), log_dir=None, until: str = "", every: bool = False) -> dict:
+    """Run a solution notebook's setup, answer and check cells with ``edits`` applied; check name -> outcome entry.
+
+    ``edits``: (find, replace) pairs, each find occurring exactly once in the answer and check cells (else
+    the test fails: the table no longer follows the answer). Setup cells are the code cells before the first
+    answer cell (imports, the model); answer cells hold ``### BEGIN SOLUTION``; check cells are tagged
+    ``check``; other cells (measurements, summaries) are skipped. ``until``: stop once that check has run, having run
+    only the check cells from its own on (see :func:`_runs`), or every check cell before it too with ``every``.
+    """
+    cells = _code_cells(notebook)
+    first = next(i for i, c in enumerate(cells) if "### BEGIN SOLUTION" in _source(c))
+    setup = [_source(c) for c in cells[:first]]
+    target = next((i for i, name in _checks_by_cell(notebook).items() if name == until), None) \
+        if until and not every else None
+    steps = [_source(c) for i, c in enumerate(cells) if i >= first and _runs(i, c, target, cells)]
+    steps = apply_edits(steps, edits, f"{notebook}'s answer and check cells")
+    checks.reset()
+    out = {}
+    for entry in run_cells(setup + steps, log_dir, notebook, until=until):
+        out[entry["name"]] = entry
+    return out
+
+
+def expect_caught(notebook, edits, check, words, tmp_path) -> dict:
+    """Run the mutant; assert ``check`` failed (or crashed) with a message containing every one of ``words``."""
+    got = run_notebook_checks(notebook, edits, tmp_path, until=check)
+    entry = got.get(check)
+    assert entry is not None, f"{check} never ran: {sorted(got)}"
+    assert entry["status"] in ("fail", "crash"), f"{check} passed the mutant; outcomes: " + \
+        "; ".join(f"{k}: {v['status']} {v['message']}" for k, v in got.items())
+    missing = [w for w in words if w.lower() not in entry["message"].lower()]
+    assert not missing, f"{check}'s ✗ does not say {missing}: {entry['message']!r}"
+    return entry
+
+
+def run_mutant(notebook, mutant, tmp_path) -> None:
+    """One row of a mutant table: skipped on a path it names as blind, else :func:`expect_caught`."""
+    name, edits, check, words, *only = mutant
+    here = "gpu" if ON_GPU else "simulator"
+    if only and only[0] != here:
+        pytest.skip(f"{name}: only the {only[0]} path can see this defect")
+    expect_caught(notebook, edits, check, words, tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checks():
+    """Every test starts and ends with no outcome remembered (autouse where imported)."""
+    checks.reset()
+    yield
+    checks.reset()
+
+
+def one(find, replace):
+    return [(find, replace)]
+
+

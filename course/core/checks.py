@@ -233,8 +233,9 @@ def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = Fals
         yield notes
     except NotImplementedError as e:
         entry = record(name, TODO, str(e) or "the TODO still raises NotImplementedError", **shown)
-    except AssertionError as e:
-        entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint), **shown)
+    except AssertionError as e:  # a harness Defect names its rule (course.core.harness)
+        entry = record(name, FAIL, str(e) or "an assertion failed", _hint_stage(name, hint),
+                       **({"rule": e.rule} if getattr(e, "rule", "") else {}), **shown)
     except Exception as e:  # noqa: BLE001 - any crash of the learner's code is a ✗, not a stop
         caught = e
         info = crash_summary(e)
