@@ -1,25 +1,25 @@
-"""The laptop's way to run a kernel with grid barriers: Triton's interpreter, programs as co-operating threads.
+"""The laptop's way to run a kernel with grid barriers: Triton's interpreter, the programs as
+co-operating threads.
 
-Triton's interpreter runs a kernel's programs one after another, each to its end: the first program to spin at a
-grid barrier would wait forever for programs that have not started. :func:`run` runs the same interpreted kernel
-with every program in a thread of its own, **one at a time**, and switches to the next live program (in turn) at
-every atomic operation: a program runs until its next atomic, so between two barriers each program runs its whole
-stage, and a program spinning at a barrier lets the others run until they arrive. The kernel's own barrier code
-runs unchanged (its atomics really add and compare), so a barrier with a wrong count never opens here either: the
-kernel's spin limit ends the wait, as it does on the GPU.
+The interpreter runs a kernel's programs one after another, each to its end: the first program to
+spin at a grid barrier would wait forever for programs that have not started. :func:`run` runs
+the same interpreted kernel with each program in a thread of its own, **one at a time**, switching
+at atomics (:data:`SCHEDULES`): ``"turns"`` switches to the next live program at every atomic, so
+each program runs a whole stage between two barriers; ``"ahead"`` lets a program run on until it
+spins (two atomics in a row that change nothing), so the first one reaches the next stage before
+the others have written: a barrier that does not wait shows there. The kernel's own barrier code
+runs unchanged (its atomics really add and compare): a barrier with a wrong count never opens here
+either, and the kernel's spin limit ends the wait, as on the GPU.
 
-**Which reads were ordered after their writes** (:class:`Trace`): for the buffers named in ``watch``, every load and
-store of every program is recorded with the program's vector clock (a count of its releases, and what it learned
-from the others' through acquires: ``sem="release"``/``"acquire"``/``"acq_rel"`` atomics). A read of an element that
-another program wrote, where the write is not ordered before the read by a release/acquire chain, is a race (and so
-is a write over another program's unordered read or write): it is reported whatever order the threads happened to
-run in, so a missing barrier is found even where this schedule read the right value by luck.
+**Which reads were ordered after their writes** (:class:`Trace`): every load and store of a
+``watch``-ed buffer is recorded with its program's vector clock (its releases, and what it learned
+of the others' through acquires: ``sem="release"``, ``"acquire"``, ``"acq_rel"``). A read of
+another program's write that no release/acquire chain orders after it is a race (so is a write
+over another program's unordered read or write), whatever order the threads happened to run in.
 
-What it does not model: time (nothing here says how long a barrier or a stage takes), the GPU's weaker orders
-(it runs one program at a time, so every write is seen at once: a release/acquire pair that is missing is found by
-the clocks, but L1 caches, reordered loads and ``sem`` on a plain load are not simulated), co-residency (every
-program here is resident; on the GPU a grid larger than what stays resident never reaches its first barrier), and
-registers carried across a barrier cost nothing here.
+Not modelled: time; the GPU's weaker orders (one program runs at a time, so every write is seen at
+once: L1 caches, reordered loads and ``sem`` on a plain load are not simulated); co-residency
+(every program here is resident); what registers carried across a barrier cost.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import threading
 
 import numpy as np
 
+SCHEDULES = ("turns", "ahead")  # switch at every atomic; or run on until spinning (module doc)
+
 
 @dataclasses.dataclass
 class Race:
@@ -36,27 +38,31 @@ class Race:
 
     buffer: str
     index: int
-    kind: str  # "read before its write" | "write over an unordered read" | "two unordered writes"
+    kind: str  # "read before its write", "write over an unordered read", "two unordered writes"
     program: int  # the program that made the second access
     other: int  # the program whose access it is not ordered with
-    atomics: int = 0  # atomics ``program`` had made before this access (0: before it reached any barrier)
+    atomics: int = 0  # atomics the reader (for two writes, the writer) had made before: 0, none
+
+    @property
+    def reader(self) -> int:
+        """The program whose read is unordered (for two unordered writes: the second writer)."""
+        return self.other if self.kind == "write over an unordered read" else self.program
 
     def __str__(self) -> str:
-        what = {"read before its write": f"program {self.program} read {self.buffer}[{self.index}] without waiting "
-                                         f"for program {self.other}'s write of it",
-                "write over an unordered read": f"program {self.program} wrote {self.buffer}[{self.index}] while "
-                                                f"program {self.other} may still read it",
-                "two unordered writes": f"programs {self.other} and {self.program} both wrote {self.buffer}"
-                                        f"[{self.index}] with nothing ordering the writes"}
-        return what[self.kind]
+        at, p, o = f"{self.buffer}[{self.index}]", self.program, self.other
+        return {"read before its write": f"program {p} read {at} without waiting for program {o}'s "
+                                         "write of it",
+                "write over an unordered read": f"program {o} read {at} before program {p} wrote "
+                                                "it, with nothing ordering the two",
+                "two unordered writes": f"programs {o} and {p} both wrote {at} with nothing ordering "
+                                        "the writes"}[self.kind]
 
 
 @dataclasses.dataclass
 class Trace:
-    """What :func:`run` saw: races on watched buffers (the first ``limit``), atomics per program, switches, whether
-    the programs deadlocked (every live program spinning: two rounds of atomics that changed nothing), and for each
-    watched buffer the atomics its reader had made at its first and last read (``reads``: ``{name: [(first, last)]}``
-    per program)."""
+    """What :func:`run` saw: races on watched buffers (the first ``limit``), atomics per program,
+    switches, a deadlock (two rounds of atomics of every live program that changed nothing), and
+    ``reads``: ``{buffer: [(atomics before the first read, before the last), ...per program]}``."""
 
     races: list
     atomics: list
@@ -71,13 +77,14 @@ class Trace:
 
 
 class _Clocks:
-    """Vector clocks of the programs and of the atomics' addresses, and the last accesses of watched elements."""
+    """Vector clocks of the programs and of the atomics' addresses; the last accesses of watched
+    elements."""
 
     def __init__(self, n: int, watch: dict, limit: int):
         self.n, self.limit = n, limit
         self.now = [0] * n  # atomics each program has made so far
         self.reads = {name: [[None, None] for _ in range(n)] for name in watch}
-        self.vc = np.eye(n, dtype=np.int64) + 0  # program p's clock: vc[p]; its own epoch vc[p, p] starts at 1
+        self.vc = np.eye(n, dtype=np.int64) + 0  # program p's clock: vc[p]; its epoch vc[p, p]
         self.sync: dict = {}
         self.races: list = []
         self.bufs = []
@@ -85,9 +92,10 @@ class _Clocks:
             size = t.element_size()
             first = t.data_ptr()
             count = t.untyped_storage().nbytes() // size - t.storage_offset()
-            self.bufs.append((name, first, size, min(count, t.numel()),
-                              np.full(t.numel(), -1, np.int64), np.zeros(t.numel(), np.int64),
-                              np.zeros((n, t.numel()), np.int64)))
+            m = t.numel()
+            self.bufs.append((name, first, size, min(count, m), np.full(m, -1, np.int64),
+                              np.zeros(m, np.int64), np.zeros((n, m), np.int64),
+                              np.zeros((n, m), np.int64)))
 
     def atomic(self, p: int, addrs, sem: str) -> None:
         for a in np.unique(np.asarray(addrs).ravel()):
@@ -104,7 +112,7 @@ class _Clocks:
         if mask is not None:
             a = a[np.broadcast_to(np.asarray(mask), np.asarray(addrs).shape).ravel().astype(bool)]
         me = self.vc[p]
-        for name, first, size, count, writer, wepoch, reads in self.bufs:
+        for name, first, size, count, writer, wepoch, reads, read_at in self.bufs:
             i = (a - first) // size
             i = i[(a >= first) & (i < count)]
             if not i.size:
@@ -116,38 +124,44 @@ class _Clocks:
             w = writer[i]
             bad = (w >= 0) & (w != p) & (me[np.maximum(w, 0)] < wepoch[i])
             kind = "two unordered writes" if write else "read before its write"
-            self._report(name, i[bad], w[bad], kind, p)
+            self._report(name, i[bad], w[bad], kind, p, np.full(len(i), self.now[p])[bad])
             if write:
                 r = reads[:, i]
                 unordered = (r > 0) & (me[:, None] < r)
                 unordered[p] = False
                 hit = unordered.any(axis=0)
-                self._report(name, i[hit], unordered[:, hit].argmax(axis=0), "write over an unordered read", p)
+                who = unordered[:, hit].argmax(axis=0)
+                self._report(name, i[hit], who, "write over an unordered read", p,
+                             read_at[who, i[hit]])
                 writer[i], wepoch[i], reads[:, i] = p, me[p], 0
             else:
-                reads[p, i] = me[p]
+                reads[p, i], read_at[p, i] = me[p], self.now[p]
 
-    def _report(self, name, idx, others, kind, p) -> None:
-        for i, o in zip(idx[: self.limit], others[: self.limit]):
+    def _report(self, name, idx, others, kind, p, atomics) -> None:
+        for i, o, a in zip(idx[: self.limit], others[: self.limit], atomics[: self.limit]):
             if len(self.races) < self.limit:
-                self.races.append(Race(name, int(i), kind, p, int(o), self.now[p]))
+                self.races.append(Race(name, int(i), kind, p, int(o), int(a)))
 
 
 class _Abort(BaseException):
     """Ends a program's thread when another program failed."""
 
 
-def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **kwargs) -> Trace:
-    """Run the interpreted ``kernel`` over ``grid`` programs as co-operating threads (see the module doc).
+def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20,
+        schedule: str = "turns", **kwargs) -> Trace:
+    """Run the interpreted ``kernel`` over ``grid`` programs as co-operating threads (module doc).
 
-    ``watch``: ``{name: tensor}`` buffers whose accesses are checked for order (:class:`Trace`'s races, at most
-    ``limit``). An exception in a program is raised here, with the program named; a deadlock (every live program
-    spinning, nothing changing) ends the run with ``Trace.deadlock`` set (the buffers then hold what was written).
+    ``watch``: ``{name: tensor}`` whose accesses are checked for order (at most ``limit`` races);
+    ``schedule``: one of :data:`SCHEDULES`. A program's exception is raised here, naming the
+    program; a deadlock ends the run with ``Trace.deadlock`` set.
     """
     from triton.runtime import interpreter as I
 
     if not isinstance(kernel, I.InterpretedFunction):
-        raise TypeError("coop.run runs a kernel under Triton's interpreter (the laptop path); on a GPU launch it")
+        raise TypeError("coop.run runs a kernel under Triton's interpreter (the laptop path); on a "
+                        "GPU launch it")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
     fn = kernel.rewrite()
     ex = I.GridExecutor(fn, kernel.arg_names, (grid,))
     spec = inspect.getfullargspec(fn)
@@ -155,11 +169,12 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
     args_hst, kwargs_hst = ex._init_args_hst(args, kwargs)
     b = I.interpreter_builder
     clocks = _Clocks(grid, watch or {}, limit)
-    state = {"turn": 0, "alive": set(range(grid)), "error": None, "switches": 0, "atomics": clocks.now,
-             "idle": 0, "deadlock": False}
+    state = {"turn": 0, "alive": set(range(grid)), "error": None, "switches": 0, "idle": 0,
+             "deadlock": False}
+    still = [0] * grid  # each program's atomics in a row that changed nothing
     cv = threading.Condition()
-    saved = {k: getattr(b, k) for k in ("create_atomic_rmw", "create_atomic_cas", "create_masked_load",
-                                        "create_masked_store")}
+    saved = {k: getattr(b, k) for k in ("create_atomic_rmw", "create_atomic_cas",
+                                        "create_masked_load", "create_masked_store")}
 
     def me() -> int:
         return b.grid_idx[0]
@@ -184,8 +199,8 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
                 state["turn"] = -1
             cv.notify_all()
 
-    # the interpreter's load takes (ptrs, mask, other, <cache hints>, is_volatile); Triton 3.6 has two cache hints
-    # (cache_modifier, eviction_policy), 3.9 one (cache_policy): read their number off the signature
+    # the interpreter's load takes (ptrs, mask, other, <cache hints>, is_volatile): Triton 3.6 has
+    # two cache hints (cache_modifier, eviction_policy), 3.9 one (cache_policy): count them
     hints = len(inspect.signature(saved["create_masked_load"]).parameters) - 4
 
     def peek(ptr):
@@ -195,8 +210,9 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
     def changed(ptr, before) -> bool:
         return not np.array_equal(peek(ptr), before)
 
-    def spun(p: int, progress: bool) -> None:
-        """Count atomics that changed nothing: two rounds of them by every live program is a deadlock."""
+    def step(p: int, progress: bool) -> None:
+        """After an atomic or a volatile load: a deadlock (two rounds of atomics of every live
+        program that changed nothing), else the turn passed on as the schedule says."""
         state["idle"] = 0 if progress else state["idle"] + 1
         if state["idle"] > 2 * len(state["alive"]) + 2:
             with cv:
@@ -204,6 +220,10 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
                 state["error"] = (p, None)
                 cv.notify_all()
             raise _Abort()
+        still[p] = 0 if progress else still[p] + 1
+        if schedule == "turns" or still[p] >= 2:
+            pass_on(p)
+            wait_turn(p)
 
     def atomic(orig, sem_at, ptr_at):
         def wrapped(*a):
@@ -213,9 +233,7 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
             p = me()
             clocks.now[p] += 1
             clocks.atomic(p, ptr.data, a[sem_at].name)
-            spun(p, changed(ptr, before))
-            pass_on(p)
-            wait_turn(p)
+            step(p, changed(ptr, before))
             return out
         return wrapped
 
@@ -223,10 +241,8 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
         p = me()
         clocks.access(p, ptrs.data, mask.data, False)
         out = saved["create_masked_load"](ptrs, mask, other, *hints_and_volatile)
-        if hints_and_volatile[-1]:  # is_volatile: a spin on a volatile load: let the others run too
-            spun(p, False)
-            pass_on(p)
-            wait_turn(p)
+        if hints_and_volatile[-1]:  # is_volatile: a spin on a volatile load; let the others run
+            step(p, False)
         return out
 
     def store(ptrs, value, mask, *hints):
@@ -253,9 +269,11 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
         b.create_atomic_cas = atomic(saved["create_atomic_cas"], 3, 0)
         b.create_masked_load, b.create_masked_store = load, store
         callargs = inspect.getcallargs(fn, *args_hst, **kwargs_hst)
-        callargs = {k: v if k in ex.constexprs else I._implicit_cvt(v) for k, v in callargs.items()}
+        callargs = {k: v if k in ex.constexprs else I._implicit_cvt(v)
+                    for k, v in callargs.items()}
         b.set_grid_dim(grid, 1, 1)
-        threads = [threading.Thread(target=program, args=(p,), daemon=True) for p in range(grid)]
+        threads = [threading.Thread(target=program, args=(p,), daemon=True)
+                   for p in range(grid)]
         for t in threads:
             t.start()
         with cv:
@@ -271,4 +289,4 @@ def run(kernel, grid: int, *args, watch: dict | None = None, limit: int = 20, **
         raise RuntimeError(f"program {p} of {grid} failed: {type(e).__name__}: {e}") from e
     ex._restore_args_dev(args, args_hst, kwargs, kwargs_hst)
     reads = {k: [tuple(v) for v in per] for k, per in clocks.reads.items()}
-    return Trace(clocks.races, list(state["atomics"]), state["switches"], state["deadlock"], reads)
+    return Trace(clocks.races, list(clocks.now), state["switches"], state["deadlock"], reads)
