@@ -65,7 +65,7 @@ CATALOG = (
     Entry("notebooks/07_last_mile.ipynb", "The last mile to the floor", "lesson",
           "five fused Triton kernels per layer, PDL in the CUDA graph, the waterfall from eager to the floor",
           ("course.lessons.last_mile.waterfall", "course.lessons.last_mile.sweeps",
-           "course.lessons.last_mile.persistent_search"), experiment_cells=True),
+           "course.lessons.last_mile.bench"), experiment_cells=True),
     Entry("notebooks/08_tensor_parallel.ipynb", "Tensor parallel, captured", "lesson",
           "lesson 06's model split over 2 and 4 GPUs (parallelize_module, and by hand), all-reduces counted, one "
           "graph per rank with NCCL inside, the floor per rank; you write the per-rank capture; lesson 07's fused "

@@ -54,8 +54,8 @@ class Race:
                                          "write of it",
                 "write over an unordered read": f"program {o} read {at} before program {p} wrote "
                                                 "it, with nothing ordering the two",
-                "two unordered writes": f"programs {o} and {p} both wrote {at} with nothing ordering "
-                                        "the writes"}[self.kind]
+                "two unordered writes": f"programs {o} and {p} both wrote {at} with nothing "
+                                        "ordering the writes"}[self.kind]
 
 
 @dataclasses.dataclass
