@@ -1,197 +1,40 @@
-"""The persistent step (course.lessons.last_mile.persistent*, coop, barrier_lab): one launch per token with grid
-barriers, against the five-kernel step and transformers; the co-operating interpreter's race and deadlock finding;
-exercise 07.3's check against its wrong versions. On the simulator path the kernels run under Triton's interpreter
-as co-operating programs; GPU tests at the end."""
-import os
-import subprocess
-import sys
+"""The persistent step (course.lessons.last_mile.persistent, persistent_decoder, coop, bench): one
+launch per token with grid barriers, against the five-kernel step and transformers, and the
+co-operating interpreter's race and deadlock finding (exercise 07.3's check: test_last_mile_checks).
+On the simulator path the kernels run under Triton's interpreter; GPU tests at the end."""
+import dataclasses
+import faulthandler
+import inspect
 
 import pytest
 import torch
 
 import course
-from course.core import checks
 from course.core import triton_path as TP
+from course.core.results import Result
 from course.core.runtime import runtime
+from course.lessons.last_mile import bench, coop
+from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+from course.lessons.last_mile.persistent_decoder import (PersistentDecoder, persistent_config,
+                                                         resident_per_sm)
+from course.lessons.last_mile.shapes import build_shape
 from course.lessons.real_model import StaticDecoder, build_model, check_variants, greedy
 
 ON_GPU = runtime().on_gpu
 DEV = course.device()
 AVAILABLE = TP.available()
-needs_triton = pytest.mark.skipif(not AVAILABLE, reason=TP.missing_reason() or "triton available")
-laptop = pytest.mark.skipif(ON_GPU or not AVAILABLE, reason="the co-operating interpreter runs on the simulator path")
+needs_triton = pytest.mark.skipif(not AVAILABLE, reason=TP.missing_reason() or "triton")
+laptop = pytest.mark.skipif(ON_GPU or not AVAILABLE, reason="the co-operating interpreter's path")
 gpu = pytest.mark.skipif(not (ON_GPU and AVAILABLE), reason="needs a GPU with Triton")
 
 if AVAILABLE:
     tr = TP.triton()
     import triton.language as tl
 
-    from course.lessons.last_mile.persistent import grid_sync
+    from course.lessons.last_mile import kernels, persistent
+    from course.lessons.last_mile.kernels import rows_pre
+    from course.lessons.last_mile.persistent import _proj_tiles, grid_sync
 
-    @tr.jit
-    def good(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        grid_sync(bar_ptr, tl.num_programs(0), spin)
-        h = tl.load(h_ptr + cols)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def no_barrier(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        h = tl.load(h_ptr + cols)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def count_too_big(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        grid_sync(bar_ptr, tl.num_programs(0) + 1, spin)
-        h = tl.load(h_ptr + cols)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def count_too_small(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        grid_sync(bar_ptr, tl.num_programs(0) - 1, spin)
-        h = tl.load(h_ptr + cols)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def h_before_wait(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        h = tl.load(h_ptr + cols)
-        grid_sync(bar_ptr, tl.num_programs(0), spin)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def w2_after_wait(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        grid_sync(bar_ptr, tl.num_programs(0), spin)
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        h = tl.load(h_ptr + cols)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def relaxed_barrier(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, N)
-        tl.store(h_ptr + rows, tl.sum(tl.load(w1_ptr + rows[:, None] * N + cols[None, :]) *
-                                      tl.load(x_ptr + cols)[None, :], axis=1))
-        w2 = tl.load(w2_ptr + rows[:, None] * N + cols[None, :])
-        target = (tl.atomic_add(bar_ptr + 3, 0, sem="relaxed") // tl.num_programs(0) + 1) * tl.num_programs(0)
-        tl.atomic_add(bar_ptr + 3, 1, sem="relaxed")  # a one-counter barrier, no release/acquire
-        while tl.atomic_add(bar_ptr + 3, 0, sem="relaxed") < target:
-            pass
-        h = tl.load(h_ptr + cols)
-        tl.store(y_ptr + rows, tl.sum(w2 * h[None, :], axis=1))
-
-    @tr.jit
-    def unfinished(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, bar_ptr, spin, N: tl.constexpr, BLOCK: tl.constexpr):
-        # YOUR CODE HERE
-        raise NotImplementedError("two_stage(): your code goes here")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return build_model("tiny")
-
-
-# ----------------------------------------------------------------------------- exercise 07.3 and its wrong versions
-@laptop
-@pytest.mark.parametrize("kernel,verdict", [
-    ("good", "ok"), ("no_barrier", "no barrier"), ("count_too_big", "deadlock"), ("count_too_small", "leaky barrier"),
-    ("h_before_wait", "early read"), ("w2_after_wait", "late weights"), ("relaxed_barrier", "leaky barrier")])
-def test_judge_names_each_wrong_version(kernel, verdict):
-    from course.lessons.last_mile import barrier_lab
-
-    v = barrier_lab.judge(globals()[kernel])
-    assert v["verdict"] == verdict, v
-
-
-@laptop
-def test_check_two_stage_passes_the_answer_and_fails_the_mutants():
-    from course.lessons.last_mile import barrier_lab
-
-    checks.reset()
-    barrier_lab.check_two_stage(good, name="b ok")
-    assert checks.status("b ok") == checks.PASS
-    barrier_lab.check_two_stage(count_too_big, name="b dead")
-    assert checks.status("b dead") == checks.FAIL and "deadlock" in checks._SESSION["b dead"]["message"]
-    barrier_lab.check_two_stage(h_before_wait, name="b early")
-    assert checks.status("b early") == checks.FAIL and "before the wait" in checks._SESSION["b early"]["message"]
-    barrier_lab.check_two_stage(unfinished, name="b todo")
-    assert checks.status("b todo") == checks.TODO
-
-
-@laptop
-def test_judge_source_runs_a_kernel_on_its_own():
-    """The GPU check's first half: the kernel's source judged in a subprocess under the interpreter."""
-    import inspect
-
-    from course.lessons.last_mile import barrier_lab
-
-    assert barrier_lab.judge_source(inspect.getsource(good.fn), "good")["verdict"] == "ok"
-    assert barrier_lab.judge_source(inspect.getsource(no_barrier.fn), "no_barrier")["verdict"] == "no barrier"
-    with pytest.raises(RuntimeError, match="on its own"):
-        barrier_lab.judge_source("def broken(:\n", "broken")
-
-
-# ----------------------------------------------------------------------------- the persistent step
-@laptop
-def test_persistent_step_matches_the_five_kernel_step_with_no_race(tiny):
-    from course.lessons.last_mile.decoder import TritonDecoder
-    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
-
-    eager, five, per = StaticDecoder(tiny, 64), TritonDecoder(tiny, 64), PersistentDecoder(tiny, 64, watch=True)
-    assert per.kernels_per_token == 1 and per.programs == 3
-    for p in (0, 5):
-        ids, pos = eager.example_args(1, p, seed=p)
-        want = eager.step(ids, pos)
-        a, b = five.step(ids, pos).clone(), per.step(ids, pos).clone()
-        assert (b - want).abs().max() <= 1e-5 * want.abs().max() and (a - b).abs().max() <= 1e-5 * a.abs().max()
-        t = per.last_trace()
-        assert t.ok and not t.deadlock, [str(r) for r in t.races]
-        barriers = 1 + 5 * tiny.config.num_hidden_layers
-        assert min(t.atomics) >= 2 * barriers, "every program reads the generation and arrives at every barrier"
-        assert torch.allclose(per.k_cache[:, :, p], five.k_cache[:, :, p], atol=1e-6)
-    assert int(per.bar[0]) == 0 and int(per.bar[1]) == 2 * (1 + 5 * tiny.config.num_hidden_layers)
-    per.check()
-
-
-@laptop
-def test_persistent_step_greedy_tokens_equal_on_an_odd_tied_shape():
-    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
-    from course.lessons.last_mile.shapes import build_shape
-
-    model = build_shape("tiny-tied")
-    first = torch.tensor([11], device=DEV)
-    want = greedy(StaticDecoder(model, 64).step, first, 3)
-    assert torch.equal(greedy(PersistentDecoder(model, 64, programs=2).step, first, 3), want)
-
-
-if AVAILABLE:
     @tr.jit
     def sync_none(bar_ptr, nprog, limit):
         return limit
@@ -200,21 +43,59 @@ if AVAILABLE:
     def sync_one_more(bar_ptr, nprog, limit):
         return grid_sync(bar_ptr, nprog + 1, limit)
 
+    @tr.jit
+    def one_program_walks_the_tiles(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        wa, wb = rows_pre(0, w_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)
+        _proj_tiles(0, 1, wa, wb, a_ptr, w_ptr, x_ptr, N, K, 2, BLOCK_N, BLOCK_K)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny")
+
+
+# ----------------------------------------------------------------------------- the persistent step
+@laptop
+def test_persistent_step_matches_the_five_kernel_step_with_no_race(tiny):
+    eager, five = StaticDecoder(tiny, 64), TritonDecoder(tiny, 64)
+    per = PersistentDecoder(tiny, 64, watch=True)
+    assert per.kernels_per_token == 1 and per.programs == 3
+    for p in (0, 5):
+        ids, pos = eager.example_args(1, p, seed=p)
+        want = eager.step(ids, pos)
+        a, b = five.step(ids, pos).clone(), per.step(ids, pos).clone()
+        assert (b - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+        t = per.last_trace()
+        assert t.ok and not t.deadlock, [str(r) for r in t.races]
+        barriers = 1 + 5 * tiny.config.num_hidden_layers
+        assert min(t.atomics) >= 2 * barriers, "each program reads the generation, then arrives"
+        assert torch.allclose(per.k_cache[:, :, p], five.k_cache[:, :, p], atol=1e-6)
+    assert int(per.bar[0]) == 0 and int(per.bar[1]) == 2 * (1 + 5 * tiny.config.num_hidden_layers)
+    per.check()
+
+
+@laptop
+def test_persistent_step_greedy_tokens_equal_on_an_odd_tied_shape():
+    model = build_shape("tiny-tied")
+    first = torch.tensor([11], device=DEV)
+    want = greedy(StaticDecoder(model, 64).step, first, 3)
+    assert torch.equal(greedy(PersistentDecoder(model, 64, programs=2).step, first, 3), want)
+
 
 @laptop
 @pytest.mark.parametrize("sync", ["sync_none", "sync_one_more"])
 def test_a_broken_barrier_in_the_step_is_a_race_or_a_deadlock(tiny, monkeypatch, sync):
-    """The step's own barrier replaced: one that waits for nobody lets a stage read rows not yet written; one that
-    waits for one program more never opens (ended, and the decoder's check says so)."""
-    from course.lessons.last_mile import persistent
-    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
-
+    """The step's own barrier replaced: one that waits for nobody lets a stage read rows not yet
+    written; one that waits for one program more never opens (ended, and the check says so)."""
     per = PersistentDecoder(tiny, 32, watch=True)
     monkeypatch.setattr(persistent, "grid_sync", globals()[sync])
     per.step(*StaticDecoder(tiny, 32).example_args(1, 3))
     t = per.last_trace()
     if sync == "sync_none":
-        assert not t.ok and not t.deadlock and t.races[0].kind == "read before its write", t.races[:3]
+        assert not t.ok and not t.deadlock, t.races[:3]
+        assert t.races[0].kind == "read before its write", t.races[:3]
         assert "without waiting for program" in str(t.races[0])
         per.check()  # no barrier, no timeout: only the race finder sees it
     else:
@@ -224,12 +105,11 @@ def test_a_broken_barrier_in_the_step_is_a_race_or_a_deadlock(tiny, monkeypatch,
 
 
 def test_resident_per_sm_and_persistent_config():
-    from course.lessons.last_mile.persistent_decoder import persistent_config, resident_per_sm
-
     h100 = {"max_num_regs": 65536, "max_threads": 2048, "max_shared_mem": 232448}
-    assert resident_per_sm(247, 4096, 8, h100) == 1  # 248 x 32 x 8 warps = 63,488 of 65,536 registers
+    assert resident_per_sm(247, 4096, 8, h100) == 1  # 248 x 32 x 8 warps = 63,488 of 65,536
     assert resident_per_sm(126, 4096, 16, h100) == 1
-    assert resident_per_sm(64, 4096, 4, h100) == 8 and resident_per_sm(64, 100_000, 4, h100) == 2  # regs, shared
+    assert resident_per_sm(64, 4096, 4, h100) == 8  # by registers
+    assert resident_per_sm(64, 100_000, 4, h100) == 2  # by shared memory
     assert resident_per_sm(255, 300_000, 8, h100) == 0
     c = persistent_config(2048, 5632, 64, 32000)
     assert c.o.rows * 128 == 2048 and c.down.depth == 2 and not c.packed
@@ -238,11 +118,8 @@ def test_resident_per_sm_and_persistent_config():
 
 @needs_triton
 def test_persistent_decoder_refuses_what_it_cannot_run(tiny):
-    import dataclasses
-
-    from course.lessons.last_mile.persistent_decoder import PersistentDecoder, persistent_config
-
-    cfg = dataclasses.replace(persistent_config(64, 176, 16, 512, interpret=not ON_GPU), packed=True)
+    cfg = persistent_config(64, 176, 16, 512, interpret=not ON_GPU)
+    cfg = dataclasses.replace(cfg, packed=True)
     with pytest.raises(ValueError, match="own weights"):
         PersistentDecoder(tiny, 32, config=cfg)
     with pytest.raises(ValueError, match="one sequence"):
@@ -256,46 +133,45 @@ def test_persistent_decoder_refuses_what_it_cannot_run(tiny):
 # ----------------------------------------------------------------------------- GPU
 @gpu
 def test_persistent_step_on_the_gpu_in_a_graph(tiny):
-    from course.lessons.last_mile.decoder import TritonDecoder, graphed
-    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
-
     per = PersistentDecoder(tiny, 64)
     assert per.programs <= per.sms * per.per_sm
     ids, pos = StaticDecoder(tiny, 64).example_args(1, 3)
     step = graphed(per, ids, pos)
-    res = check_variants({"persistent": step}, StaticDecoder(tiny, 64).step, torch.tensor([11], device=DEV), 16)
+    res = check_variants({"persistent": step}, StaticDecoder(tiny, 64).step,
+                         torch.tensor([11], device=DEV), 16)
     per.check()
     assert res.rows[0]["ok"], res.rows[0]
     with pytest.raises(ValueError, match="resident"):
         PersistentDecoder(tiny, 64, programs=per.sms * per.per_sm + 1)
 
 
-# ----------------------------------------------------------------------------- options that earn their place
+# ---------------------------------------------------------------- options that earn their place
 def _positions(rows):
-    from course.core.results import Result
     from course.lessons.last_mile.sweeps import COLUMNS
 
     out = []
     for p, plain, split in rows:
         for v, (q1, med, q3) in (("+ packed weights", plain), ("+ split-KV attention", split)):
-            out.append({**{k: float("nan") for k in COLUMNS}, "positions": str(p), "variant": v, "us": med,
-                        "q1_us": q1, "q3_us": q3})
+            out.append({**{k: float("nan") for k in COLUMNS}, "positions": str(p), "variant": v,
+                        "us": med, "q1_us": q1, "q3_us": q3})
     return Result("last_mile_positions", "t", COLUMNS, out)
 
 
 def test_split_kv_from_reads_the_threshold_from_a_recording(tiny):
-    from course.lessons.last_mile.decoder import config_for
     from course.lessons.last_mile.sweeps import split_kv_from
 
-    rec = _positions([(32, (820, 827, 835), (845, 852, 860)), (512, (1280, 1295, 1310), (1060, 1067, 1075)),
+    rec = _positions([(32, (820, 827, 835), (845, 852, 860)),
+                      (512, (1280, 1295, 1310), (1060, 1067, 1075)),
                       (2048, (2840, 2850, 2860), (1130, 1135, 1140))])
     assert split_kv_from(rec) == 512
-    assert split_kv_from(_positions([(32, (820, 827, 835), (815, 822, 830))])) is None, "inside the spread: noise"
+    noise = _positions([(32, (820, 827, 835), (815, 822, 830))])
+    assert split_kv_from(noise) is None, "inside the spread: noise"
     assert split_kv_from(_positions([(32, (820, 827, 835), (845, 852, 860))])) is None
     for pos, on in ((32, False), (511, False), (512, True), (2048, True)):
         cfg = config_for(tiny, split_kv="auto", position=pos, split_kv_from=512, interpret=False)
         assert bool(cfg.kv_chunk) == on, pos
-    assert not config_for(tiny, split_kv="auto", position=4096, split_kv_from=None, interpret=False).kv_chunk
+    assert not config_for(tiny, split_kv="auto", position=4096, split_kv_from=None,
+                          interpret=False).kv_chunk
     with pytest.raises(ValueError, match="auto"):
         config_for(tiny, split_kv="yes")
 
@@ -306,23 +182,22 @@ def test_timeline_plot_keeps_the_kernels_readable_beside_one_long_launch():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from course.core.results import Result
     from course.lessons.last_mile.lesson import plot_timeline
 
     rows = [{"variant": "Triton", "index": i, "layer": 0, "kernel": "proj", "start_us": 3.0 * i,
              "end_us": 3.0 * i + 2.0} for i in range(12)]
-    rows.append({"variant": "persistent", "index": 0, "layer": -1, "kernel": "persistent", "start_us": 0.0,
-                 "end_us": 500.0})
+    rows.append({"variant": "persistent", "index": 0, "layer": -1, "kernel": "persistent",
+                 "start_us": 0.0, "end_us": 500.0})
     fig, ax = plt.subplots()
     plot_timeline(ax, Result("last_mile_timeline", "t", {}, rows), last_index=10)
-    assert ax.get_xlim()[1] < 40, "the one long launch runs off the edge instead of squashing the kernels"
+    assert ax.get_xlim()[1] < 40, "the one long launch runs off the edge, the kernels stay wide"
     assert any("1 kernel (the whole step)" in t.get_text() for t in ax.texts)
     plt.close(fig)
 
 
 def _answer(step, prompt, n: int):
-    """Greedy tokens after ``prompt`` ([1, L]) through ``step``: the prompt fed one token per step (its K/V written
-    by the step itself), then ``n`` tokens; also each answer step's logits."""
+    """Greedy tokens after ``prompt`` ([1, L]) through ``step``: the prompt fed one token per step
+    (its K/V written by the step itself), then ``n`` tokens; also each answer step's logits."""
     toks, logits = [], []
     pos = torch.zeros(1, dtype=torch.long, device=prompt.device)
     for i in range(prompt.shape[1] - 1):
@@ -340,11 +215,9 @@ def _answer(step, prompt, n: int):
 
 @gpu
 def test_trained_smollm2_answers_the_chat_prompt_as_the_five_kernel_step_does():
-    """Lesson 06's chat prompt, SmolLM2-135M-Instruct (bfloat16): the persistent step's answer is the five-kernel
-    step's, token for token (a difference only where the five-kernel step's two candidates are within bfloat16's
-    spacing: a near-tie any change of summation order may flip)."""
-    from course.lessons.last_mile.decoder import TritonDecoder, graphed
-    from course.lessons.last_mile.persistent_decoder import PersistentDecoder
+    """Lesson 06's chat prompt, SmolLM2-135M-Instruct (bfloat16): the persistent step's answer is
+    the five-kernel step's, token for token (a difference only where the five-kernel step's two
+    candidates are within bfloat16's spacing: a near-tie any change of summation order may flip)."""
     from course.lessons.real_model.chat import chat_ids
     from course.lessons.real_model.checkpoint import load_trained
 
@@ -366,61 +239,42 @@ def test_trained_smollm2_answers_the_chat_prompt_as_the_five_kernel_step_does():
 
 
 def test_probe_and_coop_refuse_the_wrong_path(monkeypatch):
-    import faulthandler
-
-    from course.lessons.last_mile import coop, persistent_probe
-
     if not ON_GPU:
         cancelled = []
         real = faulthandler.cancel_dump_traceback_later
-        monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: (cancelled.append(1), real()))
-        assert persistent_probe.main(["--shapes", "tiny-tied", "--limit", "60"]) == 2  # says it needs a GPU
-        assert cancelled, "the probe's watchdog outlived its refusal: it would end the caller's process later"
+        monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later",
+                            lambda: (cancelled.append(1), real()))
+        assert bench.main(["--shapes", "tiny-tied", "--limit", "60"]) == 2  # it needs a GPU
+        assert cancelled, "the probe's watchdog outlived its refusal: it would end its caller later"
     with pytest.raises(TypeError, match="interpreter"):
         coop.run(lambda: None, 2)
     r = coop.Race("h", 3, "read before its write", 0, 2)
     assert str(r) == "program 0 read h[3] without waiting for program 2's write of it"
+    assert r.reader == 0 and coop.Race("h", 3, "write over an unordered read", 1, 0).reader == 0
 
 
-STAGES = ("embed_tile", "qkv_pre", "qkv_run", "attention_tile", "rows_pre", "proj_run", "gate_up_pre", "gate_up_run",
-          "lm_head_run")
+STAGES = ("embed_tile", "qkv_pre", "qkv_run", "attention_tile", "rows_pre", "proj_run",
+          "gate_up_pre", "gate_up_run", "lm_head_run")
 
 
 @needs_triton
 def test_both_steps_run_the_same_stage_functions():
-    """No near-copies: every stage function of kernels.py is called by a five-kernel kernel and by the persistent
-    kernel."""
-    import inspect
-
-    from course.lessons.last_mile import kernels as K, persistent as P
-
-    five = "".join(inspect.getsource(getattr(K, k).fn) for k in ("embed", "norm_qkv_rope", "attention",
-                                                                  "proj_residual", "norm_gate_up", "norm_lm_head"))
-    one = inspect.getsource(P.persistent_step.fn)
+    """No near-copies: every stage function of kernels.py is called by a five-kernel kernel and by
+    the persistent kernel."""
+    five = "".join(inspect.getsource(getattr(kernels, k).fn) for k in (
+        "embed", "norm_qkv_rope", "attention", "proj_residual", "norm_gate_up", "norm_lm_head"))
+    one = inspect.getsource(persistent)
     for name in STAGES:
         assert f"{name}(" in five and f"{name}(" in one, name
 
 
-if AVAILABLE:
-    from course.lessons.last_mile.kernels import proj_run, rows_pre
-
-    @tr.jit
-    def one_program_walks_the_tiles(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    BLOCK_K: tl.constexpr):
-        t = 0
-        wa, wb = rows_pre(t, w_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)
-        while t < (N + BLOCK_N - 1) // BLOCK_N:
-            proj_run(t, wa, wb, a_ptr, w_ptr, x_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)
-            t += 1
-            wa, wb = rows_pre(t, w_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)  # the next tile's first chunks, ahead
-
-
 @needs_triton
 def test_one_program_walking_every_tile_with_the_next_prefetched():
-    """rows_pre / proj_run as the persistent step uses them: one program, every tile, the next tile's weights loaded
+    """The persistent step's _proj_tiles: one program, every tile, the next tile's weights loaded
     before the current tile's product is stored; the last prefetch (past the rows) reads nothing."""
     g = torch.Generator().manual_seed(6)
-    w, a, x = torch.randn(40, 72, generator=g), torch.randn(72, generator=g), torch.randn(40, generator=g)
+    w, a = torch.randn(40, 72, generator=g), torch.randn(72, generator=g)
+    x = torch.randn(40, generator=g)
     xd = x.clone().to(DEV)
     one_program_walks_the_tiles[(1,)](a.to(DEV), w.to(DEV), xd, 40, 72, BLOCK_N=16, BLOCK_K=32)
     assert torch.allclose(xd.cpu(), x + w @ a, atol=1e-4)
@@ -428,9 +282,9 @@ def test_one_program_walking_every_tile_with_the_next_prefetched():
 
 @gpu
 def test_probe_shape_on_a_tiny_shape():
-    from course.lessons.last_mile.persistent_probe import probe_shape
-
-    rows = probe_shape("tiny-tied", 3, 4, 3, bw=1000.0, first=True, deadline=float("inf"), log=lambda *a: None)
-    assert {r["variant"] for r in rows} >= {"five kernels + PDL", "persistent", "persistent, loads after the barrier"}
-    assert all(r["logits_ok"] and "error" not in r for r in rows), rows
-    assert next(r for r in rows if r["variant"] == "persistent")["launches"] == 1
+    rows = bench.probe_shape("tiny-tied", 3, 4, 3, bw=1000.0, first=True, deadline=float("inf"),
+                             log=lambda *a: None)
+    assert {r["candidate"] for r in rows} >= {bench.FIVE, "persistent",
+                                             "persistent, loads after the barrier"}
+    assert all(r["correct"] and r["status"] == "ok" for r in rows), rows
+    assert next(r for r in rows if r["candidate"] == "persistent")["launches"] == 1

@@ -289,14 +289,16 @@ BARRIER_RULES = [
 
 
 def _launches(kernel, device=None, spin: int = 500):
-    """Each :class:`Launch` of ``kernel`` in the order judged: interpreted in both of coop's
-    schedules, two launches each on the same barrier words; or compiled on ``device``, two."""
+    """Each :class:`Launch` of ``kernel`` in the order judged: interpreted, the first launch in
+    each of coop's schedules, then the second on the barrier words the first left; or compiled on
+    ``device``, two launches."""
     from course.lessons.last_mile import coop
 
     x, w1, w2 = (t.to(device) for t in inputs()) if device else inputs()
-    for schedule in ("gpu",) if device else coop.SCHEDULES:
-        bar = torch.zeros(4, dtype=torch.int32, device=device)
-        for index in range(2):
+    schedules = ("gpu",) if device else coop.SCHEDULES
+    bars = {s: torch.zeros(4, dtype=torch.int32, device=device) for s in schedules}
+    for index in range(2):
+        for schedule, bar in bars.items():
             start, trace = bar.tolist(), None
             h, y = (torch.full((N,), float("nan"), device=device) for _ in range(2))
             if device:
