@@ -28,6 +28,7 @@ import course
 from course.core.checks import FAIL, PASS, exercise
 from course.core.harness import Defect, Outcome, Rule, check, outcome_of
 from course.core.triton_path import interpreting
+from course.lessons.last_mile import coop
 from course.lessons.last_mile.timeline import gaps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(course.__file__)))
@@ -292,8 +293,6 @@ def _launches(kernel, device=None, spin: int = 500):
     """Each :class:`Launch` of ``kernel`` in the order judged: interpreted, the first launch in
     each of coop's schedules, then the second on the barrier words the first left; or compiled on
     ``device``, two launches."""
-    from course.lessons.last_mile import coop
-
     x, w1, w2 = (t.to(device) for t in inputs()) if device else inputs()
     schedules = ("gpu",) if device else coop.SCHEDULES
     bars = {s: torch.zeros(4, dtype=torch.int32, device=device) for s in schedules}

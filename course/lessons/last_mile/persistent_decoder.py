@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from course.core.triton_path import interpreting
+from course.lessons.last_mile import coop
 from course.lessons.last_mile.decoder import Config, Launch, TritonDecoder, _p2, sizes
 from course.lessons.last_mile.persistent_tuning import shapes_for, tuned as recorded
 
@@ -161,8 +162,6 @@ class PersistentDecoder(TritonDecoder):
         kernel, args = self._persistent.persistent_step, self._args(ids, position)
         meta = self._meta()
         if self.interpreted:  # the interpreter: co-operating programs
-            from course.lessons.last_mile import coop
-
             watch = {"x": self.x, "q": self.q, "attn": self.attn, "act": self.act,
                      "logits": self.logits, "k_cache": self.k_cache,
                      "v_cache": self.v_cache} if self.watch else None
