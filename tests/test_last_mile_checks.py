@@ -175,6 +175,7 @@ def test_the_gpu_path_judges_the_kernel_on_its_own_with_the_same_words():
     there = C.judge_source(shown, "two_stage", "sim")
     assert (here.status, here.rule, here.message) == (there.status, there.rule, there.message)
     assert there.rule == "leaky_barrier"
+    assert C.judge_source(C.kernel_source(kernel_from()), "two_stage", "sim").status == "pass"
     with pytest.raises(RuntimeError, match="on its own"):
         C.judge_source("def broken(:\n", "broken")
 
