@@ -44,7 +44,7 @@ if AVAILABLE:
         return grid_sync(bar_ptr, nprog + 1, limit)
 
     @tr.jit
-    def one_program_walks_the_tiles(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr,
+    def one_program_walks_the_tiles(a_ptr, w_ptr, x_ptr, N: tl.constexpr, K: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         wa, wb = rows_pre(0, w_ptr, N, K, 2, BLOCK_N, BLOCK_K, 0)
         _proj_tiles(0, 1, wa, wb, a_ptr, w_ptr, x_ptr, N, K, 2, BLOCK_N, BLOCK_K)

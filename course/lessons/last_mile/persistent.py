@@ -66,8 +66,8 @@ def _w(base_ptr, off_ptr, layer, j: tl.constexpr, ALIGN: tl.constexpr):
 
 
 @tr.jit
-def _proj_tiles(pid, nprog, wa, wb, a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):
+def _proj_tiles(pid, nprog, wa, wb, a_ptr, w_ptr, x_ptr, N: tl.constexpr, K: tl.constexpr,
+                DEPTH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``x += W @ a``, tiles ``pid, pid + nprog, ...``: the first tile's loads ``wa, wb`` issued
     before the barrier, each next tile's before the current one is stored."""
     t = pid
