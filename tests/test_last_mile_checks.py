@@ -1,6 +1,7 @@
 """Lesson 07's checks (course.lessons.last_mile.checks): each exercise's answer passes, and every
 wrong version, built from the answer cell with apply_edits and run through the notebook's own cells,
-gets a ✗ from the rule that names its defect. Under Triton's interpreter on the simulator path."""
+gets a ✗ from the rule that names its defect, in the same words on both paths (on a GPU, 07.3's
+check runs the interpreter in a subprocess, then the kernel compiled)."""
 import importlib
 import json
 import linecache
@@ -122,14 +123,14 @@ MUTANTS = [
 ]
 
 
-@laptop
+@needs_triton
 @pytest.mark.parametrize("name", [K1, K2, K3])
 def test_each_answer_passes(name, tmp_path):
     entry = run_07(name, log_dir=tmp_path)
     assert entry["status"] == "pass", entry
 
 
-@laptop
+@needs_triton
 @pytest.mark.parametrize("name, edits, exercise, rule, words", MUTANTS,
                          ids=[m[0] for m in MUTANTS])
 def test_each_wrong_version_gets_the_rule_that_names_it(name, edits, exercise, rule, words,
@@ -140,7 +141,7 @@ def test_each_wrong_version_gets_the_rule_that_names_it(name, edits, exercise, r
     assert not missing, f"the ✗ does not say {missing}: {entry['message']!r}"
 
 
-@laptop
+@needs_triton
 @pytest.mark.parametrize("name", [K1, K3])
 def test_an_unfinished_kernel_is_not_done_yet(name, tmp_path):
     answer = cell(EXERCISES[name][1])
