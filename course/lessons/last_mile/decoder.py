@@ -90,16 +90,18 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
     return dataclasses.replace(cfg, **over)
 
 
-OPTIONS = ("early", "ahead", "split_k", "packed", "split_kv")  # the last mile's options, in the waterfall's order
+OPTIONS = ("early", "ahead", "wide_qkv", "split_k", "packed", "split_kv")  # the last mile's options, in the waterfall's order
 
 
-def config_for(model, *, early: bool = False, ahead: bool = False, split_k: bool = False, packed: bool = False,
-               split_kv: bool | str = False, interpret: bool | None = None, position: int | None = None,
-               split_kv_from: int | None = None) -> Config:
+def config_for(model, *, early: bool = False, ahead: bool = False, wide_qkv: bool = False, split_k: bool = False,
+               packed: bool = False, split_kv: bool | str = False, interpret: bool | None = None,
+               position: int | None = None, split_kv_from: int | None = None) -> Config:
     """:func:`default_config` for ``model``'s sizes, with the last mile's options (:data:`OPTIONS`) on or off.
 
     ``early``: every kernel's loads of what no earlier kernel writes (the position, cos/sin, the norms' weights)
-    before its PDL wait, the residual loaded with the product's input, x read once per norm; ``ahead``: the unsplit
+    before its PDL wait, the residual loaded with the product's input, x read once per norm (lm_head's row in one
+    chunk, so that its norm can be); ``wide_qkv``: q/k/v programs of 2 rows per RoPE half (half the programs: on a
+    GPU every one resident at once, its weights loaded before the wait); ``ahead``: the unsplit
     attention reads the position and the past keys and values before its wait (:func:`~.kernels.attention_ahead`),
     blocks of ``2 x block_t`` positions, 8 warps on a GPU; ``split_k``: down_proj's columns split so that a program
     holds at most ``depth`` chunks (all loaded before its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
@@ -117,6 +119,10 @@ def config_for(model, *, early: bool = False, ahead: bool = False, split_k: bool
     interpret = interpreting() if interpret is None else interpret
     cfg = default_config(h, i, d, v, interpret=interpret)
     over = {"early": early}
+    if early:
+        over["lm_head"] = dataclasses.replace(cfg.lm_head, block_k=max(cfg.lm_head.block_k, min(2048, _p2(h))))
+    if wide_qkv and not interpret:
+        over["qkv"] = dataclasses.replace(cfg.qkv, rows=min(2, d // 2))
     if ahead:
         over.update(ahead=True, block_t=cfg.block_t if interpret else 2 * cfg.block_t,
                     attn_warps=cfg.attn_warps if interpret else 8)
