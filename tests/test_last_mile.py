@@ -176,6 +176,41 @@ def test_greedy_float32_tokens_past_the_kv_split_equal_eager_with_every_option(t
 
 
 @needs_triton
+def test_loads_ahead_and_the_token_loop_decode_as_eager(tiny):
+    """Issue 43's levers (loads before the wait, attention reading the past first, in blocks of 8 so that 20 greedy
+    tokens cross two block edges) give eager's tokens, token for token; so does the loop that picks each token on the
+    device, 5 steps per call, and its argmax takes the first of equal maxima, as torch.argmax does."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
+    from course.lessons.last_mile.loop import TokenLoop
+
+    cfg = dataclasses.replace(config_for(tiny, early=True, ahead=True, wide_qkv=True), block_t=8)
+    assert cfg.early and cfg.ahead and not cfg.kv_chunk
+    first = torch.tensor([11], device=DEV)
+    want = greedy(StaticDecoder(tiny, 32).step, first, 20)
+    dec = TritonDecoder(tiny, 32, config=cfg)
+    assert torch.equal(greedy(dec.step, first, 20), want)
+    loop = TokenLoop(dec, 5)
+    assert torch.equal(loop.run(11, 0, 20), want[0]) and not loop.count.any()
+    with pytest.raises(ValueError, match="multiple"):
+        loop.run(11, 0, 7)
+
+
+@needs_triton
+def test_argmax_token_takes_the_first_of_equal_maxima():
+    """Four programs of 128 logits: the maxima in blocks 0 and 2 are equal, the token is the first; the ticket counter
+    is back at zero, so a second call with the maximum moved gives the new token."""
+    from course.lessons.last_mile.loop import argmax_token
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0)).to(DEV)
+    val, idx = torch.zeros(4, device=DEV), torch.zeros(4, dtype=torch.int32, device=DEV)
+    count, ids = torch.zeros(1, dtype=torch.int32, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV)
+    for top, want, value in (([300, 7], 7, 11.0), ([499], 499, 12.0)):
+        logits[top] = value
+        argmax_token[(4,)](logits, val, idx, count, ids, 500, PDL=False, BLOCK=128, G=4, GP=4)
+        assert int(ids) == want == int(logits.argmax()) and not count.any()
+
+
+@needs_triton
 def test_an_odd_tied_shape_with_every_option_matches_eager():
     """SmolLM2's peculiarities at laptop size: hidden 48 (no power of two), 3 query heads on 1 KV head, tied
     embeddings; the kernels take every size from the config."""
