@@ -243,22 +243,32 @@ def compiled(fn, sig, consts):
     sig = {**sig, **{k: "constexpr" for k in consts}}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    return len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)), ptx.count("atom."), ptx.count("griddepcontrol")
+    before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")  # loads issued before the PDL wait
+    return len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)), ptx.count("atom."), ptx.count("griddepcontrol"), before
 
 bf, mm = "*bf16", dict(PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=8)
 print(*compiled(S.proj_residual_split, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, part_ptr="*fp32", count_ptr="*i32",
                                             N="i32"), dict(K=5632, SPLIT=3, **mm)))
-print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, RESIDUAL=True, **mm)))
+print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, RESIDUAL=True,
+                                                                                    EARLY=False, **mm)))
 print(*compiled(S.attention_split, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, part_ptr="*fp32",
                                         count_ptr="*i32", max_len="i32", scale="fp32"),
                 dict(NH=32, NKV=4, D=64, PDL=True, BLOCK_T=64, CHUNK=256, SPLITS=9)))
+for ahead in (False, True):
+    print(*compiled(K.attention, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, max_len="i32",
+                                      scale="fp32"), dict(NH=32, NKV=8, D=64, PDL=True, BLOCK_T=64, AHEAD=ahead)))
+for early in (False, True):
+    print(*compiled(K.norm_qkv_rope, dict(x_ptr=bf, nw_ptr=bf, wq_ptr=bf, wk_ptr=bf, wv_ptr=bf, cos_ptr=bf, sin_ptr=bf,
+                                          pos_ptr="*i64", q_ptr=bf, kc_ptr=bf, vc_ptr=bf, eps="fp32", max_len="i32"),
+                    dict(K=2048, NH=32, NKV=8, D=64, R=1, PDL=True, DEPTH=1, BLOCK_K=2048, VEC=0, EARLY=early)))
 """
 
 
 @needs_triton
 def test_new_kernels_compile_for_hopper_without_a_gpu():
-    """Triton's compiler (no GPU needed) builds the split kernels and the packed product for sm_90: 16-byte loads,
-    one atomic ticket in each split kernel, PDL's two instructions in each."""
+    """Triton's compiler (no GPU needed) builds the split kernels, the packed product and issue 43's variants for
+    sm_90: 16-byte loads, one atomic ticket in each split kernel, PDL's two instructions in each; attention ahead and
+    q/k/v with ``EARLY`` issue more loads before the PDL wait than before (the past; the position, cos, sin, norm)."""
     import subprocess
 
     pytest.importorskip("triton.backends.nvidia")
@@ -268,10 +278,13 @@ def test_new_kernels_compile_for_hopper_without_a_gpu():
     if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("Triton's ptxas is not installed here")
     assert out.returncode == 0, out.stderr[-3000:]
-    split_k, packed, attn = ([int(v) for v in line.split()] for line in out.stdout.split("\n")[-4:-1])
+    split_k, packed, attn, att0, att1, qkv0, qkv1 = ([int(v) for v in line.split()]
+                                                     for line in out.stdout.strip().split("\n")[-7:])
     assert split_k[0] > 0 and packed[0] > 0, "the weights are read in 16-byte loads"
     assert split_k[1] == attn[1] == 1 and packed[1] == 0, "one ticket per program in the split kernels"
-    assert split_k[2] == packed[2] == attn[2] == 2
+    assert split_k[2] == packed[2] == attn[2] == att1[2] == qkv1[2] == 2
+    assert att0[3] == 0 < att1[3], "attention ahead loads the past before its wait"
+    assert qkv1[3] > qkv0[3] > 0, "q/k/v loads the position, cos, sin and the norm's weights before its wait"
 
 
 def test_sizes_pack_and_config_for():
