@@ -183,7 +183,7 @@ def test_loads_ahead_and_the_token_loop_decode_as_eager(tiny):
     from course.lessons.last_mile.decoder import TritonDecoder, config_for
     from course.lessons.last_mile.loop import TokenLoop
 
-    cfg = dataclasses.replace(config_for(tiny, early=True, ahead=True, wide_qkv=True), block_t=8)
+    cfg = dataclasses.replace(config_for(tiny, early=True, ahead=True), block_t=8)
     assert cfg.early and cfg.ahead and not cfg.kv_chunk
     first = torch.tensor([11], device=DEV)
     want = greedy(StaticDecoder(tiny, 32).step, first, 20)
@@ -534,7 +534,8 @@ def test_waterfall_summary_from_timings():
 
 def test_experiments_are_registered_gpu_only():
     reg = reference.load_all()
-    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes",
+                 "last_mile_public_workload"):
         assert reg[name].gpu_only and reg[name].quick
     if not ON_GPU:
         with pytest.raises(Exception, match="needs a real GPU"):
@@ -644,6 +645,25 @@ def test_gpu_last_mile_options_on_tinyllama_are_correct_and_deterministic():
 
 
 @gpu
+def test_gpu_loads_ahead_give_the_same_logits_bit_for_bit():
+    """Issue 43's levers reorder loads, never a sum: fed the same 140 tokens (past two attention blocks), the step with
+    them and the step without give the same logits, bit for bit, at every position; so do all steps in one graph."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
+    from course.lessons.last_mile.loop import TokenLoop
+    from course.lessons.last_mile.waterfall import LAST_MILE
+
+    LAST = LAST_MILE["+ attention ahead"]
+    model = build_model("tinyllama")
+    ids = torch.randint(3, model.config.vocab_size, (140,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    a, b = (TritonDecoder(model, 256, pdl=True, config=config_for(model, **o)) for o in ({}, LAST))
+    for p in range(140):
+        pos = torch.tensor([p], device=DEV)
+        assert torch.equal(a.step(ids[p].view(1, 1), pos), b.step(ids[p].view(1, 1), pos)), f"position {p}"
+    one, many = TokenLoop(a, 1), TokenLoop(b, 20)
+    assert torch.equal(one.run(int(ids[0]), 100, 40), many.run(int(ids[0]), 100, 40))
+
+
+@gpu
 def test_gpu_other_llama_shapes_run_correctly():
     from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
     from course.lessons.last_mile.shapes import build_shape
@@ -674,7 +694,8 @@ def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
 def test_gpu_quick_experiments_and_ptx_vector_loads(tiny):
     from course.lessons.last_mile.waterfall import vector_loads
 
-    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes",
+                 "last_mile_public_workload"):
         exp = reference.get(name)
         res = exp.fn(**exp.quick, log=lambda *a: None)
         assert res.rows and res.provenance["path"] == "cuda"

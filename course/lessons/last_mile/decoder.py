@@ -60,7 +60,6 @@ class Config:
     kv_chunk: int = 0  # attention's positions split into pieces of this many (flash-decoding); 0: not split
     early: bool = False  # loads no earlier kernel writes before the PDL wait, the residual with the input, x read once
     ahead: bool = False  # attention reads the position and the past before the wait, the new row after it
-    attn_warps: int = 4
 
 
 def _p2(n: int) -> int:
@@ -90,20 +89,19 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
     return dataclasses.replace(cfg, **over)
 
 
-OPTIONS = ("early", "ahead", "wide_qkv", "split_k", "packed", "split_kv")  # the last mile's options, in the waterfall's order
+OPTIONS = ("early", "ahead", "split_k", "packed", "split_kv")  # the last mile's options, in the waterfall's order
 
 
-def config_for(model, *, early: bool = False, ahead: bool = False, wide_qkv: bool = False, split_k: bool = False,
-               packed: bool = False, split_kv: bool | str = False, interpret: bool | None = None,
-               position: int | None = None, split_kv_from: int | None = None) -> Config:
+def config_for(model, *, early: bool = False, ahead: bool = False, split_k: bool = False, packed: bool = False,
+               split_kv: bool | str = False, interpret: bool | None = None, position: int | None = None,
+               split_kv_from: int | None = None) -> Config:
     """:func:`default_config` for ``model``'s sizes, with the last mile's options (:data:`OPTIONS`) on or off.
 
-    ``early``: every kernel's loads of what no earlier kernel writes (the position, cos/sin, the norms' weights)
-    before its PDL wait, the residual loaded with the product's input, x read once per norm (lm_head's row in one
-    chunk, so that its norm can be); ``wide_qkv``: q/k/v programs of 2 rows per RoPE half (half the programs: on a
-    GPU every one resident at once, its weights loaded before the wait); ``ahead``: the unsplit
-    attention reads the position and the past keys and values before its wait (:func:`~.kernels.attention_ahead`),
-    blocks of ``2 x block_t`` positions, 8 warps on a GPU; ``split_k``: down_proj's columns split so that a program
+    ``early``: every kernel's loads of what no earlier kernel writes (the position, cos/sin, the norms' weights of
+    a row in one chunk) before its PDL wait, the residual loaded with the product's input, x read once per norm;
+    ``ahead``: the unsplit attention reads the position and the past keys and values of its first two blocks before
+    its wait (:func:`~.kernels.attention_ahead`). Both keep every sum in the same order: the same logits, bit for bit;
+    ``split_k``: down_proj's columns split so that a program
     holds at most ``depth`` chunks (all loaded before its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
     pieces of 256 positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at
     or past ``split_kv_from``, the position from which a measurement found it pays
@@ -118,14 +116,7 @@ def config_for(model, *, early: bool = False, ahead: bool = False, wide_qkv: boo
     h, i, v, _, _, d = sizes(model.config)
     interpret = interpreting() if interpret is None else interpret
     cfg = default_config(h, i, d, v, interpret=interpret)
-    over = {"early": early}
-    if early:
-        over["lm_head"] = dataclasses.replace(cfg.lm_head, block_k=max(cfg.lm_head.block_k, min(2048, _p2(h))))
-    if wide_qkv and not interpret:
-        over["qkv"] = dataclasses.replace(cfg.qkv, rows=min(2, d // 2))
-    if ahead:
-        over.update(ahead=True, block_t=cfg.block_t if interpret else 2 * cfg.block_t,
-                    attn_warps=cfg.attn_warps if interpret else 8)
+    over = {"early": early, "ahead": ahead}
     if split_k:
         chunks = -(-i // cfg.down.block_k)
         over["down_split"] = max(2, -(-chunks // cfg.down.depth))
@@ -247,7 +238,7 @@ class TritonDecoder:
             return
         self._go(self._kernels.attention, self.NH, self.q, self.k_cache[layer], self.v_cache[layer], position,
                  self.attn, self.max_len, self.scale, NH=self.NH, NKV=self.NKV, D=self.D, BLOCK_T=cfg.block_t,
-                 AHEAD=cfg.ahead, warps=cfg.attn_warps)
+                 AHEAD=cfg.ahead)
 
     def o_proj(self, layer: int) -> None:
         """Kernel 3 of ``layer``: o_proj, added to the residual stream."""

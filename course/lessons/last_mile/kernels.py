@@ -219,25 +219,33 @@ def attention_tile(h, q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, N
 def attention_ahead(h, q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr,
                     NKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr):
     """:func:`attention_tile` with the past loaded before the PDL wait: the position and the keys and values of the
-    first block's earlier positions (written by earlier steps), then the wait, then q and the new row only."""
+    first two blocks' earlier positions (written by earlier steps), then the wait, then q and the new row only.
+    The blocks are :func:`attention_tile`'s, summed in its order: the same result, bit for bit."""
     DT = q_ptr.dtype.element_ty
     d = tl.arange(0, D)
     base = (h // (NH // NKV)) * max_len * D
     t = tl.arange(0, BLOCK_T)
     at = base + t[:, None] * D + d[None, :]
     p = tl.load(pos_ptr)
-    k = tl.load(kc_ptr + at, mask=(t < p)[:, None], other=0.0)
-    v = tl.load(vc_ptr + at, mask=(t < p)[:, None], other=0.0)
+    k0 = tl.load(kc_ptr + at, mask=(t < p)[:, None], other=0.0)
+    v0 = tl.load(vc_ptr + at, mask=(t < p)[:, None], other=0.0)
+    k1 = tl.load(kc_ptr + BLOCK_T * D + at, mask=(t + BLOCK_T < p)[:, None], other=0.0)
+    v1 = tl.load(vc_ptr + BLOCK_T * D + at, mask=(t + BLOCK_T < p)[:, None], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()  # after this program's own loads: the next kernel's queue behind them
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    new = (t == p)[:, None]
-    k = tl.where(new, tl.load(kc_ptr + at, mask=new, other=0.0), k).to(tl.float32)
-    v = tl.where(new, tl.load(vc_ptr + at, mask=new, other=0.0), v).to(tl.float32)
     m, total, acc = _softmax_start(D, BLOCK_T)
-    m, total, acc = _softmax_step(k, v, q, t <= p, scale, m, total, acc)
-    m, total, acc = _attend(q, kc_ptr + base, vc_ptr + base, BLOCK_T, p + 1, scale, m, total, acc, D, BLOCK_T)
+    new = (t == p)[:, None]
+    k0 = tl.where(new, tl.load(kc_ptr + at, mask=new, other=0.0), k0).to(tl.float32)
+    v0 = tl.where(new, tl.load(vc_ptr + at, mask=new, other=0.0), v0).to(tl.float32)
+    m, total, acc = _softmax_step(k0, v0, q, t <= p, scale, m, total, acc)
+    if BLOCK_T <= p:
+        new = (t + BLOCK_T == p)[:, None]
+        k = tl.where(new, tl.load(kc_ptr + BLOCK_T * D + at, mask=new, other=0.0), k1).to(tl.float32)
+        v = tl.where(new, tl.load(vc_ptr + BLOCK_T * D + at, mask=new, other=0.0), v1).to(tl.float32)
+        m, total, acc = _softmax_step(k, v, q, t + BLOCK_T <= p, scale, m, total, acc)
+    m, total, acc = _attend(q, kc_ptr + base, vc_ptr + base, 2 * BLOCK_T, p + 1, scale, m, total, acc, D, BLOCK_T)
     tl.store(out_ptr + h * D + d, (acc / total).to(DT))
 
 

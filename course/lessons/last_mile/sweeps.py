@@ -14,7 +14,8 @@
   Llama-3.2-1B's shape at batch 1, ``prompt`` positions filled, then ``steps`` dependent greedy steps timed (each token
   the argmax of the step before, chosen on the device: :class:`~course.lessons.last_mile.loop.TokenLoop`), TinyLlama's
   and SmolLM2's shapes beside it: the step before issue 43's changes and with each of them (:data:`PUBLIC_VARIANTS`),
-  one step at ``prompt`` too, the tokens of every variant against the first's; the study's own figures are cited.
+  then every step in one graph; one step at ``prompt`` too; the tokens of every variant against the first's; the
+  study's own figures for the GPU the recording ran on are cited.
 
 Every variant is the step captured in one CUDA graph with PDL, replayed by hand
 (:func:`~course.lessons.last_mile.decoder.graphed`).
@@ -221,11 +222,12 @@ def split_kv_from(result, split: str = "+ split-KV attention", plain: str = "+ p
     return None
 
 
-# The public study's H200 figures for Llama-3.2-1B (bf16, batch 1, 32-token prompt, 127 dependent steps timed):
-# cited, not measured here.
-PUBLIC = {"public: CUDA graphs + PDL": 794.74, "public: megakernel (Hazy)": 759.83}
-PUBLIC_SOURCE = "msaroufim/megakernels-vs-cuda-graphs, llama/docs/RESULTS.md (H200, µs/step, mean of process means)"
-PUBLIC_VARIANTS = ("Triton + PDL", "+ loads before the wait", "+ attention ahead", "+ q/k/v in one wave")
+# The public study's figures for Llama-3.2-1B (bf16, batch 1, 32-token prompt, 127 dependent steps timed), µs per
+# step on each GPU it ran on: cited, not measured here; a recording shows those of the GPU it was made on.
+PUBLIC = {"H200": {"public: CUDA graphs + PDL": 794.74, "public: megakernel (Hazy)": 759.83},
+          "H100": {"public: CUDA graphs + PDL": 979.51, "public: megakernel (Hazy)": 972.78}}
+PUBLIC_SOURCE = "msaroufim/megakernels-vs-cuda-graphs, llama/docs/RESULTS.md (µs/step, mean of process means)"
+PUBLIC_VARIANTS = ("Triton + PDL", "+ loads before the wait", "+ attention ahead")
 LOOP = "+ all steps in one graph"  # the last variant's step, every dependent step in one replay
 PUBLIC_COLUMNS = {"shape": "", "positions": "", "variant": "", "status": "", "us": "us", "q1_us": "us",
                   "q3_us": "us", "floor_us": "us", "x_floor": "x", "tokens_equal": "", "launches_per_token": "count",
@@ -253,6 +255,8 @@ def public_workload_experiment(shapes=("llama-3.2-1b", "tinyllama", "smollm2-135
     bw = copy_bandwidth_GBps()
     max_len = -(-(prompt + steps + 1) // 64) * 64
     span = f"{prompt}+{steps}"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    gpu = next((g for g in PUBLIC if g in name), None)  # the study's figures for this GPU, if it ran on one
     rows = []
     for shape in shapes:
         model = build_shape(shape)
@@ -302,9 +306,9 @@ def public_workload_experiment(shapes=("llama-3.2-1b", "tinyllama", "smollm2-135
         rows += [_public_row(shape, span, n, None, mid, status=why) for n, why in failed.items()]
         rows.append(_public_row(shape, str(prompt), "floor", None, floor, status="computed", us=floor, x_floor=1.0))
         rows.append(_public_row(shape, span, "floor", None, mid, status="computed", us=mid, x_floor=1.0))
-        if shape == "llama-3.2-1b" and (prompt, steps) == (32, 127):
+        if shape == "llama-3.2-1b" and (prompt, steps) == (32, 127) and gpu:
             rows += [_public_row(shape, span, n, None, mid, status="cited", us=us, x_floor=us / mid,
-                                 source=PUBLIC_SOURCE) for n, us in PUBLIC.items()]
+                                 source=f"{PUBLIC_SOURCE}, {gpu}") for n, us in PUBLIC[gpu].items()]
         del one, loops, model
         release_memory()
     res = Result("last_mile_public_workload",

@@ -8,8 +8,8 @@ every step of the way at batch 1 (:data:`STEPS`): transformers' eager step, the 
 programmatic dependent launch (Triton + PDL), and that graph replayed by hand instead of through the
 GraphCache (Triton + PDL, plain graph: what the cache's bookkeeping costs per token); then the last mile's
 options (:data:`LAST_MILE`, :func:`~course.lessons.last_mile.decoder.config_for`), one more per row: loads of
-what no earlier kernel writes moved before the PDL wait, attention reading the past before its wait, q/k/v in one
-wave of programs, down_proj split over K, the weights packed, attention split over positions; last, the persistent step (one launch per token,
+what no earlier kernel writes moved before the PDL wait, attention reading the past before its wait, down_proj
+split over K, the weights packed, attention split over positions; last, the persistent step (one launch per token,
 :mod:`~course.lessons.last_mile.persistent`), captured and replayed by hand. Each row also
 has its kernels per token (profiler), its first call (compile and capture included; Triton compiles
 into an empty cache, so that is its real build time), its correctness against eager (greedy tokens, logits within lesson 06's bfloat16
@@ -41,16 +41,14 @@ STEPS = (
                                 "before its PDL wait, the residual with the input, x once per norm"),
     ("+ attention ahead", "attention loads the position and the past keys and values before its wait, the new row "
                           "after; the next kernel launched after those loads"),
-    ("+ q/k/v in one wave", "q/k/v programs of 4 rows: half as many, all resident at once, weights loaded before "
-                            "the wait"),
     ("+ split-K down", "down_proj's columns split over several programs per row block (the last one adds the parts)"),
     ("+ packed weights", "every product's weights repacked: a program's rows one contiguous run of 16-byte groups"),
     ("+ split-KV attention", "attention's positions split into pieces of 256, merged by the last program per head"),
     ("persistent", "one persistent kernel per token: grid barriers between the stages, each stage's first weights "
                    "loaded before the barrier ahead of it, captured"),
 )
-ADDS = {"+ loads before the wait": "early", "+ attention ahead": "ahead", "+ q/k/v in one wave": "wide_qkv",
-        "+ split-K down": "split_k", "+ packed weights": "packed", "+ split-KV attention": "split_kv"}
+ADDS = {"+ loads before the wait": "early", "+ attention ahead": "ahead", "+ split-K down": "split_k",
+        "+ packed weights": "packed", "+ split-KV attention": "split_kv"}
 LAST_MILE = {n: dict.fromkeys(list(ADDS.values())[:i + 1], True) for i, n in enumerate(ADDS)}  # each adds one option
 HF = "HF: auto-compile"
 
