@@ -14,8 +14,9 @@ graph's outputs are): clone it to keep it. Batch 1 only: for batches, lesson 06'
 
 Every size comes from the model's config (:func:`sizes`: hidden, MLP, vocabulary, heads, KV heads, head_dim),
 so any Llama shape runs (tied embeddings too); what the kernels cannot compute (biases, another activation) is
-refused with the reason. The last mile's options (:func:`config_for`: split-K down_proj, packed weights,
-split-KV attention, :mod:`.split`) are fields of :class:`Config`; with them off the weight tensors are the
+refused with the reason. The last mile's options (:func:`config_for`: loads before the PDL wait, attention
+reading the past first, split-K down_proj, packed weights, split-KV attention, :mod:`.split`) are fields of
+:class:`Config`; with them off the weight tensors are the
 model's own, with ``packed`` the decoder keeps packed copies.
 
 ``pdl=True`` launches every kernel with programmatic dependent launch (Hopper and later; not under
@@ -101,9 +102,9 @@ def config_for(model, *, early: bool = False, ahead: bool = False, split_k: bool
     a row in one chunk) before its PDL wait, the residual loaded with the product's input, x read once per norm;
     ``ahead``: the unsplit attention reads the position and the past keys and values of its first two blocks before
     its wait (:func:`~.kernels.attention_ahead`). Both keep every sum in the same order: the same logits, bit for bit;
-    ``split_k``: down_proj's columns split so that a program
-    holds at most ``depth`` chunks (all loaded before its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
-    pieces of 256 positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at
+    ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before its
+    PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in pieces of 256
+    positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at
     or past ``split_kv_from``, the position from which a measurement found it pays
     (:func:`~course.lessons.last_mile.sweeps.split_kv_from`; None: it never did).
     """

@@ -7,7 +7,7 @@ and each activation only where it must cross from one kernel to the next:
    of rows of one head, and the rows RoPE pairs with them), RoPE on q and k, k and v written into the
    KV cache at the step's position;
 2. :func:`attention`: one program per query head, over positions ``0..position`` of its KV head
-   (online softmax), nothing past the position read;
+   (online softmax, :func:`_attend`, shared with :mod:`.split`), nothing past the position read;
 3. :func:`proj_residual`: the output product, added to the residual stream in place;
 4. :func:`norm_gate_up`: RMSNorm, the gate and up products (a program: the same rows of both),
    ``silu(gate) * up``;
@@ -37,7 +37,10 @@ roundings do nothing.
 reads anything a previous kernel wrote or writes anything a previous kernel reads. What it does
 before the wait (its addresses, its first chunk of weights) overlaps the previous kernel's tail.
 Launched without PDL both calls are no-ops; under Triton's interpreter they do not exist, so
-``PDL=False`` there.
+``PDL=False`` there. With ``EARLY`` (issue 43) a kernel also loads before its wait what no kernel writes (the
+position, cos and sin, the norm's weights) and reads x once per norm; :func:`attention_ahead` loads the position and
+the past keys and values (earlier steps wrote them) before its wait, and lets the next kernel launch only then. Every
+sum keeps its order: the logits are the same, bit for bit.
 
 Row widths (``K``) are compile-time constants (one compiled kernel per width: the loops have fixed
 trip counts). Triton's interpreter keeps a scalar as a one-element array, which newer NumPy refuses to
