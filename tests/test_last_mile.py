@@ -110,6 +110,41 @@ def test_greedy_float32_tokens_past_the_kv_split_equal_eager_with_every_option(t
 
 
 @needs_triton
+def test_loads_ahead_and_the_token_loop_decode_as_eager(tiny):
+    """Issue 43's levers (loads before the wait, attention reading the past first, in blocks of 8 so that 20 greedy
+    tokens cross two block edges) give eager's tokens, token for token; so does the loop that picks each token on the
+    device, 5 steps per call, and its argmax takes the first of equal maxima, as torch.argmax does."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
+    from course.lessons.last_mile.loop import TokenLoop
+
+    cfg = dataclasses.replace(config_for(tiny, early=True, ahead=True), block_t=8)
+    assert cfg.early and cfg.ahead and not cfg.kv_chunk
+    first = torch.tensor([11], device=DEV)
+    want = greedy(StaticDecoder(tiny, 32).step, first, 20)
+    dec = TritonDecoder(tiny, 32, config=cfg)
+    assert torch.equal(greedy(dec.step, first, 20), want)
+    loop = TokenLoop(dec, 5)
+    assert torch.equal(loop.run(11, 0, 20), want[0]) and not loop.count.any()
+    with pytest.raises(ValueError, match="multiple"):
+        loop.run(11, 0, 7)
+
+
+@needs_triton
+def test_argmax_token_takes_the_first_of_equal_maxima():
+    """Four programs of 128 logits: the maxima in blocks 0 and 2 are equal, the token is the first; the ticket counter
+    is back at zero, so a second call with the maximum moved gives the new token."""
+    from course.lessons.last_mile.loop import argmax_token
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(0)).to(DEV)
+    val, idx = torch.zeros(4, device=DEV), torch.zeros(4, dtype=torch.int32, device=DEV)
+    count, ids = torch.zeros(1, dtype=torch.int32, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV)
+    for top, want, value in (([300, 7], 7, 11.0), ([499], 499, 12.0)):
+        logits[top] = value
+        argmax_token[(4,)](logits, val, idx, count, ids, 500, PDL=False, BLOCK=128, G=4, GP=4)
+        assert int(ids) == want == int(logits.argmax()) and not count.any()
+
+
+@needs_triton
 def test_an_odd_tied_shape_with_every_option_matches_eager():
     """SmolLM2's peculiarities at laptop size: hidden 48 (no power of two), 3 query heads on 1 KV head, tied
     embeddings; the kernels take every size from the config."""
@@ -142,22 +177,32 @@ def compiled(fn, sig, consts):
     sig = {**sig, **{k: "constexpr" for k in consts}}
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    return len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)), ptx.count("atom."), ptx.count("griddepcontrol")
+    before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")  # loads issued before the PDL wait
+    return len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)), ptx.count("atom."), ptx.count("griddepcontrol"), before
 
 bf, mm = "*bf16", dict(PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=8)
 print(*compiled(S.proj_residual_split, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, part_ptr="*fp32", count_ptr="*i32",
                                             N="i32"), dict(K=5632, SPLIT=3, **mm)))
-print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, RESIDUAL=True, **mm)))
+print(*compiled(K.proj_residual, dict(a_ptr=bf, w_ptr=bf, x_ptr=bf, N="i32"), dict(K=2048, RESIDUAL=True,
+                                                                                    EARLY=False, **mm)))
 print(*compiled(S.attention_split, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, part_ptr="*fp32",
                                         count_ptr="*i32", max_len="i32", scale="fp32"),
                 dict(NH=32, NKV=4, D=64, PDL=True, BLOCK_T=64, CHUNK=256, SPLITS=9)))
+for ahead in (False, True):
+    print(*compiled(K.attention, dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", out_ptr=bf, max_len="i32",
+                                      scale="fp32"), dict(NH=32, NKV=8, D=64, PDL=True, BLOCK_T=64, AHEAD=ahead)))
+for early in (False, True):
+    print(*compiled(K.norm_qkv_rope, dict(x_ptr=bf, nw_ptr=bf, wq_ptr=bf, wk_ptr=bf, wv_ptr=bf, cos_ptr=bf, sin_ptr=bf,
+                                          pos_ptr="*i64", q_ptr=bf, kc_ptr=bf, vc_ptr=bf, eps="fp32", max_len="i32"),
+                    dict(K=2048, NH=32, NKV=8, D=64, R=1, PDL=True, DEPTH=1, BLOCK_K=2048, VEC=0, EARLY=early)))
 """
 
 
 @needs_triton
 def test_new_kernels_compile_for_hopper_without_a_gpu():
-    """Triton's compiler (no GPU needed) builds the split kernels and the packed product for sm_90: 16-byte loads,
-    one atomic ticket in each split kernel, PDL's two instructions in each."""
+    """Triton's compiler (no GPU needed) builds the split kernels, the packed product and issue 43's variants for
+    sm_90: 16-byte loads, one atomic ticket in each split kernel, PDL's two instructions in each; attention ahead and
+    q/k/v with ``EARLY`` issue more loads before the PDL wait than before (the past; the position, cos, sin, norm)."""
     import subprocess
 
     pytest.importorskip("triton.backends.nvidia")
@@ -167,10 +212,13 @@ def test_new_kernels_compile_for_hopper_without_a_gpu():
     if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("Triton's ptxas is not installed here")
     assert out.returncode == 0, out.stderr[-3000:]
-    split_k, packed, attn = ([int(v) for v in line.split()] for line in out.stdout.split("\n")[-4:-1])
+    split_k, packed, attn, att0, att1, qkv0, qkv1 = ([int(v) for v in line.split()]
+                                                     for line in out.stdout.strip().split("\n")[-7:])
     assert split_k[0] > 0 and packed[0] > 0, "the weights are read in 16-byte loads"
     assert split_k[1] == attn[1] == 1 and packed[1] == 0, "one ticket per program in the split kernels"
-    assert split_k[2] == packed[2] == attn[2] == 2
+    assert split_k[2] == packed[2] == attn[2] == att1[2] == qkv1[2] == 2
+    assert att0[3] == 0 < att1[3], "attention ahead loads the past before its wait"
+    assert qkv1[3] > qkv0[3] > 0, "q/k/v loads the position, cos, sin and the norm's weights before its wait"
 
 
 def test_sizes_pack_and_config_for():
@@ -382,7 +430,8 @@ def test_waterfall_summary_from_timings():
 
 def test_experiments_are_registered_gpu_only():
     reg = reference.load_all()
-    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes",
+                 "last_mile_public_workload"):
         assert reg[name].gpu_only and reg[name].quick
     if not ON_GPU:
         with pytest.raises(Exception, match="needs a real GPU"):
@@ -492,6 +541,25 @@ def test_gpu_last_mile_options_on_tinyllama_are_correct_and_deterministic():
 
 
 @gpu
+def test_gpu_loads_ahead_give_the_same_logits_bit_for_bit():
+    """Issue 43's levers reorder loads, never a sum: fed the same 140 tokens (past two attention blocks), the step with
+    them and the step without give the same logits, bit for bit, at every position; so do all steps in one graph."""
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for
+    from course.lessons.last_mile.loop import TokenLoop
+    from course.lessons.last_mile.waterfall import LAST_MILE
+
+    LAST = LAST_MILE["+ attention ahead"]
+    model = build_model("tinyllama")
+    ids = torch.randint(3, model.config.vocab_size, (140,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    a, b = (TritonDecoder(model, 256, pdl=True, config=config_for(model, **o)) for o in ({}, LAST))
+    for p in range(140):
+        pos = torch.tensor([p], device=DEV)
+        assert torch.equal(a.step(ids[p].view(1, 1), pos), b.step(ids[p].view(1, 1), pos)), f"position {p}"
+    one, many = TokenLoop(a, 1), TokenLoop(b, 20)
+    assert torch.equal(one.run(int(ids[0]), 100, 40), many.run(int(ids[0]), 100, 40))
+
+
+@gpu
 def test_gpu_other_llama_shapes_run_correctly():
     from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
     from course.lessons.last_mile.shapes import build_shape
@@ -522,7 +590,8 @@ def test_gpu_tiny_sixty_four_float32_tokens_with_pdl(tiny):
 def test_gpu_quick_experiments_and_ptx_vector_loads(tiny):
     from course.lessons.last_mile.waterfall import vector_loads
 
-    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes"):
+    for name in ("last_mile_waterfall", "last_mile_timeline", "last_mile_positions", "last_mile_shapes",
+                 "last_mile_public_workload"):
         exp = reference.get(name)
         res = exp.fn(**exp.quick, log=lambda *a: None)
         assert res.rows and res.provenance["path"] == "cuda"

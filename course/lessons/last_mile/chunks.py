@@ -88,10 +88,39 @@ def _gemv(w_ptr, rows, rmask, x_ptr, nw_ptr, rstd, K: tl.constexpr, wa, wb, NORM
             wb = w_new
         else:
             wa = w_new
+    return _rowsum(acc, VEC)
+
+
+@tr.jit
+def _rowsum(acc, VEC: tl.constexpr):
+    """Each row's sum of a ``[BLOCK_N, BLOCK_K]`` (or packed ``[BLOCK_N, BLOCK_K / VEC, VEC]``) tile."""
     if VEC == 0:
         return tl.sum(acc, axis=1)
     else:
         return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@tr.jit
+def _norm_w(nw_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """The RMSNorm weights of a row that fits one chunk, in the chunk's layout (float32): no kernel writes them."""
+    c = _cols(0, BLOCK_K, VEC)
+    return tl.load(nw_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+
+
+@tr.jit
+def _row_normed(x_ptr, w, K: tl.constexpr, eps, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    """x normalized with the weights ``w`` (:func:`_norm_w`), as :func:`_normed` rounds, x read in one round trip."""
+    DT = x_ptr.dtype.element_ty
+    c = _cols(0, BLOCK_K, VEC)
+    v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    return (w * (v * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@tr.jit
+def _dot(wa, x, VEC: tl.constexpr):
+    """``sum_k wa[rows, k] * x[k]`` (float32) of one chunk of weights already in registers."""
+    return _rowsum(wa.to(tl.float32) * tl.expand_dims(x, 0), VEC)
 
 
 @tr.jit

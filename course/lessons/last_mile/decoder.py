@@ -14,8 +14,9 @@ graph's outputs are): clone it to keep it. Batch 1 only: for batches, lesson 06'
 
 Every size comes from the model's config (:func:`sizes`: hidden, MLP, vocabulary, heads, KV heads, head_dim),
 so any Llama shape runs (tied embeddings too); what the kernels cannot compute (biases, another activation) is
-refused with the reason. The last mile's options (:func:`config_for`: split-K down_proj, packed weights,
-split-KV attention, :mod:`.split`) are fields of :class:`Config`; with them off the weight tensors are the
+refused with the reason. The last mile's options (:func:`config_for`: loads before the PDL wait, attention
+reading the past first, split-K down_proj, packed weights, split-KV attention, :mod:`.split`) are fields of
+:class:`Config`; with them off the weight tensors are the
 model's own, with ``packed`` the decoder keeps packed copies.
 
 ``pdl=True`` launches every kernel with programmatic dependent launch (Hopper and later; not under
@@ -58,6 +59,8 @@ class Config:
     packed: bool = False  # every product's weights repacked: a program's rows one run of 16-byte groups
     down_split: int = 1  # down_proj's columns split this many ways (split-K, :mod:`.split`); 1: not split
     kv_chunk: int = 0  # attention's positions split into pieces of this many (flash-decoding); 0: not split
+    early: bool = False  # loads no earlier kernel writes before the PDL wait, the residual with the input, x read once
+    ahead: bool = False  # attention reads the position and the past before the wait, the new row after it
 
 
 def _p2(n: int) -> int:
@@ -87,16 +90,21 @@ def default_config(hidden: int, intermediate: int, head_dim: int, vocab: int, in
     return dataclasses.replace(cfg, **over)
 
 
-OPTIONS = ("split_k", "packed", "split_kv")  # the last mile's options, in the order the waterfall adds them
+OPTIONS = ("early", "ahead", "split_k", "packed", "split_kv")  # the last mile's options, in the waterfall's order
 
 
-def config_for(model, *, split_k: bool = False, packed: bool = False, split_kv: bool | str = False,
-               interpret: bool | None = None, position: int | None = None, split_kv_from: int | None = None) -> Config:
+def config_for(model, *, early: bool = False, ahead: bool = False, split_k: bool = False, packed: bool = False,
+               split_kv: bool | str = False, interpret: bool | None = None, position: int | None = None,
+               split_kv_from: int | None = None) -> Config:
     """:func:`default_config` for ``model``'s sizes, with the last mile's options (:data:`OPTIONS`) on or off.
 
-    ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before
-    its PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in
-    pieces of 256 positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at
+    ``early``: every kernel's loads of what no earlier kernel writes (the position, cos/sin, the norms' weights of
+    a row in one chunk) before its PDL wait, the residual loaded with the product's input, x read once per norm;
+    ``ahead``: the unsplit attention reads the position and the past keys and values of its first two blocks before
+    its wait (:func:`~.kernels.attention_ahead`). Both keep every sum in the same order: the same logits, bit for bit;
+    ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before its
+    PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in pieces of 256
+    positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at
     or past ``split_kv_from``, the position from which a measurement found it pays
     (:func:`~course.lessons.last_mile.sweeps.split_kv_from`; None: it never did).
     """
@@ -107,8 +115,9 @@ def config_for(model, *, split_k: bool = False, packed: bool = False, split_kv: 
     from course.core.triton_path import interpreting
 
     h, i, v, _, _, d = sizes(model.config)
-    cfg = default_config(h, i, d, v, interpret=interpreting() if interpret is None else interpret)
-    over = {}
+    interpret = interpreting() if interpret is None else interpret
+    cfg = default_config(h, i, d, v, interpret=interpret)
+    over = {"early": early, "ahead": ahead}
     if split_k:
         chunks = -(-i // cfg.down.block_k)
         over["down_split"] = max(2, -(-chunks // cfg.down.depth))
@@ -217,7 +226,7 @@ class TritonDecoder:
         self._go(self._kernels.norm_qkv_rope, (self.NH + 2 * self.NKV) * (self.D // 2 // r), self.x, n1, wq, wk, wv,
                  self.cos, self.sin, position, self.q, self.k_cache[layer], self.v_cache[layer], self.H, self.eps,
                  self.max_len, NH=self.NH, NKV=self.NKV, D=self.D, R=r, BLOCK_K=c.block_k, warps=c.warps,
-                 DEPTH=c.depth, VEC=self.vec)
+                 DEPTH=c.depth, VEC=self.vec, EARLY=self.config.early)
 
     def attend(self, layer: int, position) -> None:
         """Kernel 2 of ``layer``: attention over positions 0..position (split into pieces if ``kv_chunk``)."""
@@ -229,20 +238,23 @@ class TritonDecoder:
                      SPLITS=self.kv_pieces)
             return
         self._go(self._kernels.attention, self.NH, self.q, self.k_cache[layer], self.v_cache[layer], position,
-                 self.attn, self.max_len, self.scale, NH=self.NH, NKV=self.NKV, D=self.D, BLOCK_T=cfg.block_t)
+                 self.attn, self.max_len, self.scale, NH=self.NH, NKV=self.NKV, D=self.D, BLOCK_T=cfg.block_t,
+                 AHEAD=cfg.ahead)
 
     def o_proj(self, layer: int) -> None:
         """Kernel 3 of ``layer``: o_proj, added to the residual stream."""
         c = self.config.o
         self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.attn, self.layers[layer][4], self.x, self.H,
-                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec)
+                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec,
+                 EARLY=self.config.early)
 
     def gate_up(self, layer: int) -> None:
         """Kernel 4 of ``layer``: RMSNorm, gate and up, SiLU(gate) * up."""
         n2, wg, wu = self.layers[layer][5:8]
         c = self.config.gate_up
         self._go(self._kernels.norm_gate_up, -(-self.I // c.rows), self.x, n2, wg, wu, self.act, self.I, self.H,
-                 self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec)
+                 self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec,
+                 EARLY=self.config.early)
 
     def down(self, layer: int) -> None:
         """Kernel 5 of ``layer``: down_proj, added to the residual stream (split-K if ``down_split`` > 1)."""
@@ -254,14 +266,15 @@ class TritonDecoder:
                      warps=c.warps, DEPTH=c.depth, VEC=self.vec, SPLIT=n)
             return
         self._go(self._kernels.proj_residual, blocks, self.act, self.layers[layer][8], self.x, self.H,
-                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec)
+                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec,
+                 EARLY=self.config.early)
 
     def head(self) -> None:
         """The last kernel: final RMSNorm and lm_head into the logits buffer."""
         c = self.config.lm_head
         self._go(self._kernels.norm_lm_head, -(-self.V // c.rows), self.x, self.final_norm, self.lm, self.logits,
                  self.V, self.H, self.eps, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth,
-                 VEC=self.vec)
+                 VEC=self.vec, EARLY=self.config.early)
 
     def step(self, ids, position):
         """Logits ``[1, vocab]`` (float32, the decoder's buffer) after ``ids`` ``[1, 1]`` at ``position`` ``[1]``.

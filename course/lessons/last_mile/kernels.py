@@ -7,7 +7,7 @@ and each activation only where it must cross from one kernel to the next:
    of rows of one head, and the rows RoPE pairs with them), RoPE on q and k, k and v written into the
    KV cache at the step's position;
 2. :func:`attention`: one program per query head, over positions ``0..position`` of its KV head
-   (online softmax), nothing past the position read;
+   (online softmax, :func:`_attend`, shared with :mod:`.split`), nothing past the position read;
 3. :func:`proj_residual`: the output product, added to the residual stream in place;
 4. :func:`norm_gate_up`: RMSNorm, the gate and up products (a program: the same rows of both),
    ``silu(gate) * up``;
@@ -37,7 +37,10 @@ roundings do nothing.
 reads anything a previous kernel wrote or writes anything a previous kernel reads. What it does
 before the wait (its addresses, its first chunk of weights) overlaps the previous kernel's tail.
 Launched without PDL both calls are no-ops; under Triton's interpreter they do not exist, so
-``PDL=False`` there.
+``PDL=False`` there. With ``EARLY`` (issue 43) a kernel also loads before its wait what no kernel writes (the
+position, cos and sin, the norm's weights) and reads x once per norm; :func:`attention_ahead` loads the position and
+the past keys and values (earlier steps wrote them) before its wait, and lets the next kernel launch only then. Every
+sum keeps its order: the logits are the same, bit for bit.
 
 Row widths (``K``) are compile-time constants (one compiled kernel per width: the loops have fixed
 trip counts). Triton's interpreter keeps a scalar as a one-element array, which newer NumPy refuses to
@@ -52,7 +55,8 @@ tr = triton()
 import triton.language as tl  # noqa: E402  (after the interpret decision, on purpose)
 
 
-from course.lessons.last_mile.chunks import _gemv, _prefetch, _rstd  # noqa: E402,F401  (split.py takes _gemv from here)
+from course.lessons.last_mile.chunks import (_dot, _gemv, _norm_w, _prefetch, _row_normed,  # noqa: E402,F401
+                                             _rstd)  # (split.py takes _gemv from here)
 
 
 # ---------------------------------------------------------------- the stages, one tile at a time
@@ -108,24 +112,48 @@ def qkv_pre(t, wq_ptr, wk_ptr, wv_ptr, K: tl.constexpr, NH: tl.constexpr, NKV: t
 
 
 @tr.jit
+def _rope_at(cos_ptr, sin_ptr, p, j, D: tl.constexpr):
+    """cos and sin of position ``p`` at columns ``j`` and ``j + D / 2`` (float32): tables no kernel writes."""
+    HALF: tl.constexpr = D // 2
+    return (tl.load(cos_ptr + p * D + j).to(tl.float32), tl.load(sin_ptr + p * D + j).to(tl.float32),
+            tl.load(cos_ptr + p * D + HALF + j).to(tl.float32), tl.load(sin_ptr + p * D + HALF + j).to(tl.float32))
+
+
+@tr.jit
 def qkv_run(t, lo_a, lo_b, hi_a, hi_b, x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
             kc_ptr, vc_ptr, K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
-            R: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """Tile ``t`` of :func:`norm_qkv_rope` after its prefetch: RMSNorm, the products, RoPE, the stores."""
+            R: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+            EARLY: tl.constexpr = False, WAIT: tl.constexpr = False):
+    """Tile ``t`` of :func:`norm_qkv_rope` after its prefetch: RMSNorm, the products, RoPE, the stores.
+
+    ``EARLY``: the position, cos/sin and the norm's weights first, then the PDL wait (if ``WAIT``), x read once.
+    """
     DT = x_ptr.dtype.element_ty
     HALF: tl.constexpr = D // 2
+    ONE: tl.constexpr = K <= BLOCK_K
     head, j, lo_ptr, hi_ptr, lo_rows, hi_rows, ok = _qkv_where(t, wq_ptr, wk_ptr, wv_ptr, K, NH, NKV, D, R, VEC)
-    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    lo = _gemv(lo_ptr, lo_rows, ok, x_ptr, nw_ptr, rstd, K, lo_a, lo_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
-               K).to(DT).to(tl.float32)
-    hi = _gemv(hi_ptr, hi_rows, ok, x_ptr, nw_ptr, rstd, K, hi_a, hi_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
-               K).to(DT).to(tl.float32)
-    p = tl.load(pos_ptr)
+    if EARLY:
+        p = tl.load(pos_ptr)
+        cos_lo, sin_lo, cos_hi, sin_hi = _rope_at(cos_ptr, sin_ptr, p, j, D)
+        if ONE:
+            w = _norm_w(nw_ptr, K, BLOCK_K, VEC)
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+    if EARLY and ONE:
+        xn = _row_normed(x_ptr, w, K, eps, BLOCK_K, VEC)
+        lo = _dot(lo_a, xn, VEC).to(DT).to(tl.float32)
+        hi = _dot(hi_a, xn, VEC).to(DT).to(tl.float32)
+    else:
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        lo = _gemv(lo_ptr, lo_rows, ok, x_ptr, nw_ptr, rstd, K, lo_a, lo_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
+                   K).to(DT).to(tl.float32)
+        hi = _gemv(hi_ptr, hi_rows, ok, x_ptr, nw_ptr, rstd, K, hi_a, hi_b, True, DEPTH, R, BLOCK_K, VEC, 0, 0,
+                   K).to(DT).to(tl.float32)
+    if not EARLY:
+        p = tl.load(pos_ptr)
     if head < NH + NKV:  # RoPE: (q * cos) + (rotate_half(q) * sin), rounded as transformers rounds
-        cos_lo = tl.load(cos_ptr + p * D + j).to(tl.float32)
-        sin_lo = tl.load(sin_ptr + p * D + j).to(tl.float32)
-        cos_hi = tl.load(cos_ptr + p * D + HALF + j).to(tl.float32)
-        sin_hi = tl.load(sin_ptr + p * D + HALF + j).to(tl.float32)
+        if not EARLY:
+            cos_lo, sin_lo, cos_hi, sin_hi = _rope_at(cos_ptr, sin_ptr, p, j, D)
         new_lo = (lo * cos_lo).to(DT).to(tl.float32) + (-hi * sin_lo).to(DT).to(tl.float32)
         new_hi = (hi * cos_hi).to(DT).to(tl.float32) + (lo * sin_hi).to(DT).to(tl.float32)
         lo, hi = new_lo, new_hi
@@ -143,32 +171,84 @@ def qkv_run(t, lo_a, lo_b, hi_a, hi_b, x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, co
 
 
 @tr.jit
+def _softmax_step(k, v, q, seen, scale, m, total, acc):
+    """One block of positions into the online softmax: ``(m, total, acc)`` after keys ``k`` and values ``v``
+    (``[BLOCK_T, D]``, float32) of the positions ``seen``."""
+    s = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(s - m_new)
+    return m_new, total * alpha + tl.sum(e, axis=0), acc * alpha + tl.sum(e[:, None] * v, axis=0)
+
+
+@tr.jit
+def _attend(q, k_ptr, v_ptr, t0, end, scale, m, total, acc, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The online softmax over positions ``t0 .. end - 1`` of one KV head (``k_ptr``, ``v_ptr``: its position 0),
+    blocks of ``BLOCK_T``, from the running ``(m, total, acc)``; returns them."""
+    d = tl.arange(0, D)
+    t0 = tl.cast(t0, tl.int32)  # a constant start too becomes a loop-carried tensor
+    while t0 < end:
+        t = t0 + tl.arange(0, BLOCK_T)
+        seen = t < end
+        k = tl.load(k_ptr + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
+        m, total, acc = _softmax_step(k, v, q, seen, scale, m, total, acc)
+        t0 += BLOCK_T
+    return m, total, acc
+
+
+@tr.jit
+def _softmax_start(D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The online softmax before any position: ``(m, total, acc) = (-inf, 0, 0)`` (float32)."""
+    return (tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0),
+            tl.sum(tl.full([BLOCK_T], 0.0, tl.float32), axis=0), tl.full([D], 0.0, tl.float32))
+
+
+@tr.jit
 def attention_tile(h, q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr, NKV: tl.constexpr,
                    D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Query head ``h`` over positions 0..position of its KV head (online softmax, float32), the result rounded."""
     DT = q_ptr.dtype.element_ty
-    g = h // (NH // NKV)
     d = tl.arange(0, D)
+    base = (h // (NH // NKV)) * max_len * D
     p = tl.load(pos_ptr)
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
-    base = g * max_len * D
-    m = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
-    total = tl.sum(tl.full([BLOCK_T], 0.0, tl.float32), axis=0)
-    acc = tl.full([D], 0.0, tl.float32)
-    t0 = 0
-    while t0 <= p:
-        t = t0 + tl.arange(0, BLOCK_T)
-        seen = t <= p
-        k = tl.load(kc_ptr + base + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-        v = tl.load(vc_ptr + base + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-        s = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(s - m_new)
-        total = total * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
-        m = m_new
-        t0 += BLOCK_T
+    m, total, acc = _softmax_start(D, BLOCK_T)
+    m, total, acc = _attend(q, kc_ptr + base, vc_ptr + base, 0, p + 1, scale, m, total, acc, D, BLOCK_T)
+    tl.store(out_ptr + h * D + d, (acc / total).to(DT))
+
+
+@tr.jit
+def attention_ahead(h, q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr,
+                    NKV: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr):
+    """:func:`attention_tile` with the past loaded before the PDL wait: the position and the keys and values of the
+    first two blocks' earlier positions (written by earlier steps), then the wait, then q and the new row only.
+    The blocks are :func:`attention_tile`'s, summed in its order: the same result, bit for bit."""
+    DT = q_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    base = (h // (NH // NKV)) * max_len * D
+    t = tl.arange(0, BLOCK_T)
+    at = base + t[:, None] * D + d[None, :]
+    p = tl.load(pos_ptr)
+    k0 = tl.load(kc_ptr + at, mask=(t < p)[:, None], other=0.0)
+    v0 = tl.load(vc_ptr + at, mask=(t < p)[:, None], other=0.0)
+    k1 = tl.load(kc_ptr + BLOCK_T * D + at, mask=(t + BLOCK_T < p)[:, None], other=0.0)
+    v1 = tl.load(vc_ptr + BLOCK_T * D + at, mask=(t + BLOCK_T < p)[:, None], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # after this program's own loads: the next kernel's queue behind them
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + h * D + d).to(tl.float32)
+    m, total, acc = _softmax_start(D, BLOCK_T)
+    new = (t == p)[:, None]
+    k0 = tl.where(new, tl.load(kc_ptr + at, mask=new, other=0.0), k0).to(tl.float32)
+    v0 = tl.where(new, tl.load(vc_ptr + at, mask=new, other=0.0), v0).to(tl.float32)
+    m, total, acc = _softmax_step(k0, v0, q, t <= p, scale, m, total, acc)
+    if BLOCK_T <= p:
+        new = (t + BLOCK_T == p)[:, None]
+        k = tl.where(new, tl.load(kc_ptr + BLOCK_T * D + at, mask=new, other=0.0), k1).to(tl.float32)
+        v = tl.where(new, tl.load(vc_ptr + BLOCK_T * D + at, mask=new, other=0.0), v1).to(tl.float32)
+        m, total, acc = _softmax_step(k, v, q, t + BLOCK_T <= p, scale, m, total, acc)
+    m, total, acc = _attend(q, kc_ptr + base, vc_ptr + base, 2 * BLOCK_T, p + 1, scale, m, total, acc, D, BLOCK_T)
     tl.store(out_ptr + h * D + d, (acc / total).to(DT))
 
 
@@ -198,15 +278,18 @@ def rows_pre(t, w_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_N: tl.cons
 
 @tr.jit
 def proj_run(t, wa, wb, a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, VEC: tl.constexpr, RESIDUAL: tl.constexpr = True):
+             BLOCK_K: tl.constexpr, VEC: tl.constexpr, RESIDUAL: tl.constexpr = True, EARLY: tl.constexpr = False):
     """Tile ``t`` of :func:`proj_residual` after its prefetch: ``x[rows] += (W @ a)[rows]`` (``RESIDUAL=False``:
-    ``x[rows] = (W @ a)[rows]``, x not read)."""
+    ``x[rows] = (W @ a)[rows]``, x not read). ``EARLY``: the residual loaded with ``a``, not after the product."""
     DT = x_ptr.dtype.element_ty
     rows, ok = _rows(t, N, BLOCK_N)
+    if EARLY and RESIDUAL:
+        r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
     y = _gemv(_block(t, w_ptr, K, BLOCK_N, VEC), rows, ok, a_ptr, a_ptr, 1.0, K, wa, wb, False, DEPTH, BLOCK_N,
               BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
     if RESIDUAL:
-        r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        if not EARLY:
+            r = tl.load(x_ptr + rows, mask=ok, other=0.0).to(tl.float32)
         tl.store(x_ptr + rows, (r + y).to(DT), mask=ok)
     else:
         tl.store(x_ptr + rows, y.to(DT), mask=ok)
@@ -223,28 +306,52 @@ def gate_up_pre(t, wg_ptr, wu_ptr, N, K: tl.constexpr, DEPTH: tl.constexpr, BLOC
 
 @tr.jit
 def gate_up_run(t, ga, gb, ua, ub, x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K: tl.constexpr, eps,
-                DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """Tile ``t`` of :func:`norm_gate_up` after its prefetch: ``act[rows] = silu(gate(n)) * up(n)``."""
+                DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                EARLY: tl.constexpr = False, WAIT: tl.constexpr = False):
+    """Tile ``t`` of :func:`norm_gate_up` after its prefetch: ``act[rows] = silu(gate(n)) * up(n)``.
+
+    ``EARLY`` (a row in one chunk): the norm's weights first, then the PDL wait (if ``WAIT``), x read once.
+    """
     DT = x_ptr.dtype.element_ty
     rows, ok = _rows(t, N, BLOCK_N)
-    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    g = _gemv(_block(t, wg_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N,
-              BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
-    u = _gemv(_block(t, wu_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N,
-              BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
+    if EARLY and K <= BLOCK_K:
+        w = _norm_w(nw_ptr, K, BLOCK_K, VEC)
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+        xn = _row_normed(x_ptr, w, K, eps, BLOCK_K, VEC)
+        g = _dot(ga, xn, VEC).to(DT).to(tl.float32)
+        u = _dot(ua, xn, VEC).to(DT).to(tl.float32)
+    else:
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        g = _gemv(_block(t, wg_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, ga, gb, True, DEPTH, BLOCK_N,
+                  BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
+        u = _gemv(_block(t, wu_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, ua, ub, True, DEPTH, BLOCK_N,
+                  BLOCK_K, VEC, 0, 0, K).to(DT).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
     tl.store(act_ptr + rows, act.to(DT), mask=ok)
 
 
 @tr.jit
 def lm_head_run(t, wa, wb, x_ptr, nw_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps, DEPTH: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
-    """Tile ``t`` of :func:`norm_lm_head` after its prefetch: the logits of its rows."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EARLY: tl.constexpr = False,
+                WAIT: tl.constexpr = False):
+    """Tile ``t`` of :func:`norm_lm_head` after its prefetch: the logits of its rows (``EARLY``: as
+    :func:`gate_up_run`)."""
     DT = x_ptr.dtype.element_ty
     rows, ok = _rows(t, N, BLOCK_N)
-    rstd = _rstd(x_ptr, K, eps, BLOCK_K)
-    y = _gemv(_block(t, w_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N,
-              BLOCK_K, VEC, 0, 0, K)
+    if EARLY and K <= BLOCK_K:
+        w = _norm_w(nw_ptr, K, BLOCK_K, VEC)
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+        y = _dot(wa, _row_normed(x_ptr, w, K, eps, BLOCK_K, VEC), VEC)
+    else:
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        y = _gemv(_block(t, w_ptr, K, BLOCK_N, VEC), rows, ok, x_ptr, nw_ptr, rstd, K, wa, wb, True, DEPTH, BLOCK_N,
+                  BLOCK_K, VEC, 0, 0, K)
     tl.store(out_ptr + rows, y.to(DT).to(tl.float32), mask=ok)
 
 
@@ -262,7 +369,8 @@ def embed(ids_ptr, emb_ptr, x_ptr, K, PDL: tl.constexpr, BLOCK: tl.constexpr):
 @tr.jit
 def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   K: tl.constexpr, eps, max_len, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+                  PDL: tl.constexpr, DEPTH: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                  EARLY: tl.constexpr = False):
     """RMSNorm, q/k/v products, RoPE, the KV-cache write. Program: rows ``j..j+R`` and ``j+D/2..`` of one head.
 
     Heads ``0..NH-1`` are q's (result to ``q_ptr``), then NKV of k, NKV of v (to the caches at ``position``).
@@ -273,16 +381,22 @@ def norm_qkv_rope(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_p
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     lo_a, lo_b, hi_a, hi_b = qkv_pre(pid, wq_ptr, wk_ptr, wv_ptr, K, NH, NKV, D, R, DEPTH, BLOCK_K, VEC)
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_wait()
     qkv_run(pid, lo_a, lo_b, hi_a, hi_b, x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
-            kc_ptr, vc_ptr, K, eps, max_len, NH, NKV, D, R, DEPTH, BLOCK_K, VEC)
+            kc_ptr, vc_ptr, K, eps, max_len, NH, NKV, D, R, DEPTH, BLOCK_K, VEC, EARLY, PDL and EARLY)
 
 
 @tr.jit
 def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.constexpr, NKV: tl.constexpr,
-              D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One query head over positions 0..position of its KV head: online softmax in float32, the result rounded."""
+              D: tl.constexpr, PDL: tl.constexpr, BLOCK_T: tl.constexpr, AHEAD: tl.constexpr = False):
+    """One query head over positions 0..position of its KV head: online softmax in float32, the result rounded.
+
+    ``AHEAD``: the past read before the PDL wait (:func:`attention_ahead`)."""
+    if AHEAD:
+        attention_ahead(tl.program_id(0), q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH, NKV, D, PDL,
+                        BLOCK_T)
+        return
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
@@ -292,7 +406,8 @@ def attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, max_len, scale, NH: tl.co
 
 @tr.jit
 def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, RESIDUAL: tl.constexpr = True):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, RESIDUAL: tl.constexpr = True,
+                  EARLY: tl.constexpr = False):
     """``x[rows] = x[rows] + (W @ a)[rows]``: a product added to the residual stream in place (o_proj, down_proj).
 
     ``RESIDUAL=False``: ``x[rows] = (W @ a)[rows]``, the product alone (x is not read): a rank's partial sum in
@@ -304,30 +419,33 @@ def proj_residual(a_ptr, w_ptr, x_ptr, N, K: tl.constexpr, PDL: tl.constexpr, DE
     wa, wb = rows_pre(pid, w_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    proj_run(pid, wa, wb, a_ptr, w_ptr, x_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC, RESIDUAL)
+    proj_run(pid, wa, wb, a_ptr, w_ptr, x_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC, RESIDUAL, EARLY)
 
 
 @tr.jit
 def norm_gate_up(x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr,
-                 DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+                 DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                 EARLY: tl.constexpr = False):
     """``act[rows] = silu(gate(n)) * up(n)`` with ``n = RMSNorm(x)``: the same rows of both matrices per program."""
     pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     ga, gb, ua, ub = gate_up_pre(pid, wg_ptr, wu_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_wait()
-    gate_up_run(pid, ga, gb, ua, ub, x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K, eps, DEPTH, BLOCK_N, BLOCK_K, VEC)
+    gate_up_run(pid, ga, gb, ua, ub, x_ptr, nw_ptr, wg_ptr, wu_ptr, act_ptr, N, K, eps, DEPTH, BLOCK_N, BLOCK_K, VEC,
+                EARLY, PDL and EARLY)
 
 
 @tr.jit
 def norm_lm_head(x_ptr, nw_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps, PDL: tl.constexpr, DEPTH: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EARLY: tl.constexpr = False):
     """Logits (float32, rounded through the model's dtype, as transformers' lm_head output is): RMSNorm, lm_head."""
     pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     wa, wb = rows_pre(pid, w_ptr, N, K, DEPTH, BLOCK_N, BLOCK_K, VEC)
-    if PDL:
+    if PDL and not EARLY:
         tl.extra.cuda.gdc_wait()
-    lm_head_run(pid, wa, wb, x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, DEPTH, BLOCK_N, BLOCK_K, VEC)
+    lm_head_run(pid, wa, wb, x_ptr, nw_ptr, w_ptr, out_ptr, N, K, eps, DEPTH, BLOCK_N, BLOCK_K, VEC, EARLY,
+                PDL and EARLY)

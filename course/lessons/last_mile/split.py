@@ -20,7 +20,7 @@ summed in float32, then added to the residual stream and rounded again, as trans
 from __future__ import annotations
 
 from course.core.triton_path import triton
-from course.lessons.last_mile.kernels import _gemv, _prefetch
+from course.lessons.last_mile.kernels import _attend, _gemv, _prefetch, _softmax_start
 
 tr = triton()
 import triton.language as tl  # noqa: E402  (after the interpret decision, on purpose)
@@ -90,24 +90,10 @@ def attention_split(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, part_ptr, count_ptr
     p = tl.load(pos_ptr)
     q = tl.load(q_ptr + h * D + d).to(tl.float32)
     base = g * max_len * D
-    m = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
-    total = tl.sum(tl.full([BLOCK_T], 0.0, tl.float32), axis=0)
-    acc = tl.full([D], 0.0, tl.float32)
+    m, total, acc = _softmax_start(D, BLOCK_T)
     t0 = piece * CHUNK
-    end = tl.minimum(p + 1, t0 + CHUNK)
-    while t0 < end:
-        t = t0 + tl.arange(0, BLOCK_T)
-        seen = t < end
-        k = tl.load(kc_ptr + base + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-        v = tl.load(vc_ptr + base + t[:, None] * D + d[None, :], mask=seen[:, None], other=0.0).to(tl.float32)
-        s = tl.where(seen, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(s - m_new)
-        total = total * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
-        m = m_new
-        t0 += BLOCK_T
+    m, total, acc = _attend(q, kc_ptr + base, vc_ptr + base, t0, tl.minimum(p + 1, t0 + CHUNK), scale, m, total,
+                            acc, D, BLOCK_T)
     mine = part_ptr + (h * SPLITS + piece) * (D + 2)
     tl.store(mine + d, acc)
     tl.store(mine + D, m)

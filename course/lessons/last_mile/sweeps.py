@@ -10,6 +10,13 @@
   run over positions 32 to 160 (128 steps, each its own replay), beside each model's floor; greedy tokens and
   logits against transformers' eager step.
 
+- "last_mile_public_workload" (:func:`public_workload_experiment`): the workload of a public study (:data:`PUBLIC`):
+  Llama-3.2-1B's shape at batch 1, ``prompt`` positions filled, then ``steps`` dependent greedy steps timed (each token
+  the argmax of the step before, chosen on the device: :class:`~course.lessons.last_mile.loop.TokenLoop`), TinyLlama's
+  and SmolLM2's shapes beside it: the step before issue 43's changes and with each of them (:data:`PUBLIC_VARIANTS`),
+  then every step in one graph; one step at ``prompt`` too; the tokens of every variant against the first's; the
+  study's own figures for the GPU the recording ran on are cited.
+
 Every variant is the step captured in one CUDA graph with PDL, replayed by hand
 (:func:`~course.lessons.last_mile.decoder.graphed`).
 """
@@ -18,11 +25,10 @@ from __future__ import annotations
 from course.core.capture import require_gpu
 from course.core.reference import experiment
 from course.core.results import Result
+from course.lessons.last_mile.waterfall import LAST_MILE
 
 NAN = float("nan")
-VARIANTS = {"Triton + PDL": {}, "+ split-K down": {"split_k": True},
-            "+ packed weights": {"split_k": True, "packed": True},
-            "+ split-KV attention": {"split_k": True, "packed": True, "split_kv": True}}
+VARIANTS = {"Triton + PDL": {}, **LAST_MILE}
 PERSISTENT = "persistent"  # the persistent step (one launch per token), beside the variants in last_mile_shapes
 COLUMNS = {"shape": "", "positions": "", "variant": "", "status": "", "us": "us", "q1_us": "us", "q3_us": "us",
            "floor_us": "us", "x_floor": "x", "attention_share": "fraction", "first_call_s": "s", "correct": "",
@@ -214,3 +220,112 @@ def split_kv_from(result, split: str = "+ split-KV attention", plain: str = "+ p
         if a and b and a["q3_us"] == a["q3_us"] and b["q1_us"] == b["q1_us"] and a["q3_us"] < b["q1_us"]:
             return p
     return None
+
+
+# The public study's figures for Llama-3.2-1B (bf16, batch 1, 32-token prompt, 127 dependent steps timed), µs per
+# step on each GPU it ran on: cited, not measured here; a recording shows those of the GPU it was made on.
+PUBLIC = {"H200": {"public: CUDA graphs + PDL": 794.74, "public: megakernel (Hazy)": 759.83},
+          "H100": {"public: CUDA graphs + PDL": 979.51, "public: megakernel (Hazy)": 972.78}}
+PUBLIC_SOURCE = "msaroufim/megakernels-vs-cuda-graphs, llama/docs/RESULTS.md (µs/step, mean of process means)"
+PUBLIC_VARIANTS = ("Triton + PDL", "+ loads before the wait", "+ attention ahead")
+LOOP = "+ all steps in one graph"  # the last variant's step, every dependent step in one replay
+PUBLIC_COLUMNS = {"shape": "", "positions": "", "variant": "", "status": "", "us": "us", "q1_us": "us",
+                  "q3_us": "us", "floor_us": "us", "x_floor": "x", "tokens_equal": "", "launches_per_token": "count",
+                  "tokens_per_replay": "count", "source": ""}
+
+
+@experiment("last_mile_public_workload", gpu_only=True,
+            quick={"shapes": ("tiny-tied",), "prompt": 4, "steps": 6, "repeats": 3})
+def public_workload_experiment(shapes=("llama-3.2-1b", "tinyllama", "smollm2-135m"), prompt: int = 32,
+                               steps: int = 127, repeats: int = 10, log=print) -> Result:
+    """The public study's workload on the course's step (see the module doc), variants interleaved per shape."""
+    require_gpu("timing the public decode workload")
+    import torch
+
+    from course.core.hardware import release_memory
+    from course.core.timing import time_interleaved
+    from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
+    from course.lessons.last_mile.loop import TokenLoop
+    from course.lessons.last_mile.shapes import build_shape
+    from course.lessons.real_model.decode import StaticDecoder
+    from course.lessons.real_model.experiments import _reason
+    from course.lessons.real_model.model import bytes_per_token
+    from course.lessons.real_model.roofline import copy_bandwidth_GBps, floor_us
+
+    bw = copy_bandwidth_GBps()
+    max_len = -(-(prompt + steps + 1) // 64) * 64
+    span = f"{prompt}+{steps}"
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    gpu = next((g for g in PUBLIC if g in name), None)  # the study's figures for this GPU, if it ran on one
+    rows = []
+    for shape in shapes:
+        model = build_shape(shape)
+        args = StaticDecoder(model, max_len).example_args(1, prompt)
+        ids = torch.randint(3, model.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
+        one, loops, failed, first = {}, {}, {}, None
+        for name in (*PUBLIC_VARIANTS, LOOP):
+            log(f"last_mile_public_workload: {shape}: {name}: building, filling {prompt} positions, capturing")
+            try:
+                if name == LOOP:  # the last variant's decoder, every step in one graph
+                    loops[name] = TokenLoop(loops[PUBLIC_VARIANTS[-1]].dec, steps)
+                    continue
+                dec = TritonDecoder(model, max_len, pdl=True, config=config_for(model, **VARIANTS[name]))
+                with torch.no_grad():
+                    for t in range(prompt):  # the prompt's keys and values, one step a position
+                        logits = dec.step(ids[t].view(1, 1).to(dec.device), torch.tensor([t], device=dec.device))
+                first = int(logits.argmax()) if first is None else first  # every variant starts from one token
+                one[name] = graphed(dec, *args)
+                loops[name] = TokenLoop(dec, 1)
+            except Exception as e:  # noqa: BLE001 - a variant that breaks is a row that says why
+                failed[name] = _reason(e)
+                log(f"last_mile_public_workload: {shape}: {name}: {failed[name]}")
+        log(f"last_mile_public_workload: {shape}: one step at {prompt}, and {steps} dependent steps, interleaved")
+
+        def sequence(lp):
+            lp.start(first, prompt)
+            for _ in range(steps // lp.n):
+                lp.replay()
+
+        with torch.no_grad():
+            t1 = time_interleaved({n: (lambda fn=fn: fn(*args)) for n, fn in one.items()}, clock="device",
+                                  warmup=3, repeats=repeats, inner=5)
+            tn = time_interleaved({n: (lambda lp=lp: sequence(lp)) for n, lp in loops.items()}, clock="device",
+                                  warmup=1, repeats=repeats, inner=1)
+            tokens = {n: lp.run(first, prompt, steps) for n, lp in loops.items()}
+        base = next(iter(tokens.values()), None)
+        floor = floor_us(bytes_per_token(model, 1, prompt), bw)
+        mid = floor_us(bytes_per_token(model, 1, prompt + steps // 2), bw)
+        for name, lp in loops.items():
+            extra = {"tokens_equal": bool(torch.equal(tokens[name], base)), "launches_per_token": lp.kernels_per_token,
+                     "source": "measured"}
+            if name in one:
+                rows.append(_public_row(shape, str(prompt), name, t1[name], floor, tokens_per_replay=1,
+                                        **{**extra, "launches_per_token": lp.dec.kernels_per_token}))
+            rows.append(_public_row(shape, span, name, _per_step(tn[name], steps), mid, tokens_per_replay=lp.n,
+                                    **extra))
+        rows += [_public_row(shape, span, n, None, mid, status=why) for n, why in failed.items()]
+        rows.append(_public_row(shape, str(prompt), "floor", None, floor, status="computed", us=floor, x_floor=1.0))
+        rows.append(_public_row(shape, span, "floor", None, mid, status="computed", us=mid, x_floor=1.0))
+        if shape == "llama-3.2-1b" and (prompt, steps) == (32, 127) and gpu:
+            rows += [_public_row(shape, span, n, None, mid, status="cited", us=us, x_floor=us / mid,
+                                 source=f"{PUBLIC_SOURCE}, {gpu}") for n, us in PUBLIC[gpu].items()]
+        del one, loops, model
+        release_memory()
+    res = Result("last_mile_public_workload",
+                 f"A public study's decode workload: LlamaForCausalLM shapes, random weights, bf16, batch 1, {prompt} "
+                 f"positions filled, then {steps} dependent greedy steps (argmax on the device) per run, µs per step "
+                 "(median and IQR of runs, CUDA events, variants interleaved per shape), and one step at position "
+                 f"{prompt}; the study's own figures cited", PUBLIC_COLUMNS, rows,
+                 params={"shapes": list(shapes), "prompt": prompt, "steps": steps, "repeats": repeats,
+                         "max_len": max_len, "torch": torch.__version__})
+    res.add_summary("copy_bandwidth_GBps", bw, "GB/s")
+    res.add_summary("public_source", PUBLIC_SOURCE, "")
+    return res
+
+
+def _public_row(shape: str, positions: str, variant: str, timing, floor: float, **extra) -> dict:
+    """One row of ``last_mile_public_workload`` (:data:`PUBLIC_COLUMNS`)."""
+    out = {k: v for k, v in row(shape, positions, variant, timing, floor).items() if k in PUBLIC_COLUMNS}
+    out.update({"tokens_equal": "", "launches_per_token": NAN, "tokens_per_replay": NAN, "source": ""})
+    out.update(extra)
+    return out

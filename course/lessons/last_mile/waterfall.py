@@ -7,7 +7,8 @@ every step of the way at batch 1 (:data:`STEPS`): transformers' eager step, the 
 (fused + GEMV), the course's Triton kernels, five per layer, captured (Triton), the same with
 programmatic dependent launch (Triton + PDL), and that graph replayed by hand instead of through the
 GraphCache (Triton + PDL, plain graph: what the cache's bookkeeping costs per token); then the last mile's
-options (:data:`LAST_MILE`, :func:`~course.lessons.last_mile.decoder.config_for`), one more per row: down_proj
+options (:data:`LAST_MILE`, :func:`~course.lessons.last_mile.decoder.config_for`), one more per row: loads of
+what no earlier kernel writes moved before the PDL wait, attention reading the past before its wait, down_proj
 split over K, the weights packed, attention split over positions; last, the persistent step (one launch per token,
 :mod:`~course.lessons.last_mile.persistent`), captured and replayed by hand. Each row also
 has its kernels per token (profiler), its first call (compile and capture included; Triton compiles
@@ -36,14 +37,19 @@ STEPS = (
     ("Triton", "one Triton kernel per fused group, 5 per layer, captured"),
     ("Triton + PDL", "the same kernels with programmatic dependent launch"),
     ("Triton + PDL, plain graph", "the same graph replayed by hand: inputs copied in, no cache lookup, no output copy"),
+    ("+ loads before the wait", "every kernel loads what no earlier kernel writes (position, cos/sin, norm weights) "
+                                "before its PDL wait, the residual with the input, x once per norm"),
+    ("+ attention ahead", "attention loads the position and the past keys and values before its wait, the new row "
+                          "after; the next kernel launched after those loads"),
     ("+ split-K down", "down_proj's columns split over several programs per row block (the last one adds the parts)"),
     ("+ packed weights", "every product's weights repacked: a program's rows one contiguous run of 16-byte groups"),
     ("+ split-KV attention", "attention's positions split into pieces of 256, merged by the last program per head"),
     ("persistent", "one persistent kernel per token: grid barriers between the stages, each stage's first weights "
                    "loaded before the barrier ahead of it, captured"),
 )
-LAST_MILE = {"+ split-K down": {"split_k": True}, "+ packed weights": {"split_k": True, "packed": True},
-             "+ split-KV attention": {"split_k": True, "packed": True, "split_kv": True}}  # each row adds one option
+ADDS = {"+ loads before the wait": "early", "+ attention ahead": "ahead", "+ split-K down": "split_k",
+        "+ packed weights": "packed", "+ split-KV attention": "split_kv"}
+LAST_MILE = {n: dict.fromkeys(list(ADDS.values())[:i + 1], True) for i, n in enumerate(ADDS)}  # each adds one option
 HF = "HF: auto-compile"
 
 
