@@ -67,7 +67,7 @@ def test_provenance_has_versions_and_date():
 # GPU experiments whose reference data has not been recorded yet (their notebooks say "reference data not recorded
 # yet" until `python -m course bench NAME` runs on a GPU). Once the JSON is committed it is checked like any other;
 # then drop the name from here.
-AWAITING_FIRST_RECORDING: set = {"last_mile_positions", "last_mile_shapes", "last_mile_public_workload"}
+AWAITING_FIRST_RECORDING: set = set()
 
 
 def test_reference_registry_and_files_are_valid():
