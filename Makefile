@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create the environment and install the course
 
-course: setup  ## set up, check the environment, execute every notebook into build/
+course: setup  ## set up, check the environment, execute the lessons and labs into build/
 	COURSE_FROM_MAKE=course $(PY) -m course doctor
 	$(PY) -m course run
 

@@ -1,7 +1,8 @@
 """The course's command line: ``python -m course COMMAND`` (or ``capture-replay COMMAND``).
 
   doctor            check the environment, say which path the course takes and how to fix problems
-  run               execute every notebook headless into build/ (notebooks + HTML + summary)
+  run               execute the lessons and labs headless into build/ (notebooks + HTML + summary;
+                    --answers: the answer versions too)
   bench             run the GPU experiments on a real GPU and write reference data
   build-labs        regenerate the learner versions (labs/, the lessons in notebooks/) from solutions/
   check NOTEBOOK    run a notebook in a fresh kernel and report each check; exit 1 on a ✗ or an
@@ -24,7 +25,7 @@ def _doctor(args) -> int:
 
 def _run(args) -> int:
     from course.tools.render import main as render_main
-    return render_main(out=args.out, only=args.only, timeout=args.timeout, jobs=args.jobs)
+    return render_main(out=args.out, only=args.only, timeout=args.timeout, jobs=args.jobs, answers=args.answers)
 
 
 def _bench(args) -> int:
@@ -72,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="check the environment")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.set_defaults(func=_doctor)
-    r = sub.add_parser("run", help="execute every notebook into build/")
+    r = sub.add_parser("run", help="execute the lessons and labs into build/")
     r.add_argument("--out", default="build", help="output folder (default: build)")
-    r.add_argument("--only", nargs="*", default=None, help="notebook paths to run (default: all)")
+    r.add_argument("--only", nargs="*", default=None, help="notebook paths to run (default: the lessons and labs)")
+    r.add_argument("--answers", action="store_true", help="the answer versions (solutions/) too")
     r.add_argument("--timeout", type=int, default=900, help="per-cell timeout in seconds")
     r.add_argument("--jobs", type=int, default=None,
                    help="notebooks executed at once (default: 2 on the simulator path with 2+ CPUs, 1 on a GPU)")

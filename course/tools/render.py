@@ -1,4 +1,5 @@
-"""``python -m course run``: execute every notebook headless and write what it showed.
+"""``python -m course run``: execute the lessons and labs headless (``--answers``: the answer versions too) and
+write what they showed.
 
 Writes, under ``build/`` (or ``--out``):
 - ``executed/<folder>/<name>.ipynb``: each notebook with its outputs,
@@ -156,9 +157,9 @@ def _rows(todo: list, out_dir: Path, timeout: int, jobs: int, tqdm):
                        "error": f"its worker process failed: {type(e).__name__}: {e}", "html_error": None}
 
 
-def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = None) -> int:
-    """Run the notebooks (all, or those in ``only``), ``jobs`` at once (default :func:`default_jobs`); exit 1 if any
-    failed. The summary lists them in the course's order whatever order they finished in."""
+def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = None, answers: bool = False) -> int:
+    """Run the lessons and labs (with ``answers`` the answer versions too; or those in ``only``), ``jobs`` at once
+    (default :func:`default_jobs`); exit 1 if any failed. The summary lists them in the course's order."""
     from tqdm.auto import tqdm
 
     from course.core.runtime import runtime
@@ -167,7 +168,8 @@ def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = N
     out_dir = Path(out)
     if not out_dir.is_absolute():
         out_dir = ROOT / out_dir
-    wanted = [e for e in CATALOG if only is None or e.path in only or Path(e.path).name in only]
+    wanted = [e for e in CATALOG if answers or e.kind != "solution"] if only is None else \
+        [e for e in CATALOG if e.path in only or Path(e.path).name in only]
     if only and not wanted:
         print(f"course run: none of {only} is in the course; choose from {[e.path for e in CATALOG]}")
         return 2
