@@ -4,13 +4,13 @@ A lookup that gives the right numbers can still ignore the layout the exercise i
 checks launch a kernel ``(ids, weight, out, err)`` (the word views of :func:`course.embedding.as_words`)
 and look at *how* it copies:
 
-- :func:`check_grid_stride`: a grid of fewer blocks than the rows need, on an output filled with
+- :func:`grid_stride`: a grid of fewer blocks than the rows need, on an output filled with
   NaN, so a kernel without the grid-stride loop leaves rows unwritten, and they are named;
-- :func:`check_layout`: the access trace (:mod:`course.embedding.access`) says which thread wrote
+- :func:`layout`: the access trace (:mod:`course.embedding.access`) says which thread wrote
   which word: each row copied once, by one row of threads (``threadIdx.y``), thread ``tx`` copying
   words ``tx, tx + blockDim.x, ...``, each thread loading 4 words before it stores them. The trace
   needs the simulator: on a GPU it runs the kernel's source in a ``COURSE_PATH=sim`` process;
-- :func:`check_fast_kernel`: both, returning what was covered, one line each.
+- :func:`check_fast_kernel`: both, as the named rules :data:`FAST_RULES` of the course's harness.
 
 Speed is not judged here: only a GPU can (the lab's check times the kernel there).
 """
@@ -29,6 +29,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from course.core.harness import Rule, check
 from course.core.runtime import as_numba, numba_stream, runtime
 from course.embedding.kernels import UNROLL, as_words, launch_config, pick_word_bytes
 from course.embedding.lookup import error_flag, reset_errors
@@ -73,12 +74,9 @@ def launch_capped(kernel, ids, weight, blocks: int = BLOCKS):
     return out, (blocks, threads), word
 
 
-def check_grid_stride(kernel, ids=None, weight=None) -> str:
-    """Launch with a grid of :data:`BLOCKS` blocks for more rows than they hold; name the rows left unwritten.
-
-    Returns one line saying what was covered; raises AssertionError when rows were not written
-    (no grid-stride loop) or hold wrong values.
-    """
+def grid_stride(kernel, ids=None, weight=None) -> tuple:
+    """Launch with a grid of :data:`BLOCKS` blocks for more rows than they hold: ``(problem, line)``, the problem
+    ('' if none) naming the rows left unwritten (no grid-stride loop) or wrong, the line what was covered."""
     if ids is None or weight is None:
         ids, weight = capped_inputs()
     out, (blocks, (x, y)), _ = launch_capped(kernel, ids, weight)
@@ -86,17 +84,15 @@ def check_grid_stride(kernel, ids=None, weight=None) -> str:
     unwritten = [r for r in range(len(got)) if bool(torch.isnan(got[r]).all())]
     grid = (f"a grid of {blocks} blocks of {y} rows (blockDim = ({x}, {y})) for {len(got)} ids, "
             f"{blocks * y} rows per round")
-    if unwritten:
-        raise AssertionError(
-            f"with {grid}, rows {_ranges(unwritten)} of the output were never written: the kernel copies only the "
-            "rows of the first round. Loop over rows (a grid-stride loop): while row < out.shape[0]: ... "
-            "row += cuda.gridDim.x * cuda.blockDim.y")
     wrong = [r for r in range(len(got)) if not torch.equal(got[r], want[r])]
+    if unwritten:
+        return (f"with {grid}, rows {_ranges(unwritten)} of the output were never written: the kernel copies only "
+                "the rows of the first round. Loop over rows (a grid-stride loop): while row < out.shape[0]: ... "
+                "row += cuda.gridDim.x * cuda.blockDim.y"), ""
     if wrong:
-        raise AssertionError(f"with {grid}, rows {_ranges(wrong)} of the output are wrong or partly written "
-                             "(the first round is right?): check the grid-stride step, "
-                             "row += cuda.gridDim.x * cuda.blockDim.y")
-    return f"grid-stride loop: {grid} - every row written"
+        return (f"with {grid}, rows {_ranges(wrong)} of the output are wrong or partly written (the first round is "
+                "right?): check the grid-stride step, row += cuda.gridDim.x * cuda.blockDim.y"), ""
+    return "", f"grid-stride loop: {grid} - every row written"
 
 
 # --------------------------------------------------------------------------- the layout, from the access trace
@@ -165,8 +161,8 @@ def layout_problem(records, out_name: str, weight_name: str, row_bytes: int, wor
     return None
 
 
-def _layout_here(kernel) -> list:
-    """Trace a capped launch of ``kernel`` on the simulator; raise AssertionError naming a layout problem."""
+def _layout_here(kernel) -> tuple:
+    """Trace a capped launch of ``kernel`` on the simulator: ``(problem, lines)`` (see :func:`layout`)."""
     import course.embedding.access as access
 
     ids, weight = capped_inputs()
@@ -175,11 +171,11 @@ def _layout_here(kernel) -> list:
     out, (blocks, (x, y)), word = held["r"]
     names = list(tr.arrays)
     if len(names) != 4:
-        raise AssertionError(f"expected a kernel of four arrays (ids, weight, out, err), it got {len(names)}")
+        return f"expected a kernel of four arrays (ids, weight, out, err), it got {len(names)}", []
     problem = layout_problem(tr.records, names[2], names[1], out.shape[1] * out.element_size(), word, x)
     if problem:
-        raise AssertionError(f"{problem} [access trace of {len(ids)} rows, blockDim = ({x}, {y})]")
-    return [f"rows of threads: each row copied once, by one row of {x} threads, thread tx copying words tx, "
+        return f"{problem} [access trace of {len(ids)} rows, blockDim = ({x}, {y})]", []
+    return "", [f"rows of threads: each row copied once, by one row of {x} threads, thread tx copying words tx, "
             f"tx + {x}, ... (access trace)",
             f"{UNROLL} loads in flight: every thread loaded {UNROLL} words before storing them (access trace)"]
 
@@ -225,43 +221,48 @@ def _rebuild(spec: dict):
 
 
 def _child_main() -> None:
-    """Entry point of the simulator process: read a spec on stdin, print the layout verdict as JSON."""
-    spec = json.load(sys.stdin)
-    try:
-        print(json.dumps({"ok": True, "lines": _layout_here(_rebuild(spec))}))
-    except AssertionError as e:
-        print(json.dumps({"ok": False, "problem": str(e)}))
+    """Entry point of the simulator process: read a spec on stdin, print the layout's ``(problem, lines)`` as JSON."""
+    print(json.dumps(_layout_here(_rebuild(json.load(sys.stdin)))))
 
 
-def _layout_in_child(kernel) -> list:
+def _layout_in_child(kernel) -> tuple:
     try:
         spec = kernel_source(kernel)
     except (OSError, TypeError, ValueError) as e:
-        return [f"rows of threads, loads in flight: not traced ({e})"]
+        return "", [f"rows of threads, loads in flight: not traced ({e})"]
     env = {**os.environ, "COURSE_PATH": "sim", "NUMBA_ENABLE_CUDASIM": "1"}
     child = subprocess.run([sys.executable, "-c", "import course.embedding.fastcheck as C; C._child_main()"],
                            input=json.dumps(spec), env=env, capture_output=True, text=True, timeout=600)
     lines = child.stdout.strip().splitlines()
     if child.returncode or not lines:
         why = (child.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return [f"rows of threads, loads in flight: not traced (the simulator process failed: {why})"]
-    verdict = json.loads(lines[-1])
-    if not verdict["ok"]:
-        raise AssertionError(verdict["problem"] + " (traced on the simulator, in its own process)")
-    return [f"{line} (in a simulator process)" for line in verdict["lines"]]
+        return "", [f"rows of threads, loads in flight: not traced (the simulator process failed: {why})"]
+    problem, covered = json.loads(lines[-1])
+    return (problem + " (traced on the simulator, in its own process)" if problem else "",
+            [f"{line} (in a simulator process)" for line in covered])
 
 
-def check_layout(kernel, *, child=None) -> list:
-    """Check the exercise's layout from the access trace; return what was covered, one line each.
+def layout(kernel, *, child=None) -> tuple:
+    """The exercise's layout from the access trace: ``(problem, lines)``, the problem ('' if none) in words, the
+    lines what was covered. On a GPU (or with ``child=True``) the kernel's source is traced in a ``COURSE_PATH=sim``
+    process; when that cannot be done the line says "not traced"."""
+    return _layout_in_child(kernel) if (child if child is not None else runtime().on_gpu) else _layout_here(kernel)
 
-    On the simulator the trace runs here; on a GPU (or with ``child=True``) the kernel's source
-    runs in a ``COURSE_PATH=sim`` process. When that cannot be done the line says "not traced".
-    """
-    if child if child is not None else runtime().on_gpu:
-        return _layout_in_child(kernel)
-    return _layout_here(kernel)
+
+def _covered(step):
+    """A rule's test: ``step(kernel)``'s problem, its lines of what was covered kept."""
+    def test(k) -> str:
+        problem, lines = step(k.kernel)
+        k.lines += [lines] if isinstance(lines, str) else lines
+        return problem
+    return test
+
+
+FAST_RULES = [Rule("grid_stride", "", _covered(grid_stride)), Rule("layout", "", _covered(layout))]
 
 
 def check_fast_kernel(kernel) -> list:
-    """:func:`check_grid_stride` then :func:`check_layout`; return what was covered (speed is not)."""
-    return [check_grid_stride(kernel), *check_layout(kernel)]
+    """Judge ``kernel`` by :data:`FAST_RULES` (grid-stride loop, then the layout); what was covered (not speed)."""
+    k = types.SimpleNamespace(kernel=kernel, lines=[])
+    check(k, FAST_RULES)
+    return k.lines

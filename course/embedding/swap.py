@@ -24,11 +24,13 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import types
 import warnings
 
 import torch
 
 from course import embedding as E
+from course.core.harness import Rule, check
 from course.core.runtime import runtime
 
 IMPLS = ("cpu-copy", "device")
@@ -137,39 +139,62 @@ def swap(model: torch.nn.Module, impl: str) -> torch.nn.Module:
     return model
 
 
-def check_swap(swap_fn, model: torch.nn.Module) -> None:
-    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model; the AssertionError names the defect.
+def _returns_model(s) -> str:
+    got = s.swap(s.model, "device")
+    return "" if got is s.model else f"swap() must return the model it was given, it returned {type(got).__name__}"
 
-    Checks that it returns the model, sets ``impl`` on every :class:`SwapEmbedding` (also inside
-    nested modules), keeps the weights, gives the same output both ways, and refuses an unknown
-    impl with a ValueError that lists the valid ones. Leaves ``model`` on "device".
-    """
-    ids = torch.randint(0, model.embed.weight.shape[0], (4, 32), device=model.embed.weight.device)
-    tables = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
-    weights = [(m.weight, m.weight.data_ptr(), m.weight.clone()) for m in tables]
-    got = swap_fn(model, "device")
-    assert got is model, f"swap() must return the model it was given, it returned {type(got).__name__}"
-    assert model.embed.impl == "device", f"swap(model, 'device') left model.embed.impl = {model.embed.impl!r}"
-    before = model(ids)
-    swap_fn(model, "cpu-copy")
-    assert model.embed.impl == "cpu-copy", f"swap(model, 'cpu-copy') left model.embed.impl = {model.embed.impl!r}"
-    for (w, ptr, copy), m in zip(weights, tables):
-        assert m.weight is w and m.weight.data_ptr() == ptr and torch.equal(m.weight, copy), \
-            "swap() must keep the weights: change .impl only, not the table"
-    assert torch.equal(before, model(ids)), "both implementations must give the same output for the same ids"
+
+def _impl_is(impl: str):
+    """A rule's test: after ``swap(model, impl)`` (the device one already ran), every table says ``impl``."""
+    def test(s) -> str:
+        if impl == "cpu-copy":
+            s.before = s.model(s.ids)
+            s.swap(s.model, impl)
+        return "" if s.model.embed.impl == impl else \
+            f"swap(model, {impl!r}) left model.embed.impl = {s.model.embed.impl!r}"
+    return test
+
+
+def _nested(s) -> str:
     nested = torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4),
                                  torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4, seed=1)))
-    swap_fn(nested, "cpu-copy")
+    s.swap(nested, "cpu-copy")
     left = [name for name, m in nested.named_modules() if isinstance(m, SwapEmbedding) and m.impl != "cpu-copy"]
-    assert not left, (f"in a nested model, swap() left {', '.join(left)} unchanged: walk every module with "
-                      "model.modules() (it goes into submodules), not only the top level or the first one")
+    return "" if not left else (f"in a nested model, swap() left {', '.join(left)} unchanged: walk every module "
+                                "with model.modules() (it goes into submodules), not only the top level or the first one")
+
+
+def _refuses(s) -> str:
     try:
-        swap_fn(model, "gpu")
+        s.swap(s.model, "gpu")
     except ValueError as e:
         missing = [i for i in IMPLS if i not in str(e)]
-        assert not missing, f'swap(model, "gpu") raised ValueError({str(e)!r}): say which values are valid, {IMPLS}'
-    else:
-        raise AssertionError(f'swap(model, "gpu") should raise ValueError listing the valid impls {IMPLS}')
+        return "" if not missing else \
+            f'swap(model, "gpu") raised ValueError({str(e)!r}): say which values are valid, {IMPLS}'
+    return f'swap(model, "gpu") should raise ValueError listing the valid impls {IMPLS}'
+
+
+SWAP_RULES = [
+    Rule("returns_model", "", _returns_model), Rule("sets_device", "", _impl_is("device")),
+    Rule("sets_cpu_copy", "", _impl_is("cpu-copy")),
+    Rule("keeps_weights", "", lambda s: "" if all(
+        m.weight is w and m.weight.data_ptr() == ptr and torch.equal(m.weight, copy) for (w, ptr, copy), m in s.kept)
+        else "swap() must keep the weights: change .impl only, not the table"),
+    Rule("same_output", "", lambda s: "" if torch.equal(s.before, s.model(s.ids)) else
+         "both implementations must give the same output for the same ids"),
+    Rule("nested", "", _nested), Rule("refuses_unknown", "", _refuses)]
+
+
+def check_swap(swap_fn, model: torch.nn.Module) -> None:
+    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model by :data:`SWAP_RULES` (it returns
+    the model, sets every table's ``impl``, keeps the weights and the output, refuses an unknown impl by name).
+    Leaves ``model`` on "device"."""
+    ids = torch.randint(0, model.embed.weight.shape[0], (4, 32), device=model.embed.weight.device)
+    tables = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
+    s = types.SimpleNamespace(swap=swap_fn, model=model, ids=ids,
+                              kept=[((m.weight, m.weight.data_ptr(), m.weight.clone()), m) for m in tables])
+    try:
+        check(s, SWAP_RULES)
     finally:
         for m in model.modules():
             if isinstance(m, SwapEmbedding):
