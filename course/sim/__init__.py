@@ -13,10 +13,7 @@ call (in :mod:`course.core.runtime`) stays the learner's single door. The module
 - :mod:`~course.sim.optim`: ``capturable=True`` optimizers on CPU tensors that stand for device tensors.
 - :mod:`~course.sim.rng`: the generator's state saved and restored inside a capture (activation checkpointing).
 - :mod:`~course.sim.memory`: the device's memory limit during a capture, and ``Tensor.record_stream``.
-- :mod:`~course.sim.parity` (with :mod:`~course.sim.parity_streams`, :mod:`~course.sim.parity_sync`,
-  :mod:`~course.sim.parity_modes` and their tools :mod:`~course.sim.parity_tools`): small capture programs with
-  the verdict a GPU gives, run on both paths; :mod:`~course.sim.parity_torch`: the failing captures among the
-  behaviours PyTorch's own graph tests check.
 
-The simulator depends on :mod:`course.core` only, never on a lesson.
+The simulator imports nothing of the course outside itself: :mod:`course.core.runtime` reaches it, and the programs that hold its
+verdicts equal to a GPU's are above both (:mod:`course.parity`).
 """

@@ -1,4 +1,4 @@
-"""Parity programs about grad modes and the generator's seed inside a capture (see :mod:`course.sim.parity`, which
+"""Parity programs about grad modes and the generator's seed inside a capture (see :mod:`course.parity.programs`, which
 lists them with the verdicts a GPU gives).
 
 Under ``torch.inference_mode()`` autograd no longer splits composite ops (``to``, ``linear``, ``matmul``...) before
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from course.sim.parity_tools import capture, close
+from course.parity.tools import capture, close
 
 
 def inference_mode_replay(cg, dev):

@@ -1,4 +1,4 @@
-"""Tools for the parity programs (:mod:`course.sim.parity`): capture on either path, and name an error.
+"""Tools for the parity programs (:mod:`course.parity.programs`): capture on either path, and name an error.
 
 :func:`capture` warms a function up on a side stream and captures it, :func:`capture_error` returns the key phrase
 of the error a capture fails with (and leaves CUDA usable on a GPU), :func:`phrase` finds the key phrase of an

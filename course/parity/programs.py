@@ -3,9 +3,9 @@
 The simulator's graphs (:mod:`course.sim.graph`) must give every program the verdict torch.cuda gives on a
 GPU: a laptop ✓ then means a GPU ✓. ``tests/test_simgraph.py`` runs them on the path the machine has (the
 simulator in CI; torch.cuda on a GPU). :func:`run` runs one and returns its verdict; :data:`PROGRAMS` lists them
-(these: what a replay reads and writes, and what a capture refuses; :mod:`course.sim.parity_streams`: streams,
-pools, Numba launches and ``make_graphed_callables``; :mod:`course.sim.parity_sync`: torch's sync debug mode and
-a graph freed during a capture; :mod:`course.sim.parity_modes`: inference mode and the seed in a capture).
+(these: what a replay reads and writes, and what a capture refuses; :mod:`course.parity.streams`: streams,
+pools, Numba launches and ``make_graphed_callables``; :mod:`course.parity.sync`: torch's sync debug mode and
+a graph freed during a capture; :mod:`course.parity.modes`: inference mode and the seed in a capture).
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import dataclasses
 
 import torch
 
-import course.sim.parity_modes as modes
-import course.sim.parity_streams as streams
-import course.sim.parity_sync as sync
-from course.sim.parity_tools import PHRASES, capture, capture_error, clean_up, close, phrase, x8
+import course.parity.modes as modes
+import course.parity.streams as streams
+import course.parity.sync as sync
+from course.parity.tools import PHRASES, capture, capture_error, clean_up, close, phrase, x8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Parity programs about torch's sync debug mode and a graph freed during a capture (see :mod:`course.sim.parity`,
+"""Parity programs about torch's sync debug mode and a graph freed during a capture (see :mod:`course.parity.programs`,
 which lists them with the verdicts a GPU gives).
 
 The sync debug verdicts follow what torch 2.11 reported on an H100 for the course's hazard zoo
@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from course.sim.parity_tools import capture, clean_up, phrase, x8
+from course.parity.tools import capture, capture_error, phrase, x8
 
 
 def _calls(cg, dev):
@@ -71,16 +71,9 @@ def graph_freed_during_capture(cg, dev):
     cycle = {"graph": g}
     cycle["self"] = cycle  # only the garbage collector can free it now
     del g, cycle
-    before, pool = cg.current_stream(), cg.graph_pool_handle()
-    g2 = cg.CUDAGraph()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with cg.graph(g2, pool=pool):
-                y = x * 2
-                gc.collect()  # what the collector does when it comes due: never in a capture
-                y + 1
-    except Exception as e:  # noqa: BLE001 - the verdict is the error
-        clean_up(cg, before, pool, g2)
-        return phrase(e)
-    return "captured"
+
+    def body():
+        y = x * 2
+        gc.collect()  # what the collector does when it comes due: never in a capture
+        y + 1
+    return capture_error(cg, body)

@@ -1,5 +1,5 @@
 """Parity programs about streams, shared pools, Numba launches and ``make_graphed_callables`` (see
-:mod:`course.sim.parity`, which lists them with the verdicts a GPU gives).
+:mod:`course.parity.programs`, which lists them with the verdicts a GPU gives).
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from course.sim.parity_tools import capture, capture_error, close, x8
+from course.parity.tools import capture, capture_error, close, x8
 
 
 def fork_join(cg, dev, join: bool = True):

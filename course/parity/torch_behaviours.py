@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from course.sim.parity_tools import PHRASES, capture_error, clean_up
+from course.parity.tools import PHRASES, capture_error, clean_up
 
 
 def capture_oom(cg, dev):
