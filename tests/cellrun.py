@@ -1,6 +1,5 @@
-"""What the exercise-variant tests share: apply a mutant's edits to answer cells, run cells as a notebook kernel
-would, and read the check log they wrote (imported by test_capture_exercises_02, test_reduce_overhead_exercise
-and the lab mutant tests)."""
+"""What tests share: apply a mutant's edits to answer cells, run cells as a notebook kernel would, and read the
+check log they wrote (the exercise-variant tests); a fresh check session per test; wait for a JupyterLab to answer."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +8,8 @@ import json
 import linecache
 import os
 import re
+import time
+import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
@@ -151,3 +152,16 @@ def one(find, replace):
     return [(find, replace)]
 
 
+def wait_for_jupyter(server, base: str, token: str, log, limit: float = 120) -> None:
+    """Wait until the Jupyter ``server`` (a Popen) answers at ``base``; fail with its ``log`` if it ends first or
+    ``limit`` seconds pass (the server is then killed)."""
+    deadline = time.time() + limit
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if server.poll() is not None or time.time() > deadline:
+                server.kill()
+                pytest.fail(f"JupyterLab did not start: {Path(log).read_text()[-2000:]}")
+            time.sleep(0.3)

@@ -16,12 +16,12 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from cellrun import wait_for_jupyter
 from course.tools import workspace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,16 +79,7 @@ def lab_server():
     log = open(tmp / "server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=dest)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if server.poll() is not None or time.time() > deadline:
-                server.kill()
-                pytest.fail(f"JupyterLab did not start: {(tmp / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+    wait_for_jupyter(server, base, token, tmp / "server.log")
     try:
         yield {"base": base, "token": token, "dest": dest}
     finally:

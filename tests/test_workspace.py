@@ -1,13 +1,18 @@
 """The learner's workspace: copies of the lessons and labs in a git-ignored folder, opened by `make lab`."""
 import json
 import os
+import re
+import secrets
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from cellrun import wait_for_jupyter
 from course.tools import catalog, workspace
 from course.tools.cli import build_parser, main
 from course.tools.learner_versions import build_labs
@@ -96,11 +101,6 @@ def _free_port() -> int:
 def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
     """Start the learner's JupyterLab headless and ask it: nbgrader's pages are gone, its lab extension disabled."""
     pytest.importorskip("jupyterlab")
-    import re
-    import secrets
-    import time
-    import urllib.error
-    import urllib.request
 
     dest = tmp_path / "work"
     dest.mkdir()
@@ -120,15 +120,7 @@ def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
         server = subprocess.Popen(workspace.lab_command(dest, port=port, token=token), env=env, cwd=dest,
                                   stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.time() + 90
-            while True:
-                try:
-                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
-                    break
-                except Exception:  # noqa: BLE001 - not up yet
-                    assert server.poll() is None and time.time() < deadline, \
-                        f"JupyterLab did not start: {(tmp_path / 'server.log').read_text()[-2000:]}"
-                    time.sleep(0.3)
+            wait_for_jupyter(server, base, token, tmp_path / "server.log", limit=90)
             for url in ("/formgrader", "/courses", "/assignments", "/assignments/validate"):
                 assert get(url)[0] == 404, f"nbgrader's {url} is served in the learner's JupyterLab"
             status, page = get("/lab")
