@@ -8,6 +8,7 @@ import json
 import linecache
 import os
 import re
+import subprocess
 import time
 import urllib.request
 from functools import lru_cache
@@ -152,16 +153,26 @@ def one(find, replace):
     return [(find, replace)]
 
 
-def wait_for_jupyter(server, base: str, token: str, log, limit: float = 120) -> None:
-    """Wait until the Jupyter ``server`` (a Popen) answers at ``base``; fail with its ``log`` if it ends first or
-    ``limit`` seconds pass (the server is then killed)."""
-    deadline = time.time() + limit
-    while True:
+@contextlib.contextmanager
+def jupyter_lab(cmd, env, cwd, log_path, base: str, token: str, limit: float = 120):
+    """Start JupyterLab (``cmd``, its output in ``log_path``), wait until it answers at ``base`` (fail with its log if
+    it ends first or ``limit`` seconds pass), and stop it after the block."""
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
-            return
-        except Exception:  # noqa: BLE001 - not up yet
-            if server.poll() is not None or time.time() > deadline:
+            deadline = time.time() + limit
+            while True:
+                try:
+                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    if server.poll() is not None or time.time() > deadline:
+                        pytest.fail(f"JupyterLab did not start: {Path(log_path).read_text()[-2000:]}")
+                    time.sleep(0.3)
+            yield server
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 server.kill()
-                pytest.fail(f"JupyterLab did not start: {Path(log).read_text()[-2000:]}")
-            time.sleep(0.3)
