@@ -1,6 +1,6 @@
-"""Embedding lookup in Numba CUDA: the naive and the fast gather kernels, the word views they copy through, and
-their launch shapes (the validated launch function is :mod:`~course.embedding.lookup`, the checks
-:mod:`~course.embedding.cases`).
+"""Embedding lookup in Numba CUDA: the naive and the fast gather kernels, the word views they copy
+through, and their launch shapes (the validated launch function is :mod:`~course.embedding.lookup`,
+the checks :mod:`~course.embedding.cases`).
 
 An embedding lookup is a gather: ``out[..., :] = weight[ids[...], :]``. It does no
 arithmetic, so it is exact for any dtype when it copies bytes, and its speed is set by
@@ -283,7 +283,8 @@ def as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
                          f"strides {t.stride()}")
     row_bytes = t.shape[1] * t.element_size()
     if word_bytes not in WORD_BYTES or row_bytes % word_bytes:
-        raise ValueError(f"a row of {row_bytes} bytes is not a whole number of {word_bytes}-byte words")
+        raise ValueError(f"a row of {row_bytes} bytes is not a "
+                         f"whole number of {word_bytes}-byte words")
     if t.data_ptr() % word_bytes:
         raise ValueError(f"this tensor's data is not aligned to {word_bytes} bytes")
     t = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -291,12 +292,14 @@ def as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
 
 
 def element_view(t: torch.Tensor) -> torch.Tensor:
-    """The same-size integer view of a float tensor (float32 -> int32, float16/bfloat16 -> int16)."""
+    """The same-size integer view of a float tensor (float32 -> int32, float16/bfloat16 -> int16).
+    """
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.uint8}[t.element_size()])
 
 
 def pick_word_bytes(row_bytes: int, *tensors) -> int:
-    """The widest word (16, 8, 4, 2 or 1 bytes) that divides a row and every tensor's start address."""
+    """The widest word (16, 8, 4, 2 or 1 bytes) that divides a row and every tensor's start address.
+    """
     for wb in WORD_BYTES:
         if row_bytes % wb == 0 and all(t.data_ptr() % wb == 0 for t in tensors):
             return wb

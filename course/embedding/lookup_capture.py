@@ -1,10 +1,12 @@
-"""Lab 2's captures, written by the learner: the device lookup captured and replayed, the cpu-copy one refused.
+"""Lab 2's captures, written by the learner: the device lookup captured and replayed, the cpu-copy
+one refused.
 
-The learner writes ``capture(fn, *static)`` with ``cg = course.graphs()``: a warm-up on a side stream,
-``cg.graph(g)`` with the collector off, and on failure the stream put back and the error raised. Both checks run on
-the course's harness (:mod:`course.core.harness`): :func:`check_capture` traces the lookup's calls and judges them
-by :data:`CAPTURE_RULES` (the shared capture rules, then the replays and a failed capture), and
-:func:`check_cpu_copy_error` judges the error the learner recorded by :data:`ERROR_RULES`.
+The learner writes ``capture(fn, *static)`` with ``cg = course.graphs()``: a warm-up on a side
+stream, ``cg.graph(g)`` with the collector off, and on failure the stream put back and the error
+raised. Both checks run on the course's harness (:mod:`course.core.harness`): :func:`check_capture`
+traces the lookup's calls and judges them by :data:`CAPTURE_RULES` (the shared capture rules, then
+the replays and a failed capture), and :func:`check_cpu_copy_error` judges the error the learner
+recorded by :data:`ERROR_RULES`.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ WHAT = "the lookup"
 
 
 def capture(fn, *static):
-    """The course's answer to exercise 4: ``(graph, static output)`` (:func:`course.core.capture.capture_once`)."""
+    """The course's answer to exercise 4: ``(graph, static output)``
+    (:func:`course.core.capture.capture_once`)."""
     return capture_once(fn, *static)
 
 
@@ -37,8 +40,9 @@ def _host_read(ids, weight):
 def _output(t) -> str:
     captured = [e["output"] for e in t.of(WHAT) if e["where"] == "capture"]
     return "" if captured and t.returned is captured[-1] else (
-        "return the output of the captured call itself (out = fn(*static) inside `with cg.graph(g):`): every replay "
-        "writes its result there; a copy or the output of another call never changes")
+        "return the output of the captured call itself (out = fn(*static) "
+        "inside `with cg.graph(g):`): every replay writes its result "
+        "there; a copy or the output of another call never changes")
 
 
 def _replays(t) -> str:
@@ -52,7 +56,8 @@ def _replays(t) -> str:
 
 
 def _failure_raised(t) -> str:
-    """Capture :func:`_host_read` with the learner's function: it must raise the refusal, then put the stream back."""
+    """Capture :func:`_host_read` with the learner's function: it must raise the refusal, then put
+    the stream back."""
     before = t.cg.current_stream()
     try:
         got = t.capture_fn(_host_read, t.static_ids, t.weight)
@@ -60,8 +65,9 @@ def _failure_raised(t) -> str:
         cause = root_cause(e)
         problem = "" if REFUSED_READ in str(cause) else f"a capture of a host read failed with {first_line(cause)}"
     else:
-        problem = (f"capturing a lookup that reads a value on the host returned {type(got).__name__}: a failed "
-                   "capture must raise its error (exercise 6 reads it), not return")
+        problem = ("capturing a lookup that reads a value on the host "
+                   f"returned {type(got).__name__}: a failed capture must "
+                   "raise its error (exercise 6 reads it), not return")
     t.stream_left = t.cg.current_stream() != before
     if t.stream_left:
         recover(stream=before)
@@ -76,8 +82,8 @@ def _stream_back(t) -> str:
     except (OSError, TypeError):  # source not available: say what holds either way
         has_except = False
     where = "In your except: recover(stream=before, graph=g), then raise" if has_except else (
-        "Wrap the capture in try/except: on an error, recover(stream=before, graph=g), then raise (as is, the "
-        "error leaves your function with the capture stream current)")
+        "Wrap the capture in try/except: on an error, recover(stream=before, graph=g), "
+        "then raise (as is, the error leaves your function with the capture stream current)")
     return "after a failed capture, the capture stream is still current: every later op would run on it. " + where
 
 
@@ -87,8 +93,9 @@ CAPTURE_RULES = capture_rules(WHAT, WHAT) + [
 
 
 def check_capture(capture_fn, lookup, vocab: int = 1000, dim: int = 64) -> None:
-    """Exercise 4: ``capture_fn(lookup, static_ids, weight)`` captures well (:data:`CAPTURE_RULES`), its replays on
-    new ids equal ``F.embedding``, and a capture that fails raises its error with the stream put back."""
+    """Exercise 4: ``capture_fn(lookup, static_ids, weight)`` captures well (:data:`CAPTURE_RULES`),
+    its replays on new ids equal ``F.embedding``, and a capture that fails raises its error with the
+    stream put back."""
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(vocab, dim, generator=gen).to(torch_device())
     static_ids = torch.randint(0, vocab, (4, 32), generator=gen).to(weight.device)
@@ -96,7 +103,8 @@ def check_capture(capture_fn, lookup, vocab: int = 1000, dim: int = 64) -> None:
         t.graph, t.returned = capture_fn(t.wrap(lookup, WHAT), static_ids, weight)
     t.capture_fn, t.static_ids, t.weight, t.vocab, t.gen = capture_fn, static_ids, weight, vocab, gen
     check(t, CAPTURE_RULES)
-    print("3 replays with new ids equal F.embedding; a failed capture raised its error and put the stream back")
+    print("3 replays with new ids equal F.embedding; a failed "
+          "capture raised its error and put the stream back")
 
 
 def _frames(error, fn) -> list:
@@ -110,11 +118,12 @@ ERROR_RULES = [
         "your function returned None: nothing failed. Capture cpu_copy_lookup (exercise 1) with your capture(): "
         'its ids.to("cpu") is what a capture refuses (a call outside a capture, or of another lookup, runs fine)')),
     Rule("not_an_error", "", lambda e: "" if isinstance(e.error, BaseException) else (
-        f"you returned a {type(e.error).__name__}, not the error: return the exception object itself, whose "
-        "traceback says where it was raised")),
+        f"you returned a {type(e.error).__name__}, not the error: return the "
+        "exception object itself, whose traceback says where it was raised")),
     Rule("not_the_copy", "", lambda e: "" if REFUSED_COPY in str(e.cause) else (
-        f"the error you recorded is {clip(first_line(e.cause), 160)}: not the capture's refusal of the host copy "
-        f"('{REFUSED_COPY} ...'). Capture cpu_copy_lookup on valid ids: the warm-up runs it eagerly first")),
+        f"the error you recorded is {clip(first_line(e.cause), 160)}: not the "
+        f"capture's refusal of the host copy ('{REFUSED_COPY} ...'). Capture "
+        "cpu_copy_lookup on valid ids: the warm-up runs it eagerly first")),
     Rule("not_your_line", "", lambda e: "" if e.frames and ".to(" in e.frames[-1].line else (
         "the refused copy was not raised in your cpu_copy_lookup: capture that function itself")),
 ]
@@ -130,9 +139,12 @@ class _Recorded:
 
 
 def check_cpu_copy_error(error, cpu_copy_lookup) -> None:
-    """Exercise 6: the error the learner recorded is the refused host copy, raised at their own ``.to("cpu")``."""
+    """Exercise 6: the error the learner recorded is the refused host copy, raised at their own
+    ``.to("cpu")``."""
     seen = _Recorded(error, cpu_copy_lookup)
     if isinstance(seen.cause, NotImplementedError):
-        raise NotImplementedError("exercise 6 captures your cpu_copy_lookup: finish exercise 1 first")
+        raise NotImplementedError("exercise 6 captures your "
+                                  "cpu_copy_lookup: finish exercise 1 first")
     check(seen, ERROR_RULES)
-    print(f"the capture refused the copy at your line `{seen.frames[-1].line}`:\n  {clip(first_line(seen.cause), 200)}")
+    print("the capture refused the copy at your line "
+          f"`{seen.frames[-1].line}`:\n  {clip(first_line(seen.cause), 200)}")

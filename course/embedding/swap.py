@@ -14,10 +14,10 @@ ids where they are, on the GPU, launched on torch's current stream. Nothing wait
 the launch is captured.
 
 :class:`SwapEmbedding` holds the table and switches between the two with ``impl``;
-:func:`make_model` builds a small model around it and :func:`swap` switches a whole
-model (:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` is the simulator's CUDA graph
-(records at capture, replays without running Python), so the replay exercise behaves on a laptop as it does
-on a GPU.
+:func:`make_model` builds a small model around it and :func:`swap` switches a whole model
+(:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` is the simulator's CUDA
+graph (records at capture, replays without running Python), so the replay exercise behaves on a
+laptop as it does on a GPU.
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ class SwapEmbedding(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, impl: str = "device", padding_idx=None,
                  dtype=torch.float32, device=None, generator=None, lookups=None):
         super().__init__()
-        # ``lookups`` maps impl -> fn(ids, weight, padding_idx): a lab plugs in its own versions here.
+        # ``lookups`` maps impl -> fn(ids, weight, padding_idx): a lab plugs in its own versions
+        # here.
         self.lookups = {**LOOKUPS, **(lookups or {})}
         device = torch.device(device if device is not None else runtime().device)
         w = torch.randn(num_embeddings, embedding_dim, generator=generator).to(dtype)
@@ -128,12 +129,14 @@ def make_model(vocab: int = 1000, dim: int = 64, out_features: int = 32, *, impl
 
 
 def swap(model: torch.nn.Module, impl: str) -> torch.nn.Module:
-    """Switch every :class:`SwapEmbedding` in ``model`` to ``impl`` (weights untouched); returns ``model``."""
+    """Switch every :class:`SwapEmbedding` in ``model`` to ``impl`` (weights untouched); returns
+    ``model``."""
     _check_impl(impl)
     found = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
     if not found:
-        raise ValueError(f"{type(model).__name__} contains no SwapEmbedding to swap: build it with "
-                         "course.embedding.swap.make_model() or use SwapEmbedding for its embedding.")
+        raise ValueError(f"{type(model).__name__} contains no SwapEmbedding to "
+                         "swap: build it with course.embedding.swap.make_model() "
+                         "or use SwapEmbedding for its embedding.")
     for m in found:
         m.impl = impl
     return model
@@ -145,7 +148,8 @@ def _returns_model(s) -> str:
 
 
 def _impl_is(impl: str):
-    """A rule's test: after ``swap(model, impl)`` (the device one already ran), every table says ``impl``."""
+    """A rule's test: after ``swap(model, impl)`` (the device one already ran), every table says
+    ``impl``."""
     def test(s) -> str:
         if impl == "cpu-copy":
             s.before = s.model(s.ids)
@@ -160,8 +164,9 @@ def _nested(s) -> str:
                                  torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4, seed=1)))
     s.swap(nested, "cpu-copy")
     left = [name for name, m in nested.named_modules() if isinstance(m, SwapEmbedding) and m.impl != "cpu-copy"]
-    return "" if not left else (f"in a nested model, swap() left {', '.join(left)} unchanged: walk every module "
-                                "with model.modules() (it goes into submodules), not only the top level or the first one")
+    return "" if not left else (f"in a nested model, swap() left {', '.join(left)} unchanged: "
+                                "walk every module with model.modules() (it goes into "
+                                "submodules), not only the top level or the first one")
 
 
 def _refuses(s) -> str:
@@ -186,9 +191,9 @@ SWAP_RULES = [
 
 
 def check_swap(swap_fn, model: torch.nn.Module) -> None:
-    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model by :data:`SWAP_RULES` (it returns
-    the model, sets every table's ``impl``, keeps the weights and the output, refuses an unknown impl by name).
-    Leaves ``model`` on "device"."""
+    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model by
+    :data:`SWAP_RULES` (it returns the model, sets every table's ``impl``, keeps the weights and the
+    output, refuses an unknown impl by name). Leaves ``model`` on "device"."""
     ids = torch.randint(0, model.embed.weight.shape[0], (4, 32), device=model.embed.weight.device)
     tables = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
     s = types.SimpleNamespace(swap=swap_fn, model=model, ids=ids,
@@ -217,7 +222,8 @@ def _is_cpu_device(node) -> bool:
 
 
 def find_host_copies(fn) -> list:
-    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (a shallow static look).
+    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (a shallow static
+    look).
 
     Finds ``.cpu()``, ``.to("cpu")`` / ``.to(device="cpu")``, ``.item()``, ``.tolist()``,
     ``.numpy()`` and ``.synchronize()`` calls, like grepping for ``to(cpu_device)`` in the
@@ -240,8 +246,8 @@ def find_host_copies(fn) -> list:
             if any(_is_cpu_device(t) for t in targets):
                 why = "copies to the host"
         if why:
-            found.append((node.lineno, f"line {first + node.lineno - 1}: {lines[node.lineno - 1].strip()}  "
-                                       f"<- {why}"))
+            found.append((node.lineno, f"line {first + node.lineno - 1}: "
+                                       f"{lines[node.lineno - 1].strip()}  <- {why}"))
     return [text for _, text in sorted(found)]
 
 
@@ -265,13 +271,15 @@ def count_device_to_host_copies(fn) -> int:
 # --------------------------------------------------------------------------- replay
 
 class ReplayStandIn:
-    """A CUDA graph on the simulator path (``course.graphs()``'s ``CUDAGraph``), for checking replay code there.
+    """A CUDA graph on the simulator path (``course.graphs()``'s ``CUDAGraph``), for checking replay
+    code there.
 
-    ``ReplayStandIn(fn)`` captures ``fn()`` as a GPU would: the ops are recorded, not run, and ``replay()`` runs
-    them again without running ``fn``'s Python. Like a real graph it reads the memory of the tensors it was
-    captured with (rebinding a Python name to a new tensor changes nothing; ``copy_`` into the static tensor
-    does) and writes the same output tensor at every replay. With ``static_out``, the capture also copies the
-    result into it (``static_out`` is then the graph's output). ``output`` is the output tensor.
+    ``ReplayStandIn(fn)`` captures ``fn()`` as a GPU would: the ops are recorded, not run, and
+    ``replay()`` runs them again without running ``fn``'s Python. Like a real graph it reads the
+    memory of the tensors it was captured with (rebinding a Python name to a new tensor changes
+    nothing; ``copy_`` into the static tensor does) and writes the same output tensor at every
+    replay. With ``static_out``, the capture also copies the result into it (``static_out`` is then
+    the graph's output). ``output`` is the output tensor.
     """
 
     def __init__(self, fn, static_out: torch.Tensor | None = None, warmup: int = 3):
@@ -287,7 +295,8 @@ class ReplayStandIn:
         self.output = self.static_out = out if static_out is None else static_out
 
     def replay(self) -> None:
-        """Run the recorded work: the output now holds the result for the static inputs' current contents."""
+        """Run the recorded work: the output now holds the result for the static inputs' current
+        contents."""
         self.graph.replay()
 
 
@@ -295,8 +304,8 @@ def capture_for_replay(fn):
     """Capture ``fn()`` for replay: ``(graph, static_out, how)``.
 
     GPU: a real ``torch.cuda.CUDAGraph`` (via :func:`course.core.capture.try_capture`; a failed
-    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`, the simulator's
-    graph (a failed capture raises RuntimeError with the error a GPU gives).
+    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`, the
+    simulator's graph (a failed capture raises RuntimeError with the error a GPU gives).
     """
     if not runtime().on_gpu:
         from course.core.capture import _root_cause
@@ -306,7 +315,8 @@ def capture_for_replay(fn):
             cause = _root_cause(e)
             from course.sim import cuda as simcuda
             simcuda.set_stream(simcuda.default_stream())
-            raise RuntimeError(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
+            raise RuntimeError(f"capture failed: {type(cause).__name__}: "
+                               f"{str(cause).splitlines()[0]}") from None
         return stand_in, stand_in.output, "simulator stand-in (records at capture, replays without running Python)"
     from course.core.capture import try_capture
     outcome = try_capture(fn)
@@ -316,7 +326,8 @@ def capture_for_replay(fn):
 
 
 def replay_with(graph, static_ids: torch.Tensor, static_out: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
-    """Write ``new_ids`` into the static input, replay, and return the static output (the reference answer)."""
+    """Write ``new_ids`` into the static input, replay, and return the static output (the reference
+    answer)."""
     static_ids.copy_(new_ids)
     graph.replay()
     return static_out

@@ -70,7 +70,8 @@ def _affine():
 
 
 def numba_kernel(cg, dev, on_torch_stream: bool = True):
-    """A Numba kernel launched on course.numba_stream(): captured, and each replay runs it on the current input."""
+    """A Numba kernel launched on course.numba_stream(): captured, and each replay runs it on the
+    current input."""
     from course.core.runtime import as_numba, numba_stream
 
     kernel, x = _affine(), torch.ones(32, device=dev)
@@ -93,7 +94,8 @@ def numba_kernel(cg, dev, on_torch_stream: bool = True):
 
 
 def numba_default_stream(cg, dev):
-    """A Numba kernel on Numba's own default stream: it runs at capture, the graph is empty, replays miss it."""
+    """A Numba kernel on Numba's own default stream: it runs at capture, the graph is empty, replays
+    miss it."""
     return numba_kernel(cg, dev, on_torch_stream=False)
 
 

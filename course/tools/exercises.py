@@ -1,7 +1,9 @@
-"""Which exercises a notebook declares, read from its source (no kernel), and every exercise's hints and answer.
+"""Which exercises a notebook declares, read from its source (no kernel), and every exercise's hints
+and answer.
 
-A notebook declares an exercise by an ``exercise(NAME)`` call, or by calling a course function that holds one
-(``lab.check_key``); NAME is a string literal, a module-level constant or a parameter's default.
+A notebook declares an exercise by an ``exercise(NAME)`` call, or by calling a course function that
+holds one (``lab.check_key``); NAME is a string literal, a module-level constant or a parameter's
+default.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPUTED = "<computed when the check runs>"  # an answer given as an expression, not a literal
-MIN_QUOTE = 20  # shorter answer lines (`g.replay()`, `except Exception:`) are idioms, not the answer
+# shorter answer lines (`g.replay()`, `except Exception:`) are idioms, not the answer
+MIN_QUOTE = 20
 
 
 def _called(node) -> str | None:
@@ -33,7 +36,8 @@ def _trees(cells) -> dict:
 
 
 def _values(tree) -> dict:
-    """The module-level assignments of ``tree`` whose value is a literal (a string, a list...): name -> value."""
+    """The module-level assignments of ``tree`` whose value is a literal (a string, a list...): name
+    -> value."""
     out = {}
     for node in tree.body:
         if isinstance(node, ast.Assign):
@@ -61,8 +65,9 @@ def _value(node, consts: dict):
 
 
 def exercise_calls(tree, consts=None) -> list:
-    """``(name, call)`` of each ``exercise(NAME, ...)`` call under ``tree``, in order; NAME is a literal, a constant
-    of ``consts`` or (``tree`` a function) a parameter's default, else ``name`` is None (the source does not say)."""
+    """``(name, call)`` of each ``exercise(NAME, ...)`` call under ``tree``, in order; NAME is a
+    literal, a constant of ``consts`` or (``tree`` a function) a parameter's default, else ``name``
+    is None (the source does not say)."""
     consts = dict(consts or {})
     if isinstance(tree, ast.FunctionDef):
         a = tree.args
@@ -76,7 +81,8 @@ def exercise_calls(tree, consts=None) -> list:
 
 
 def _functions(tree, consts) -> dict:
-    """Function name -> the exercises it checks, for the functions of ``tree`` that hold ``exercise(...)``."""
+    """Function name -> the exercises it checks, for the functions of ``tree`` that hold
+    ``exercise(...)``."""
     found = {}
     for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
         if names := [name for name, _ in exercise_calls(fn, consts) if name]:
@@ -87,9 +93,11 @@ def _functions(tree, consts) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def course_checks() -> dict:
-    """Function name -> exercise names, for the course's functions that run checks (``lab.check_key`` ...).
+    """Function name -> exercise names, for the course's functions that run checks
+    (``lab.check_key`` ...).
 
-    A notebook that calls one of them declares its exercises as surely as one that calls ``exercise("...")``."""
+    A notebook that calls one of them declares its exercises as surely as one that calls
+    ``exercise("...")``."""
     found = {}
     for path in sorted((ROOT / "course").rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -100,7 +108,8 @@ def course_checks() -> dict:
 
 
 def _calls(tree, known: dict, outside_functions: bool = False) -> list:
-    """The exercise names ``tree``'s calls check, in order: ``exercise("...")`` and calls of ``known`` functions."""
+    """The exercise names ``tree``'s calls check, in order: ``exercise("...")`` and calls of
+    ``known`` functions."""
     inside = {id(n) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) for n in ast.walk(fn)} \
         if outside_functions else set()
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call) and id(n) not in inside),
@@ -115,9 +124,9 @@ def _calls(tree, known: dict, outside_functions: bool = False) -> list:
 
 
 def exercise_cells(nb) -> dict:
-    """Exercise name -> index of the first code cell that contains its check: an ``exercise(...)`` call (in a
-    function or not), or a call of a course function that runs one (:func:`course_checks`) that the notebook does
-    not define itself."""
+    """Exercise name -> index of the first code cell that contains its check: an ``exercise(...)``
+    call (in a function or not), or a call of a course function that runs one
+    (:func:`course_checks`) that the notebook does not define itself."""
     trees = _trees(nb.cells)
     own = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
     known = {k: v for k, v in course_checks().items() if k not in own}
@@ -134,8 +143,9 @@ def exercise_names(nb) -> list:
 
 
 def check_cells(nb) -> dict:
-    """Exercise name -> index of the code cell that runs its check: a ``with exercise(...)`` outside any function, or
-    a call of a function that holds one (the course's, or one the notebook defines)."""
+    """Exercise name -> index of the code cell that runs its check: a ``with exercise(...)`` outside
+    any function, or a call of a function that holds one (the course's, or one the notebook
+    defines)."""
     trees = _trees(nb.cells)
     own = {}
     for tree in trees.values():
@@ -149,8 +159,9 @@ def check_cells(nb) -> dict:
 
 
 def answer_lines(nb) -> dict:
-    """Exercise name -> the code lines of its answer: the ``### BEGIN SOLUTION`` blocks in the cells after the previous
-    check's cell, up to and including its own (:func:`check_cells`); exercises with none are left out."""
+    """Exercise name -> the code lines of its answer: the ``### BEGIN SOLUTION`` blocks in the cells
+    after the previous check's cell, up to and including its own (:func:`check_cells`); exercises
+    with none are left out."""
     out, last = {}, -1
     for name, i in sorted(check_cells(nb).items(), key=lambda kv: kv[1]):
         lines = []
@@ -169,8 +180,9 @@ def answer_lines(nb) -> dict:
 
 
 def quoted_lines(stage: str, lines) -> list:
-    """The answer's code ``lines`` (comments stripped, at least :data:`MIN_QUOTE` characters) that hint ``stage``
-    quotes word for word, whitespace aside. A stage that quotes two or more gives the answer away."""
+    """The answer's code ``lines`` (comments stripped, at least :data:`MIN_QUOTE` characters) that
+    hint ``stage`` quotes word for word, whitespace aside. A stage that quotes two or more gives the
+    answer away."""
     def norm(text):
         return " ".join(text.split())
 
@@ -201,9 +213,10 @@ def _registered(tree, where: str) -> list:
 
 
 def registered_hints(root=None) -> dict:
-    """Every exercise of the course -> ``{"hint", "answer", "where"}``, read from the source of each ``exercise(...)``
-    call (in ``course/`` and in the answer versions' cells, ``solutions/``); a hint that is not a literal or a
-    module-level constant reads as None, an answer computed by an expression as :data:`COMPUTED`."""
+    """Every exercise of the course -> ``{"hint", "answer", "where"}``, read from the source of each
+    ``exercise(...)`` call (in ``course/`` and in the answer versions' cells, ``solutions/``); a
+    hint that is not a literal or a module-level constant reads as None, an answer computed by an
+    expression as :data:`COMPUTED`."""
     root = Path(root) if root is not None else ROOT
     found = {}
     for path in sorted((root / "course").rglob("*.py")):
