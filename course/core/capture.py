@@ -1,31 +1,14 @@
 """Trying a CUDA graph capture safely: warm-up on a side stream, capture, report, recover.
 
-A failed capture must never poison later work. :func:`graph` is ``torch.cuda.graph`` with that
-guarantee; :func:`try_capture` uses it, catches the error and checks that a fresh op still runs,
-so the next cell (or test, or cache key) starts clean. The outcome keeps the root-cause error
-*and* the Python frames it came from, so a tool (the hazard finder in
-:mod:`course.lessons.what_breaks`) can point at the line that broke the capture.
-
-What a failed ``torch.cuda.graph`` leaves behind (measured on an H100, torch 2.11): when CUDA
-invalidates a capture (a host read, a Numba allocation, a random op before the failure, a side
-stream never joined), ``capture_end`` raises before it tells the caching allocators (device and
-pinned host memory) that the capture is over. They keep "recording into" the capture's memory
-pool, so every later capture into the same pool (a graph cache shares one) fails with
-``beginAllocateToPool: already recording to mempool_id``; the current stream also stays the
-capture stream, and the random generators stay in capture mode. Torch exposes a way to end the
-device allocator's recording (:func:`release_pool`) but none for the host allocator's, so
-:func:`graph` never captures into that pool again: later captures that name it get a fresh pool in
-its place (graphs recorded before the failure keep theirs; memory is no longer shared across the
-failure). It also puts the stream and the generators back.
-
-A graph freed during another capture invalidates that capture (measured on an H100, torch 2.11): a
-``CUDAGraph`` that only a reference cycle keeps alive is destroyed whenever Python's garbage
-collector happens to run, and its destructor calls CUDA, which a stream in global capture mode does
-not permit: the capture in progress fails (the next CUDA call inside it reports the error, e.g.
-cuBLAS's ``CUBLAS_STATUS_EXECUTION_FAILED``). Torch no longer collects garbage as a capture begins
-(``torch.compiler.config.force_cudagraph_gc``, off by default, because a full collection costs tens
-of milliseconds), so :func:`graph` keeps the collector off until the capture has ended
-(:func:`collector_paused`): what was due is collected after the capture, outside it.
+A failed capture must never poison later work: :func:`graph` is ``torch.cuda.graph`` with that
+guarantee, and :func:`try_capture` catches the error (its root cause and the frames it came from)
+and checks that a fresh op still runs. On a GPU (H100, torch 2.11) a failed ``capture_end`` leaves
+the allocators recording into the capture's pool (every later capture into it fails with
+``beginAllocateToPool: already recording to mempool_id``), the capture stream current and the
+generators in capture mode: :func:`graph` puts the stream and generators back, releases the device
+pool (:func:`release_pool`) and never captures into that pool again. A graph freed by the garbage
+collector during another capture breaks it, so :func:`graph` captures with the collector paused
+(:func:`collector_paused`).
 """
 from __future__ import annotations
 

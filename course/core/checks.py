@@ -2,37 +2,17 @@
 
 Usage in a notebook::
 
-    with exercise("1. launch cost", hint=["the rule", "where", "a smaller example"], answer="the line"):
+    with exercise("1. launch cost", hint=["the rule", "where", "an example"], answer="the line"):
         assert my_answer > 0, "your launch cost should be positive"
 
-- no exception: ✓ (pass);
-- ``NotImplementedError`` (an unfinished TODO): "not done yet";
-- ``AssertionError`` (a wrong answer): ✗ "failed", with the message and a hint;
-- any other exception raised by the learner's code (an ``IndexError`` from the simulator,
-  a ``NameError``...): ✗ "crashed", in one line (type, message, the learner's own line),
-  with a hint; library frames are hidden (``COURSE_TRACEBACK=1`` prints them all).
-
-In every case the cell, and the notebook, go on: Run All reaches the end (cells after an
-unfinished or wrong exercise use the course's version, see :func:`course.embedding.fallback`).
-``exercise(..., raise_on_fail=True)`` re-raises a failure as :class:`ExerciseFailed` instead;
-under nbgrader's autograder (``NBGRADER_EXECUTION`` set) every ✗ and "not done yet" raises, so
-its grade cells score 0 for them. The test suite's gate (:mod:`course.tools.gate`) sets
-``COURSE_GATE`` for the kernels it starts: ``learner`` makes every ✗ (failed or crashed) raise,
-``answers`` (the solutions) every ✗ and "not done yet" too, so nbval fails that cell.
-
-Hints can be staged: pass a list that teaches before it tells (what the rule is, where in the
-learner's code it applies, a smaller example). The first ✗ shows the first stage, each further ✗
-of the same exercise in this session the next one, and the last stage stays. The answer is not a
-stage: ``exercise(name, hint=[...], answer="...")`` keeps it apart, shown only on request
-(:mod:`course.core.answers`: ``show_answer(name)``, ``course check --show-answer NAME``). A fresh
-kernel starts every exercise at the first stage, unless ``COURSE_HINT_STAGES`` holds a JSON
-object {exercise name: ✗ so far}: ``python -m course check`` carries the count from one run
-to the next that way (:mod:`course.tools.grade`), so its hints advance too.
-
-Outcomes are remembered for the notebook's session (:func:`status`, :func:`progress`), so a
-"What you measured" cell reports every exercise whatever order the cells ran in. When
-``COURSE_CHECK_LOG`` names a file, every outcome is appended to it as a JSON line;
-``python -m course check`` and ``python -m course grade`` use that.
+No exception: ✓; ``NotImplementedError``: "not done yet"; ``AssertionError`` (a harness ``Defect``
+names its rule): ✗ failed, with the hint's next stage; any other error: ✗ crashed, in one line with
+the learner's own line (``COURSE_TRACEBACK=1``: every frame). The notebook goes on either way.
+``raise_on_fail=True``, nbgrader's autograder (``NBGRADER_EXECUTION``) and the suite's gate
+(``COURSE_GATE``: ``learner`` or ``answers``) make a ✗ (and for answers "not done yet") raise.
+Staged hints advance with each ✗, from ``COURSE_HINT_STAGES`` when ``course check`` carries them;
+the answer is shown only on request (:mod:`course.core.answers`). Outcomes are kept for the session
+(:func:`status`, :func:`progress`) and appended to ``COURSE_CHECK_LOG`` when set.
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
-"""Two embeddings that compute the same thing; only one of them can be captured.
+"""Lab 2's two embeddings that compute the same thing; only one of them can be captured.
 
-``cpu-copy`` is the "before" code of the InfiniCore change this lab is built on::
-
-    auto indices_cpu = indices->to(cpu_device)->contiguous();   // device -> host copy
-
-It copies the ids to the host, checks them there, sends them back and then looks the
-rows up. The copy to the host makes the host wait until the GPU has produced the ids,
-so the call is synchronous, and inside ``torch.cuda.graph`` it fails with
-``RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture ...``.
-
-``device`` is the "after" code: the Numba kernel of :mod:`course.embedding` reads the
-ids where they are, on the GPU, launched on torch's current stream. Nothing waits, and
-the launch is captured.
-
-:class:`SwapEmbedding` holds the table and switches between the two with ``impl``;
-:func:`make_model` builds a small model around it and :func:`swap` switches a whole model
-(:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` is the simulator's CUDA
-graph (records at capture, replays without running Python), so the replay exercise behaves on a
-laptop as it does on a GPU.
+``cpu-copy`` (InfiniCore's "before": ``indices->to(cpu_device)``) copies the ids to the host, checks
+them and sends them back: the host waits for the GPU, and a capture refuses the copy. ``device``
+(the "after") reads the ids on the GPU with the Numba kernel: nothing waits, and it is captured.
+:class:`SwapEmbedding` switches between them (``impl``), :func:`make_model` builds a small model,
+:func:`swap` switches a whole model (:func:`check_swap` judges a learner's); :class:`ReplayStandIn`
+is the simulator's graph for the replay exercise.
 """
 from __future__ import annotations
 

@@ -1,64 +1,26 @@
-"""``CUDAGraph``, ``graph`` and ``graph_pool_handle`` for the simulator path, with torch.cuda's
-names and rules.
+"""``CUDAGraph``, ``graph`` and ``graph_pool_handle`` on the simulator path, as torch.cuda's.
 
-``course.graphs()`` returns ``torch.cuda`` on a GPU and :mod:`course.sim.cuda` (these names and the
-streams
-of :mod:`course.sim.stream`) on the simulator, so one program runs on both::
+``cg = course.graphs()`` is ``torch.cuda`` on a GPU, :mod:`course.sim.cuda` here: one program for both::
 
-    cg = course.graphs()
     g = cg.CUDAGraph()
-    with cg.graph(g):            # records; computes nothing yet (new tensors hold NaN until the first replay)
+    with cg.graph(g):            # records; computes nothing (new tensors hold NaN until a replay)
         y = model(static_x)
     static_x.copy_(new_x)
-    g.replay()                   # runs what was recorded, without running Python: y now holds model(new_x)
+    g.replay()                   # runs what was recorded, not Python: y now holds model(new_x)
 
-What is modelled, as a GPU does it: a capture records aten ops and Numba launches and runs none of
-them (:mod:`course.sim.record`); in-place writes happen at replay only; Python values, branches and
-side effects are frozen at capture; a replay reads the tensors the capture saw (rebinding a name
-changes nothing) and writes the same output tensors (a kept output is overwritten by the next
-replay); host reads, host copies, ``synchronize()``, ``torch.manual_seed`` to a new seed (its
-current seed passes, as torch's CUDA generator lets it, and reseeds nothing) and Numba allocations
-are refused with the GPU's error (:mod:`course.sim.patch`), and a CUDA error invalidates the capture
-(``capture_end`` then fails, and the pool it recorded into stays claimed, so the next capture into
-that pool fails with ``beginAllocateToPool: already recording to mempool_id``, as on a GPU); capture
-on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves
-the capture stream current when ``capture_end`` fails; streams fork into a capture and must be
-joined; random ops draw fresh numbers at every replay (as torch's graph-safe CUDA generators do); an
-explicit ``generator=`` must be registered with ``register_generator_state``; graphs sharing a pool
-reuse each other's freed memory; autograd's backward and a ``capturable=True`` optimizer's step are
-recorded like any other ops (:mod:`course.sim.optim` lets such optimizers run on the CPU and refuses
-a non-capturable one inside a capture, as torch does on a GPU); fused optimizers (``fused=True``)
-and ``GradScaler``'s unscale, step and update record the same way, so a whole scaled training step
-captures; a state read with ``torch.get_rng_state()`` inside a capture and set back (activation
-checkpointing) makes a replay draw the same numbers again (:mod:`course.sim.rng`); a capture that
-allocates past the device's memory raises torch's ``OutOfMemoryError`` ("CUDA out of memory",
-:mod:`course.sim.memory`, whose ``LIMIT`` you may lower); ``Tensor.record_stream`` takes the
-simulated streams; ``make_graphed_callables`` refuses autocast with its cast cache on, as torch
-does; a capture under ``torch.inference_mode()`` records what one under ``no_grad()`` records
-(:mod:`course.sim.dispatch` splits composite ops such as ``to`` and ``linear`` as autograd does
-outside inference mode).
-
-A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local"
-mode is under way invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in
-a dead reference cycle, freed by the garbage collector in the middle of another capture:
-``course.core.capture.collector_paused``). Torch's sync debug mode (``set_sync_debug_mode``) reports
-the host reads and copies a capture refuses, outside captures too (:mod:`course.sim.patch`).
-
-Not modelled: timing (a replay costs what the ops cost on the CPU); ordering between streams outside
-a capture (every op runs at once, in program order, so a warm-up on a side stream that never waited
-for its data, the missing fork, or a capture begun before waiting for the warm-up, the missing join,
-races on a GPU and not here: the course's checks name both from the learner's calls to
-``wait_stream``, ``wait_event`` and ``synchronize``, on both paths); lazy initialisation that a GPU
-cannot do inside a capture (cuBLAS handles, first kernel compiles); a host-to-device copy of a
-tensor the simulator cannot tell from a device tensor (``host_tensor.to(course.device())``, pinned
-host memory: for the sync debug mode too); ``Event`` timing inside captures; the generator left in
-capture mode after a failed capture; freeing a graph's static input (the graph keeps it alive, where
-a GPU would read freed memory); the allocator's block splitting (a freed block is reused whole);
-more than one thread; ``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda``
-functions other than the graph and stream API and the sync debug mode (memory statistics included);
-memory allocated outside captures (it is the laptop's, not counted against the device's limit);
-cuDNN. PyTorch's own graph tests that the course mirrors, and the ones it leaves out with the
-reason: ``tests/test_torch_graph_behaviours.py``.
+Modelled as on a GPU: a capture records aten ops and Numba launches (:mod:`course.sim.record`) and
+freezes Python; a replay reads the captured tensors and rewrites the same outputs; host reads and
+copies, ``synchronize()``, a new seed and Numba allocations are refused with the GPU's error
+(:mod:`course.sim.patch`), and an error invalidates the capture and claims its pool; streams fork
+into a capture and must be joined; random ops draw anew at every replay; pools are shared; backward,
+capturable and fused optimizers and ``GradScaler`` record (:mod:`course.sim.optim`); a generator
+state set back replays the same draws (:mod:`course.sim.rng`); a capture past the device's memory
+raises ``OutOfMemoryError`` (:mod:`course.sim.memory`); a graph freed during another capture breaks
+it. Not modelled: timing; ordering between streams outside a capture (the checks name a missing fork
+or join from the learner's calls, :mod:`course.core.stream_order`); lazy initialisation; host
+tensors the simulator cannot tell from device ones; block splitting; threads; memory statistics;
+cuDNN. PyTorch's own graph tests it mirrors, and those it leaves out:
+``tests/test_torch_graph_behaviours.py``.
 """
 from __future__ import annotations
 
@@ -78,8 +40,9 @@ EMPTY = ("The CUDA Graph is empty. This usually means that the graph was attempt
 NOTHING = ("The CUDA Graph is empty: no GPU work ran between capture_begin "
            "and capture_end, so a replay does nothing (the captured block "
            "launched no kernel: did a branch or an early return skip the work?)")
-# A capture ended by an error (``with cg.graph(g):`` left by an exception) gives no empty-graph warning here: the
-# error says what happened. torch warns there too, and the course's helpers drop warnings of a failed capture.
+# A capture ended by an error (``with cg.graph(g):`` left by an exception) gives no empty-graph
+# warning here: the error says what happened. torch warns there too, and the course's helpers drop
+# warnings of a failed capture.
 _ENDED_BY_ERROR = [False]
 
 
@@ -217,14 +180,16 @@ class graph:
         self.capture_error_mode = capture_error_mode
 
     def __enter__(self) -> None:
-        ss.synchronize()  # what torch.cuda.graph does first: inside another capture, the error a GPU gives
+        # what torch.cuda.graph does first: inside another capture, the error a GPU gives
+        ss.synchronize()
         self.stream_ctx.__enter__()
         self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
 
     def __exit__(self, *exc) -> None:
         _ENDED_BY_ERROR[0] = exc[0] is not None  # an error ended the capture: it, not "empty", says why
         try:
-            self.cuda_graph.capture_end()  # as torch: if this raises, the capture stream stays current
+            # as torch: if this raises, the capture stream stays current
+            self.cuda_graph.capture_end()
         finally:
             _ENDED_BY_ERROR[0] = False
         self.stream_ctx.__exit__(*exc)

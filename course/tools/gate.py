@@ -1,22 +1,10 @@
-"""The test suite's gate: a notebook whose exercises say ✗ fails the run (nbval alone passes it).
+"""The test suite's gate (a pytest plugin, registered by ``conftest.py``): a notebook whose
+exercises say ✗ fails the run, which nbval alone would pass.
 
-``nbval --nbval-lax`` fails a notebook only on a cell that raises, and an exercise's ✗ is printed,
-not raised, so an answer version that fails its own checks used to pass. This pytest plugin
-(registered by the project's ``conftest.py``, so ``make test`` and ``make gpu-test`` use it with no
-extra flags) reuses nbval's own run of each notebook, by its folder:
-
-- ``solutions/*.ipynb`` (answer versions): every exercise the notebook declares
-  (:func:`course.tools.grade.exercise_names`) must pass, or be skipped with a reason (a GPU-only
-  exercise on the simulator);
-- ``notebooks/*.ipynb`` and ``labs/*.ipynb`` (learner versions): an exercise may be "not done
-  yet" or skipped, never ✗ (failed or crashed).
-
-Two parts, both cheap: the kernel nbval starts for a notebook gets ``COURSE_GATE`` (``answers`` or
-``learner``: :func:`course.core.checks.exercise` then raises on a ✗, and for answers on "not done
-yet", so nbval fails that very cell) and ``COURSE_CHECK_LOG`` (every outcome, as JSON lines); and
-one more test item after the notebook's last cell, ``<notebook>::exercises``, reads that log and
-fails on what no cell could raise: an exercise of an answer version that never reported (its cell
-did not run, or its check sits in a branch that did not run).
+It reuses nbval's run: the kernel gets ``COURSE_GATE`` (``answers`` in ``solutions/``: every ✗ and
+"not done yet" raises; ``learner`` in ``notebooks/`` and ``labs/``: every ✗ raises) and
+``COURSE_CHECK_LOG``; one more item after the last cell, ``<notebook>::exercises``, reads the log
+and fails an answer version whose declared exercise never reported.
 """
 from __future__ import annotations
 

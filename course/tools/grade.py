@@ -1,29 +1,13 @@
-"""Run learners' notebooks and report every exercise: ``course check NOTEBOOK`` and ``course grade
-DIR``.
+"""``course check NOTEBOOK`` and ``course grade DIR``: run learners' notebooks and report every
+exercise.
 
-A notebook runs in a fresh kernel with ``COURSE_CHECK_LOG`` set (see :mod:`course.core.checks`);
-every cell runs, whatever the cells before it did, each under a time limit, and the whole
-notebook under a total limit. Each exercise the notebook contains ends in one status:
-
-- ``pass``, ``fail`` (a wrong answer), ``crash`` (the learner's code raised), ``todo`` (not done
-  yet), ``skip`` (cannot run here, e.g. needs a GPU; worth 0 of 0 points): what its check recorded
-  (the last time it ran);
-- ``timed out``: its cell was interrupted at the time limit (an endless loop);
-- ``not reached``: its check never ran, with the reason (its cell raised before the check, the
-  kernel died, or the notebook's time ran out).
-
-``course grade DIR`` does this for every ``*.ipynb`` under DIR (the student is the file's name,
-or its folder's name for ``DIR/STUDENT/lab.ipynb``) and writes ``grades.csv`` (student, notebook,
-exercise, status, points, max_points, message) and one ``feedback/STUDENT.html`` per student.
-Points come from the nbgrader metadata of the exercise's cell (``points``), else 1.
-
-``course check`` shows what the notebook shows: the message, the learner's line, the crash's
-"why:" and the hint. Staged hints advance from one ``course check`` to the next: the count of
-✗ per exercise is kept in ``.course_hints.json`` beside the notebook (git-ignored; reset when
-the exercise passes) and handed to the kernel in ``COURSE_HINT_STAGES``. ``--answers`` and
-``course grade`` neither read nor write it. The hints teach; an exercise's answer is printed only
-for the exercises named with ``--show-answer`` (``COURSE_SHOW_ANSWER``, see
-:mod:`course.core.answers`), and never when ``COURSE_ANSWERS=off``.
+A notebook runs in a fresh kernel (each cell under a time limit, the whole under a total one) with
+``COURSE_CHECK_LOG`` set; each exercise ends ``pass``, ``fail``, ``crash``, ``todo``, ``skip``
+(worth 0 of 0), ``timed out`` or ``not reached`` (with why). ``course grade`` writes ``grades.csv``
+and one ``feedback/STUDENT.html`` per student (points from nbgrader's metadata, else 1). ``course
+check`` shows what the notebook shows; staged hints advance from one run to the next
+(``.course_hints.json``, not with ``--answers``); an answer is printed only for ``--show-answer
+NAME``, never with ``COURSE_ANSWERS=off``.
 """
 from __future__ import annotations
 
@@ -131,7 +115,8 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
         e = outcome.get(name)
         err = _error(nb.cells[i]) if i is not None else None
         if err and err[0] == "KeyboardInterrupt":
-            row = {"status": "timed out", "message": f"cell {i} was interrupted after its time limit "
+            row = {"status": "timed "
+                             "out", "message": f"cell {i} was interrupted after its time limit "
                                                      f"({client.timeout} s): an endless loop?"}
         elif e is not None:
             row = {k: e.get(k, "") for k in ("status", "message", "hint", "where", "why", "answer")}
@@ -142,7 +127,8 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
         elif i is not None and i not in ran:
             row = {"status": "not reached", "message": stopped or f"cell {i} did not run"}
         else:
-            row = {"status": "not reached", "message": "its cell ran but the check did not (inside an if?)"}
+            row = {"status": "not reached", "message": "its cell ran but the check "
+                                                       "did not (inside an if?)"}
         row = {"name": name, "hint": "", "where": "", "why": "", "answer": "", **row, "max_points": maxp}
         row.setdefault("failures", (stages or {}).get(name, 0))
         if row["status"] == "skip":
@@ -176,7 +162,8 @@ def judge(exercises, answers: bool = False) -> list:
             out.append(f"{_MARK[x['status']]} {x['name']}: {_WORDS[x['status']]}"
                        + (f": {x['message']}" if x.get("message") else ""))
         elif answers and x["status"] == "skip" and not (x.get("message") or "").strip():
-            out.append(f"- {x['name']}: skipped without a reason (checks.skip(name, why) must say why)")
+            out.append(f"- {x['name']}: skipped without a reason "
+                       "(checks.skip(name, why) must say why)")
     return out
 
 
@@ -244,16 +231,18 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         print(f"  (the hints cannot advance: {unsaved})")
     total = len(rep["exercises"])
     print()
-    print(f"check: {counts['pass']}/{total} passed, {counts['fail']} failed, {counts['crash']} crashed, "
-          f"{counts['todo']} not done yet"
-          + "".join(f", {counts[s]} {_WORDS[s]}" for s in ("skip", "timed out", "not reached") if counts[s])
+    print(f"check: {counts['pass']}/{total} passed, {counts['fail']} "
+          f"failed, {counts['crash']} crashed, {counts['todo']} not done yet"
+          + "".join(f", {counts[s]} "
+                    f"{_WORDS[s]}" for s in ("skip", "timed out", "not reached") if counts[s])
           + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else ""))
     if total == 0:
         print("check: this notebook has no exercise checks.")
         return 0 if not rep["stray"] and not rep["error"] else 1
     bad = judge(rep["exercises"], answers=answers)
     if bad or rep["stray"]:
-        print(f"check: FAIL ({len(bad)} exercise(s)" + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else "")
+        print(f"check: FAIL ({len(bad)} "
+              "exercise(s)" + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else "")
               + (")" if answers else "; 'not done yet' is allowed here: add --answers to require "
                                      "every exercise)"))
         return 1
@@ -265,7 +254,8 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         print(f"check: all {counts['pass']} exercise(s) that run on this machine passed "
               f"({counts['skip']} skipped here, see why above).")
     else:
-        print(f"check: all {total} exercises passed." if total > 1 else "check: the exercise passed.")
+        print(f"check: all {total} exercises "
+              "passed." if total > 1 else "check: the exercise passed.")
     return 0
 
 
@@ -329,7 +319,8 @@ def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600
         try:
             rep = run_checks(p, cell_timeout=cell_timeout, total_timeout=total_timeout)
         except Exception as e:  # noqa: BLE001 - an unreadable submission is graded, not fatal
-            rep = {"exercises": [], "stray": [], "error": f"cannot read: {type(e).__name__}: {e}", "seconds": 0.0}
+            rep = {"exercises": [], "stray": [], "error": f"cannot read: {type(e).__name__}: "
+                                                          f"{e}", "seconds": 0.0}
         by_student.setdefault(student, []).append((p.name, rep))
         for x in rep["exercises"]:
             rows.append({"student": student, "notebook": p.name, "exercise": x["name"], "status": x["status"],
@@ -337,7 +328,8 @@ def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600
         if rep["error"] and not rep["exercises"]:
             rows.append({"student": student, "notebook": p.name, "exercise": "", "status": "not reached",
                          "points": 0, "max_points": 0, "message": rep["error"]})
-        print(f"grade: {student}: " + ", ".join(f"{x['name']} {x['status']}" for x in rep["exercises"])
+        print("grade: "
+              f"{student}: " + ", ".join(f"{x['name']} {x['status']}" for x in rep["exercises"])
               + f" ({rep['seconds']:.0f} s)")
     with open(out / "grades.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=["student", "notebook", "exercise", "status", "points", "max_points",

@@ -1,24 +1,12 @@
-"""The learner versions: ``labs/`` and the lessons' exercise versions in ``notebooks/``, built from
-``solutions/``.
+"""``course build-labs``: the learner versions (``labs/``, the lessons in ``notebooks/``) built from
+``solutions/``, the answer versions and the source.
 
-``solutions/*.ipynb`` are the answer versions and the source: ``solutions/labN_*.ipynb`` generates
-``labs/labN_*.ipynb``, ``solutions/NN_*.ipynb`` (a lesson with its answers) generates
-``notebooks/NN_*.ipynb`` (the lesson with its exercises and checks, without the answers). Every
-learner version says in its first cell which answer version it comes from, and that changes to the
-notebook go there (:func:`source_note`). In code cells, the regions between ``### BEGIN SOLUTION``
-and ``### END SOLUTION`` (nbgrader's markers) are the answers; :func:`strip_solutions` replaces each
-with ``# YOUR CODE HERE`` and a ``raise NotImplementedError(...)`` at the same indentation. In
-Markdown cells, ``<!-- BEGIN SOLUTION -->`` ... ``<!-- END SOLUTION -->`` becomes "*Your answer
-here.*". Cells tagged ``solution-only`` are left out of the lab. ``python -m course build-labs``
-writes ``labs/``; ``--check`` only compares and names the files that are out of sync.
-
-Code cells that carry a solution region get nbgrader metadata in both versions (``solution``
-cells), and a cell with an ``exercise("...")`` check becomes an nbgrader ``grade`` cell (1 point,
-locked), so a teacher who uses nbgrader can release and autograde the generated notebooks.
-
-``python -m course check NOTEBOOK`` (:func:`course.tools.grade.check_notebook`) runs a notebook
-in a fresh kernel and prints, for every exercise, whether its check passed, failed, crashed,
-is not done yet or was not reached.
+In code cells each ``### BEGIN SOLUTION`` ... ``### END SOLUTION`` region becomes ``# YOUR CODE
+HERE`` and a ``raise NotImplementedError(...)`` (:func:`strip_solutions`); in Markdown ``<!-- BEGIN
+SOLUTION -->`` ... ``<!-- END SOLUTION -->`` becomes "*Your answer here.*"; cells tagged
+``solution-only`` are left out; the first cell names the answer version (:func:`source_note`).
+Solution and check cells get nbgrader metadata, so a teacher can release and autograde them.
+``--check`` names files out of sync.
 """
 from __future__ import annotations
 

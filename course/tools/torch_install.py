@@ -1,24 +1,11 @@
-"""Install the torch build that fits this machine (``make setup`` runs ``python -m
-course.tools.torch_install``).
+"""``python -m course.tools.torch_install`` (``make setup``): the torch build that fits this
+machine.
 
-Standard library only: it runs in a fresh venv before anything else is installed.
-
-- torch already imports: left alone.
-- ``TORCH_INDEX=URL`` set: ``pip install TORCH --index-url URL`` (with PyPI as an extra index), no
-  questions.
-- Linux (x86_64 or aarch64) without an NVIDIA driver: the CPU build from PyTorch's CPU wheel index
-  (``https://download.pytorch.org/whl/cpu``, ~200 MB instead of ~3.5 GB of CUDA packages), when that
-  index answers within a few seconds; otherwise pip's own configuration (which may serve a local
-  CPU wheel), with a warning that says how to pick the index.
-- Anything else (an NVIDIA driver, macOS, Windows): PyPI's default build (CUDA on Linux, CPU or MPS
-  elsewhere).
-
-Which version: ``TORCH`` sets the requirement. Unset, a machine with an NVIDIA driver gets
-:data:`GPU_TORCH`, the version every GPU recording and live GPU run of the course used (the
-recordings' provenance in ``course/reference/*.json`` names it; a test keeps the two equal), and
-every other machine :data:`LAPTOP_TORCH`, the version CI runs the simulator path with. ``python -m
-course doctor`` names both and warns when the running torch is not the one its path was tested with.
-Pip runs without ``-q`` so the download shows its progress.
+Standard library only (it runs in a fresh venv first). A torch that imports is left alone;
+``TORCH_INDEX=URL`` installs from that index; Linux without an NVIDIA driver gets the CPU build from
+PyTorch's CPU index when it answers (else pip's own configuration, with a warning); anything else
+PyPI's default build. ``TORCH`` sets the requirement; unset: :data:`GPU_TORCH` with an NVIDIA driver
+(the version the GPU recordings name), else :data:`LAPTOP_TORCH` (the version CI tests).
 """
 from __future__ import annotations
 

@@ -1,34 +1,13 @@
 """The learner's workspace: ``python -m course workspace`` (``make workspace``; ``make lab`` opens
 it).
 
-Learners never edit the shipped notebooks. The workspace is a git-ignored folder
-(``work/`` at the repository root) holding copies of the lessons and labs:
-``work/notebooks/*.ipynb`` and ``work/labs/*.ipynb``. JupyterLab opens there, so
-autosave, outputs and answers land in the copies, and ``make test`` (which tests
-only the shipped ``notebooks/``, ``labs/`` and ``solutions/``) keeps passing.
-
-Running the command again adds notebooks that are new in the course and never
-overwrites a copy (``--reset NAME`` replaces one copy with a fresh one).
-``python -m course check work/labs/lab1_embedding_kernel.ipynb`` checks a copy.
-
-``--lab`` then starts JupyterLab on the workspace: headless (``--no-browser``,
-the URL with its token is printed), on 127.0.0.1, ``--allow-root`` when run as
-root (containers). On a remote machine, forward the port first:
-``ssh -L 8888:localhost:8888 USER@HOST``, then open the printed URL locally.
-
-The learner's JupyterLab shows the course, not the teacher's tools: nbgrader (installed for
-``course grade`` and the tests) would add a Validate button that prints raw tracebacks for "not
-done yet", a Create Assignment sidebar and "No nbgrader_config.py" warnings. Its server
-extensions are switched off on the command line (:func:`lab_command`) and its JupyterLab
-extension in a config folder inside the workspace (:func:`learner_config_dir`, put first on
-``JUPYTER_CONFIG_PATH`` by :func:`lab_env`). ``python -m course check`` is the learner's validate.
-The same config turns off JupyterLab's announcements (its "get notified about official Jupyter
-news?" pop-up and update check) and the server's news feed.
-
-Each copy's first cell tells the learner what to do with it (:func:`your_copy_note`), not how the
-course's contributors regenerate the shipped file; the files the notebooks link to
-(``CAPTURE_RULES.md``) are copied beside them (:mod:`course.tools.links`). ``--lab`` forwards
-SIGTERM and SIGINT to JupyterLab and waits for it (:func:`serve`): nothing is left running.
+``work/`` (git-ignored) holds the learner's copies of the lessons and labs; JupyterLab opens there,
+so the shipped notebooks that ``make test`` tests stay clean. Running it again adds new notebooks
+and never overwrites a copy (``--reset NAME`` does). ``--lab`` starts JupyterLab headless on
+127.0.0.1 (the URL with its token is printed; ``--allow-root`` as root), with nbgrader's extensions
+and JupyterLab's announcements switched off (:func:`lab_command`, :func:`learner_config_dir`,
+:func:`lab_env`), and forwards SIGTERM and SIGINT to it (:func:`serve`). Each copy's first cell says
+what to do with it (:func:`your_copy_note`); the files the notebooks link to are copied beside them.
 """
 from __future__ import annotations
 
