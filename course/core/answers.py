@@ -1,19 +1,10 @@
-"""An exercise's answer: shown only when the learner asks for it, and never when the teacher turned
-answers off.
+"""An exercise's answer: shown only when the learner asks for it, never when the teacher turned them
+off.
 
-Staged hints (:mod:`course.core.checks`) teach: what the rule is, where to look in your code, a
-smaller example. The answer is not a hint stage: ``exercise(name, hint=[...], answer="...")`` keeps
-it apart, and after the last stage the hint only says how to ask for it:
-
-- in the notebook, after the exercise's check ran: ``course.show_answer("02.3")`` (its name, or the
-  start of it);
-- from a terminal: ``python -m course check --show-answer 02.3 NOTEBOOK``, which hands the names to
-  the kernel in ``COURSE_SHOW_ANSWER`` (a JSON list); that run prints the answer under the
-  exercise's outcome.
-
-A teacher turns answers off with ``COURSE_ANSWERS=off`` in the environment of the learners' Jupyter
-and of ``course check`` (INSTRUCTOR.md): the hints stay, the answer is never printed and the hint
-stops offering it.
+``exercise(name, hint=[...], answer="...")`` keeps the answer apart from the staged hints; after the
+last stage the hint says how to ask: ``course.show_answer("02.3")`` in the notebook (after the check
+ran), or ``python -m course check --show-answer 02.3 NOTEBOOK`` (``COURSE_SHOW_ANSWER``, a JSON
+list). ``COURSE_ANSWERS=off`` turns answers off (INSTRUCTOR.md).
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""Experiments whose code stands in a notebook cell, and the one place that reads them out of it.
+"""Experiments whose code stands in a notebook cell (tagged ``experiment`` in the answer version),
+and the one place that reads them out of it.
 
-A lesson's key measurement is written in a code cell of its answer version
-(``solutions/NN_*.ipynb``, from which the learner version is generated), tagged ``experiment`` in
-the cell's metadata. The cell defines the function with :func:`course.core.reference.experiment` and
-nothing else runs at definition time, so:
-
-- in the notebook, running the cell registers the function; the next cell's ``reference.run(name)``
-  measures it live on a GPU (or loads the GPU's recording on a laptop). A learner who edits the cell
-  and runs it again measures their own change;
-- ``python -m course bench`` and the tests read the *same cell* out of the answer version
-  (:func:`load`), so the recording and the cell are one source. A cell is self-contained: it imports
-  what it uses.
-
-A definition made in the notebook wins over the file's: :func:`load` never replaces an experiment
-that is already registered, so ``reference.run`` in a notebook always measures the cell as the
-learner last ran it.
+Running the cell registers the function; ``reference.run(name)`` then measures it live on a GPU (or
+loads the recording on a laptop). ``course bench`` and the tests read the same cell (:func:`load`),
+so the recording and the cell are one source; a definition made in the notebook wins over the
+file's.
 """
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""torch.compile's state, read and reset: what it logged, what it counted, a cold start for the next
-compile.
-
-Lessons 02, 03, 04 and 06 compile models and report what torch did. They share these tools:
-
-- :func:`torch_log_messages`: turn on torch's logging artifacts (``cudagraphs``, ``recompiles``,
-  ...) and collect every message logged meanwhile, instead of letting torch print them;
-- :func:`reset_compile`: forget every compiled result and torch's counters, so the next compile
-  starts cold;
-- :func:`compile_counters`: what torch counted so far: cudagraph skips, graph breaks, graphs
-  compiled.
-
-A message goes into a table through :func:`course.core.text.condense` (a few lines, machine paths
-cut).
+"""torch.compile's state, read and reset (lessons 02, 03, 04 and 06): :func:`torch_log_messages`
+collects what torch logged, :func:`reset_compile` makes the next compile start cold,
+:func:`compile_counters` reads cudagraph skips, graph breaks and graphs compiled.
 """
 from __future__ import annotations
 

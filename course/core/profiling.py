@@ -1,17 +1,7 @@
 """The course's one launch counter: what calls of a function launched, read from a
-``torch.profiler`` trace.
-
-:func:`launch_counts` profiles ``calls`` calls (GPU) and returns, per call:
-
-- ``graph_launches``: the host's ``cudaGraphLaunch`` calls: whether a CUDA graph was *really*
-  replayed (measured, not assumed: torch.compile may skip its graphs and say so only in a log);
-- ``kernel_launches``: the host's single kernel launches (``cudaLaunchKernel`` and its variants);
-- ``gpu_kernels``: the kernels the GPU ran (kernels inside replayed graphs included; copies and
-  memsets not);
-- ``gpu_ops``: everything the GPU ran: kernels, copies and memsets.
-
-:func:`count_events` does the counting on plain ``(name, on_gpu)`` pairs, so its rules are tested
-anywhere.
+``torch.profiler`` trace (:func:`launch_counts`, per call: ``graph_launches``, ``kernel_launches``,
+``gpu_kernels``, ``gpu_ops``); :func:`count_events` counts plain ``(name, on_gpu)`` pairs, so its
+rules test anywhere.
 """
 from __future__ import annotations
 

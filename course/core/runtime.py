@@ -1,20 +1,9 @@
 """The course's one runtime decision: a real CUDA GPU, or the Numba CUDA simulator.
 
-Everything in the course asks this module which path it is on; nothing else
-detects devices. The decision is made once per process, before numba is first
-imported (the simulator must be switched on with ``NUMBA_ENABLE_CUDASIM=1``
-before that import), and it is passed to child processes (notebook kernels)
-through the environment so they do not probe again.
-
-The CUDA path needs both halves to work: torch must see a GPU *and* numba-cuda
-must compile and launch a trivial kernel there. The second half is checked in a
-subprocess, so that a failure (for example numpy 2.5, which removed
-``np.row_stack`` that numba-cuda 0.30 still calls) cannot leave this process
-with a half-initialised ``numba.cuda``.
-
-Set ``COURSE_PATH=sim`` to force the simulator (also on a GPU machine), or
-``COURSE_PATH=cuda`` to insist on the GPU (the decision then fails loudly
-instead of falling back).
+Made once per process, before numba is imported (``NUMBA_ENABLE_CUDASIM=1`` must come first), and
+handed to notebook kernels through the environment. The GPU path needs torch to see a GPU and
+numba-cuda to launch a trivial kernel there (tried in a subprocess). ``COURSE_PATH=sim`` forces the
+simulator; ``COURSE_PATH=cuda`` insists on the GPU and fails loudly instead of falling back.
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """The course's one Triton decision: compiled for the GPU, or run by Triton's interpreter on the
 CPU.
 
-It follows the runtime decision (:mod:`course.core.runtime`): on the GPU path Triton kernels are
-compiled and launched on the GPU; on the simulator path (a laptop) they run under Triton's
-**interpreter** (``TRITON_INTERPRET=1``), which executes each program of a kernel with NumPy on CPU
-tensors: the same kernel source, checked against eager PyTorch on small shapes, in seconds.
-
-Triton reads ``TRITON_INTERPRET`` as it is imported (its own library of kernel helpers, ``tl.sum``
-and the like, is decorated then) and importing transformers' Llama imports Triton. So the variable
-is set by the runtime decision itself (:func:`course.core.runtime.prepare_triton`, the moment it
-decides: ``import course; course.header()``, or anything that asks ``runtime()``), before a model is
-built. :func:`triton` returns the module and refuses, with the fix, a Triton imported earlier in the
-other mode. Triton is a Linux package (torch's CUDA builds bring it; pyproject declares it for
-Linux): where it is missing, :func:`missing_reason` says why and the lessons show recorded data
-instead.
+It follows :mod:`course.core.runtime`: on the simulator path Triton runs under its interpreter
+(``TRITON_INTERPRET=1``, set by the runtime decision before Triton is imported, since Triton reads
+it then). :func:`triton` returns the module and refuses, with the fix, one imported earlier in the
+other mode; where Triton is missing (it is a Linux package), :func:`missing_reason` says why.
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """See the memory access of an embedding kernel: which addresses each thread of a warp touches.
 
-On the simulator every array access of a kernel is a Python call, so :func:`trace` can record,
-for each thread, the byte address of every element it reads or writes. A *warp request* is the
-k-th access of each of the 32 threads of a warp (in lockstep they issue it together). The memory
-system serves a request in 32-byte sectors, so a request costs ``32 x (distinct sectors)`` bytes
-however few of them the threads use. The coalescing score of an array is
-
-    bytes requested / bytes used   (1.0: every byte fetched is used; 8.0: 4-byte values, one sector each)
-
-A kernel whose neighbouring threads read neighbouring words scores ~1; one whose threads of a warp
-read one column of different rows (:func:`uncoalesced_kernel`) is correct, and scores ~8 on the
-table and the output: on a GPU it fetches ~8 times the bytes it needs. :func:`draw` shows the
-picture (threads x addresses, one colour per request). The GPU experiment
-``embedding_coalescing`` measures both course kernels' bandwidth on the GPU beside their scores
-from the simulator (computed in a child process with ``COURSE_PATH=sim``).
+On the simulator every array access is a Python call, so :func:`trace` records each thread's
+addresses. A warp's k-th accesses form one request, served in 32-byte sectors; an array's coalescing
+score is bytes requested / bytes used (1.0: all used; ~8: one column of 32 rows, as
+:func:`uncoalesced_kernel` reads). :func:`draw` shows it; the experiment ``embedding_coalescing``
+measures both course kernels' bandwidth on a GPU beside their scores from the simulator.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Is a fast kernel the one lab 1's exercise 3 asks for? Grid-stride loop, rows of threads, loads in
-flight.
+flight (the rules :data:`FAST_RULES` on the course's harness).
 
-A lookup that gives the right numbers can still ignore the layout the exercise is about. These
-checks launch a kernel ``(ids, weight, out, err)`` (the word views of
-:func:`course.embedding.as_words`) and look at *how* it copies:
-
-- :func:`grid_stride`: a grid of fewer blocks than the rows need, on an output filled with
-  NaN, so a kernel without the grid-stride loop leaves rows unwritten, and they are named;
-- :func:`layout`: the access trace (:mod:`course.embedding.access`) says which thread wrote
-  which word: each row copied once, by one row of threads (``threadIdx.y``), thread ``tx`` copying
-  words ``tx, tx + blockDim.x, ...``, each thread loading 4 words before it stores them. The trace
-  needs the simulator: on a GPU it runs the kernel's source in a ``COURSE_PATH=sim`` process;
-- :func:`check_fast_kernel`: both, as the named rules :data:`FAST_RULES` of the course's harness.
-
-Speed is not judged here: only a GPU can (the lab's check times the kernel there).
+:func:`grid_stride` launches fewer blocks than the rows need, on an output filled with NaN: rows
+left unwritten are named. :func:`layout` reads the access trace (:mod:`course.embedding.access`; on
+a GPU in a ``COURSE_PATH=sim`` process): each row copied once by one row of threads, thread ``tx``
+copying words ``tx, tx + blockDim.x, ...``, 4 loads before the stores. Speed is judged on a GPU
+only, by the lab.
 """
 from __future__ import annotations
 

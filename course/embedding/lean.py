@@ -1,17 +1,10 @@
-"""A lean launch path for the course's kernels: skip Numba's per-call argument typing and array
-wrapping.
+"""A lean launch path for the course's kernels: Numba's per-call argument typing and array wrapping
+skipped (tens of microseconds for a kernel that runs for two).
 
-A plain Numba launch ``kernel[grid, block, stream](a, b, c, d)`` types every argument, wraps every
-tensor in a device-array object and converts it to kernel parameters, on every call: tens of
-microseconds of Python for a kernel that runs for two. The parameters of an array argument are only
-numbers (size, item size, pointer, shape, strides), so once the kernel is compiled for the argument
-*types*, a launch can pass those numbers read straight off the torch tensors. That is what
-:func:`launch` does (GPU path; numba-cuda's own launch underneath, so the launch is ordered on the
-stream and captured by ``torch.cuda.graph`` like any other).
-
-Where the internals it relies on are missing (another numba-cuda, or the simulator), :func:`launch`
-falls back to the plain launch, so results never depend on it; :func:`available` says which one
-runs.
+Once a kernel is compiled for its argument types, :func:`launch` passes an array's parameters (size,
+item size, pointer, shape, strides) straight from the torch tensors, through numba-cuda's own launch
+(so a capture records it). Where the internals are missing it falls back to the plain launch
+(:func:`available` says which runs).
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """``python -m course verify-embedding --impl cpu-copy|device``: can this embedding be captured?
 
-The checks of InfiniCore's ``test_embedding_graph_recording.py``, done so that each one
-can fail for the right reason:
-
-1. input: the ids' shape, device and dtype;
-2. capture: ``torch.cuda.graph`` around one forward call (the exact error if it fails);
-3. replay: new ids written into the static input, ``graph.replay()``, compared with
-   ``F.embedding`` (a replay that runs is not yet a replay that is right);
-4. device-resident ids: ids created on the GPU work, and the profiler sees no
-   device-to-host copy during the call;
-5. asynchrony: the robust test of :mod:`course.core.blocking` (queue a long GPU sleep, call,
-   see whether the call returned before the GPU finished). InfiniCore's embedding test ("an event
-   recorded right after the call is already complete, so the call synchronized") is
-   printed too, and explained: it mistakes a slow launch for a sync;
-6. summary with ✓/✗. Exit code 0 only when every check passes; 1 when one fails; 2 on
-   the simulator, where capture cannot be tried (the report says why).
+InfiniCore's ``test_embedding_graph_recording.py`` checks, each able to fail for the right reason:
+the input; a capture of one forward; a replay on new ids against ``F.embedding``; device-resident
+ids with no device-to-host copy in the profiler; asynchrony by :mod:`course.core.blocking`
+(InfiniCore's event test printed and explained); a ✓/✗ summary. Exit 0 when all pass, 1 when one
+fails, 2 on the simulator.
 """
 from __future__ import annotations
 

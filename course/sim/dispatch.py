@@ -1,22 +1,12 @@
-"""How a simulated capture routes aten ops: record them (:mod:`course.sim.record`), or refuse host
+"""How a simulated capture routes aten ops: recorded (:mod:`course.sim.record`), or refused as host
 reads.
 
-:class:`Recorder` is a ``TorchDispatchMode``, pushed while any capture is under way. An op on a
-capturing stream is recorded by :func:`record_op`; an op on another stream runs at once, as on a
-GPU. An op that reads device memory on the host (``.item()`` reaches aten as
-``_local_scalar_dense``; ``nonzero``, ``unique``, ``masked_select`` and boolean-mask indexing size
-their output from device values) is refused with the GPU's error. Each op also runs on meta tensors
-first, so shapes, dtypes and the errors a bad shape raises are those of the real op, raised at
-capture as on a GPU.
-
-A collective (a ``c10d`` op: ``dist.all_reduce`` and the others reach aten as
-``c10d.allreduce_``...) is recorded like any op and runs at every replay, really, over the process
-group (gloo on CPU processes), waited for before the next recorded op (:class:`Collective`): a
-replay that not every rank runs then waits in it, as on GPUs. Not modelled: NCCL's communicator,
-made lazily by a group's first collective (a GPU cannot make it inside a capture, so warm up first);
-the simulator captures a group's first collective without complaint. DTensor programs: a capture
-that meets a DTensor is refused with a message that says so (:func:`refuse_dtensor`); capture them
-on GPUs.
+:class:`Recorder` (a ``TorchDispatchMode``) records an op on a capturing stream and runs one on
+another stream at once; host reads (``_local_scalar_dense``, ``nonzero``, boolean masks...) are
+refused with the GPU's error. Each op runs on meta tensors first, so a bad shape raises at capture,
+as on a GPU. A collective is recorded and really runs at each replay over its group
+(:class:`Collective`); NCCL's lazy communicator is not modelled, and a DTensor capture is refused
+(:func:`refuse_dtensor`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``CUDAGraph``, ``graph`` and ``graph_pool_handle`` on the simulator path, as torch.cuda's.
 
-``cg = course.graphs()`` is ``torch.cuda`` on a GPU, :mod:`course.sim.cuda` here: one program for both::
+``course.graphs()`` is ``torch.cuda`` on a GPU, :mod:`course.sim.cuda` here: one program for both::
 
     g = cg.CUDAGraph()
     with cg.graph(g):            # records; computes nothing (new tensors hold NaN until a replay)

@@ -1,20 +1,9 @@
 """The device's memory as the simulator models it: a limit on what captures allocate, and
 ``record_stream``.
 
-A GPU has a fixed amount of memory; an allocation that does not fit raises
-``torch.OutOfMemoryError`` ("CUDA out of memory. Tried to allocate ..."), inside a capture as
-outside. On the simulator a capture's new tensors come from its graph pool
-(:mod:`course.sim.record`), and :func:`check` refuses a pool allocation that would take the pools
-past :data:`LIMIT` bytes (an H100's 80 GiB unless you change it; ``memory.LIMIT = 2 << 30`` stands
-for a smaller card), with the GPU's exception and the first words of its message. Tensors made
-outside a capture are the laptop's own memory and are not counted (a laptop runs out of memory with
-its own error there).
-
-``Tensor.record_stream(s)`` tells the caching allocator that ``s`` uses the tensor, so its memory is
-not reused before the work ``s`` has queued so far is done. The simulator runs every stream's work
-in order, at once, so there is nothing to wait for: :func:`install` makes ``record_stream`` accept
-the simulator's streams (torch's own raises "unknown parameter type" for them), inside a capture and
-outside, and leaves torch's own for any other stream.
+:func:`check` refuses a capture's pool allocation past :data:`LIMIT` bytes (an H100's 80 GiB; lower
+it for a smaller card) with torch's ``OutOfMemoryError``; memory allocated outside captures is the
+laptop's. :func:`install` makes ``Tensor.record_stream`` accept the simulator's streams.
 """
 from __future__ import annotations
 

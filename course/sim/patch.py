@@ -1,25 +1,10 @@
-"""The calls a simulated capture intercepts outside aten: host reads that never dispatch, and
-Numba's launches.
+"""The calls a simulated capture intercepts outside aten: host reads that never dispatch, and Numba.
 
-On the CPU, ``.cpu()``, ``.tolist()`` or ``print(t)`` need no aten op, so the recorder cannot see
-them; these patches, in force only while a capture is under way (:func:`install` /
-:func:`uninstall`), refuse them on a capturing stream with the GPU's error
-(:mod:`course.sim.stream`). They also route a Numba simulator launch ``kernel[grid, block,
-stream](...)`` on a capturing stream into the capture instead of running it, and refuse Numba's
-allocations and ``torch.manual_seed`` to a new seed as CUDA and torch do (the generator's current
-seed passes, as torch's CUDA generator lets it: nothing is reseeded). :func:`host_reads_refused` is
-the same refusal outside any capture (the graph cache's ``host_read_watch``).
-
-The simulator cannot tell a host tensor from a device tensor (both are CPU tensors), so:
-``.to("cpu")`` written as a string is a copy to the host, ``.to(device)`` with a ``torch.device``
-equal to the tensor's is a no-op (as ``t.to(x.device)`` is on a GPU), and ``torch.tensor(data,
-device=...)`` is a host-to-device copy.
-
-:func:`set_sync_debug_mode` is torch.cuda's: while it is "warn" or "error", the same patches (and
-the aten host reads of :mod:`course.sim.dispatch`) report every synchronizing call outside a capture
-too (:func:`course.sim.stream.on_sync`). In a capture, a host read is reported first and then
-refused (torch checks the mode before it calls CUDA); a copy is refused first (torch refuses it
-before it copies).
+While a capture runs (:func:`install`), ``.cpu()``, ``.tolist()``, ``print(t)``, Numba's allocations
+and a new seed are refused on a capturing stream with the GPU's error, and a Numba launch there is
+recorded, not run. A string ``"cpu"`` target is a copy to the host; ``torch.tensor(data,
+device=...)`` a copy to the device. :func:`host_reads_refused` refuses host reads outside a capture;
+:func:`set_sync_debug_mode` reports synchronizing calls outside captures too, as torch.cuda's does.
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
 """What a simulated capture records, where its tensors live, and how a replay runs it without
 Python.
 
-While a stream captures, every aten op goes through :mod:`course.sim.dispatch` (a
-``TorchDispatchMode``) and every Numba simulator launch through :mod:`course.sim.patch`, into a
-:class:`Program`. Nothing runs on the data at capture, as on a GPU:
-
-- an op that makes a new tensor gets one of the right shape, dtype and strides from the graph's
-  memory pool, filled with poison (NaN, or the largest integer, or True), because the capture
-  computed nothing yet; it is the *same* tensor that every replay writes into;
-- an op that writes into existing tensors (in place, ``out=``) is only recorded: it takes effect at
-  replay;
-- a view aliases memory and a metadata change (``unsqueeze_``) is host-side: both run at once,
-  unrecorded;
-- Python scalars are recorded by value, tensors by address: replay reads the memory the capture saw,
-  never a tensor made later.
-
-A replay runs the recorded ops in order into the recorded outputs. Pool memory is shared the way the
-CUDA caching allocator shares it: a block whose tensors are all gone (the graphs' own records do not
-count) is free, and the next capture allocation into the same pool on the same stream may get it
-(best fit, blocks up to 1 MiB and larger ones kept apart), so graphs sharing a pool can overwrite
-each other's freed memory where a GPU can.
+Every aten op (:mod:`course.sim.dispatch`) and Numba launch (:mod:`course.sim.patch`) on a capturing
+stream goes into a :class:`Program`, as on a GPU: a new tensor comes from the graph's pool, filled
+with poison, and is the one every replay writes; an in-place write takes effect at replay; views run
+at once; Python scalars are kept by value, tensors by address. Pool memory is shared as the caching
+allocator shares it (a freed block may go to the next capture into the pool), so graphs sharing a
+pool can overwrite each other's freed memory where a GPU can.
 """
 from __future__ import annotations
 

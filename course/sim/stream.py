@@ -1,24 +1,10 @@
-"""Streams, events and capture state for the simulator's CUDA-graph stand-in, under torch.cuda's
-names.
+"""Streams, events and capture state for the simulator's graphs, under torch.cuda's names.
 
-:mod:`course.sim.graph` records a capture; this module knows *which* stream is capturing and says
-no, with the error text a GPU gives, to what a capturing stream cannot do:
-
-- a host read or wait (``.item()``, ``if tensor:``, printing, ``nonzero``, ``synchronize()``...):
-  ``CUDA error: operation not permitted when stream is capturing`` (``torch.AcceleratorError``); it
-  also invalidates the capture, so ``capture_end`` then fails with ``operation failed due to a
-  previous error during capture``, as CUDA does;
-- a copy between host and device (``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``torch.tensor(data,
-  device=...)``): ``Cannot copy between CPU and CUDA tensors during CUDA graph capture ...``, raised
-  by torch before any CUDA call (the capture stays valid);
-- a Numba allocation (``cuda.device_array``, ``cuda.to_device``) in "global" or "thread_local" mode;
-  reseeding the generator (``torch.manual_seed`` to a seed other than its current one; the same seed
-  passes).
-
-Streams: the legacy default stream cannot capture; ``s.wait_stream(capturing)`` forks ``s`` into the
-capture, and the capturing stream must wait on ``s`` again (join) before the capture ends, or it
-fails with ``capturing stream has unjoined work``. Work on streams outside the capture runs at once,
-as on a GPU.
+A capturing stream refuses, with the GPU's text: a host read or wait (``operation not permitted when
+stream is capturing``, which also invalidates the capture), a host-device copy (``Cannot copy
+between CPU and CUDA tensors during CUDA graph capture``), Numba allocations and a new seed. The
+legacy default stream cannot capture; a stream that waits on a capturing one joins the capture and
+must be joined back (``capturing stream has unjoined work``). Work outside captures runs at once.
 """
 from __future__ import annotations
 
