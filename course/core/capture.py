@@ -61,18 +61,10 @@ def require_gpu(what: str) -> None:
 
 
 def recover(stream=None, graph=None, pool=None) -> None:
-    """Leave CUDA usable after a failed capture, on either path: no capture in progress, queue
-    drained, ops run.
-
-    For a capture written with ``cg.graph`` itself (``cg = course.graphs()``), in its ``except``:
-    ``recover(stream=before, graph=g, pool=pool)``. ``stream``: the stream current before the
-    capture, made current again (a failed ``cg.graph`` leaves its capture stream current, on a GPU
-    as on the simulator). ``graph``: the ``CUDAGraph`` whose capture failed, kept alive (torch's
-    allocators may still hold callbacks into it). ``pool``: the pool it captured into; on a GPU,
-    with ``graph``, the device allocator's recording into it is ended (:func:`release_pool`) unless
-    the capture ended (torch refused a copy before CUDA saw it), but never capture into it again
-    (the pinned-host allocator's recording cannot be ended). On a GPU the queue is then drained, the
-    random generators taken out of capture mode and a fresh op run; the simulator needs no more.
+    """Leave CUDA usable after a failed capture written with ``cg.graph``, on either path: in its
+    ``except``, ``recover(stream=before, graph=g, pool=pool)`` makes ``stream`` current again, keeps
+    ``graph`` alive, ends the device allocator's recording into ``pool`` (on a GPU; never capture
+    into it again), drains the queue, takes the generators out of capture mode and runs a fresh op.
     """
     from course.core.runtime import graphs
 
@@ -193,16 +185,9 @@ def collector_paused():
 
 @contextlib.contextmanager
 def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"):
-    """``torch.cuda.graph`` that leaves CUDA clean when the capture fails (see the module
-    docstring).
-
-    Use it like ``torch.cuda.graph``. On failure the error the body raised (or, if the body ran
-    through, the error ending the capture raised) propagates, after the device allocator's recording
-    is ended, the stream and the random generators are put back, and ``pool`` is retired: a later
-    capture that names it records into a fresh pool instead (:func:`pool_in_use`). The garbage
-    collector is off during the capture (:func:`collector_paused`), so no graph is freed in the
-    middle of it.
-    """
+    """``torch.cuda.graph`` that leaves CUDA clean when the capture fails (the module docstring says
+    how), with the garbage collector paused during the capture. A retired ``pool`` named later
+    records into a fresh pool (:func:`pool_in_use`)."""
     import torch
 
     named = pool

@@ -25,16 +25,12 @@ class _Grab(logging.Handler):
 
 @contextlib.contextmanager
 def torch_log_messages(**artifacts):
-    """Turn on torch logging artifacts (those this torch knows; others are ignored) and collect
-    every message.
-
-    Yields the list the messages are appended to; torch's own handlers are set aside meanwhile
-    (nothing is
-    printed) and restored on exit, with the artifacts turned off again::
+    """Collect every message of the torch logging artifacts turned on (unknown ones ignored),
+    printing
+    none; torch's handlers and artifacts are put back on exit::
 
         with torch_log_messages(cudagraphs=True, recompiles=True) as msgs:
             compiled(x)
-        skips = [m for m in msgs if "skipping cudagraphs" in m]
     """
     import torch._logging
 

@@ -71,20 +71,9 @@ def release_memory() -> None:
 
 
 def release_blas_workspaces() -> bool:
-    """Drop the cuBLAS workspaces torch keeps, one per (cuBLAS handle, stream) that ran a matrix
-    product.
-
-    torch allocates each workspace through its caching allocator (its default: 32 MiB on Hopper
-    GPUs) the first time a stream runs a product, and keeps it until
-    ``torch._C._cuda_clearCublasWorkspaces()``: a side stream that warmed a forward up keeps one in
-    ordinary memory, and a capture that found none for its stream allocates one in the graph's
-    memory pool, where it keeps that pool's segment reserved after the graphs are gone. torch's own
-    CUDA-graph trees make this call before and after each recording. The next product on a stream
-    allocates a fresh workspace.
-
-    Returns True when the workspaces were dropped; False without CUDA, while the current stream is
-    capturing, or in a torch without the call (nothing is dropped then).
-    """
+    """Drop the cuBLAS workspaces torch keeps per (handle, stream) (32 MiB each on Hopper; one a
+    capture allocated pins its graph pool's segment). True when dropped; False without CUDA, while
+    capturing, or in a torch without ``torch._C._cuda_clearCublasWorkspaces``."""
     import torch
 
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

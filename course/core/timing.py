@@ -156,19 +156,9 @@ def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
 
 
 def time_ranks(fn, *, group=None, warmup: int = 3, repeats: int = 15, inner: int = 10) -> Timing:
-    """Time a step that holds a collective on every rank of ``group`` together: per repeat, the
-    slowest rank.
-
-    Call it on every rank of ``group`` (a collective inside). Each rank timing itself alone lets
-    *rank skew* in: a collective finishes only when the last rank joins it, so a rank that starts a
-    repeat first also times its wait for the others, by however far the processes drifted apart in
-    that repeat. Here every repeat starts aligned: a one-element all-reduce on ``group`` is queued
-    just before the start (NCCL: the start event fires when it completes, on every GPU at once; gloo
-    CPU processes: the host clock starts when it returns). Each rank times ``inner`` calls (CUDA
-    events, or the synchronized host clock), the samples are all-gathered, and each repeat counts as
-    its slowest rank's time: the step is done when it is done everywhere. Every rank returns the
-    same :class:`Timing`; clock "cuda-events, slowest rank" or "host-synchronized, slowest rank".
-    """
+    """Time a step holding a collective on every rank of ``group`` (call it on each): every repeat
+    starts aligned by a one-element all-reduce (no rank skew), and counts as its slowest rank's
+    time. Every rank returns the same :class:`Timing`."""
     _check(repeats, inner, warmup)
     import torch
     import torch.distributed as dist

@@ -334,15 +334,10 @@ def check_rejects(fn, *, padding: bool = True, after=None, host: bool = False) -
 
 
 def fallback(fn, reference, what: str, exercise: str | None = None):
-    """Wrap ``fn`` so that the notebook goes on with ``reference`` while the learner's version is
-    not ready.
-
-    With ``exercise`` (an exercise name), ``fn`` is used only once that exercise's latest check
-    passed in this session; otherwise (or without it, while ``fn`` raises NotImplementedError)
-    ``reference`` is used, and a note says so once. The wrapper keeps the learner's function
-    as ``__course_learner__``: a check given the wrapper tests the learner's code
-    (:func:`course.core.checks.own`), never the reference.
-    """
+    """``fn``, or ``reference`` while the learner's version is not ready (with ``exercise``: until
+    its check passed in this session; else while ``fn`` raises NotImplementedError), saying so once.
+    The wrapper keeps ``fn`` as ``__course_learner__`` for the checks
+    (:func:`course.core.checks.own`)."""
     from course.core.checks import describe, passed
 
     told = []

@@ -161,17 +161,11 @@ def host_bounds_check(ids: torch.Tensor, num_embeddings: int) -> None:
 
 def embedding(ids, weight, padding_idx=None, impl: str = "fast", *, bounds: str = "auto",
               out=None, word_bytes=None):
-    """``F.embedding(ids, weight, padding_idx)`` (forward) computed by a Numba CUDA kernel.
-
-    ``ids``: int32/int64 of any shape (non-contiguous is fine); ``weight``: contiguous
-    [V, D] float32/float16/bfloat16; returns ``[*ids.shape, D]`` in ``weight.dtype``
-    (written into ``out`` if given). ``padding_idx`` is validated like PyTorch's; as in
-    PyTorch it only matters for gradients, so the forward returns that row as stored.
-    ``impl``: "fast" or "naive". ``bounds``: "auto", "host" or "device" (module docstring).
-    ``word_bytes``: force the fast kernel's word size (default: the widest that fits).
-    The launch goes on :func:`course.numba_stream` and does not wait for the GPU unless
-    ``bounds="host"``.
-    """
+    """``F.embedding(ids, weight, padding_idx)`` (forward) computed by a Numba CUDA kernel, on
+    :func:`course.numba_stream`, not waiting for the GPU unless ``bounds="host"``. ``ids``: int32/64
+    of any shape; ``weight``: contiguous [V, D] float32/16 or bfloat16; ``impl``: "fast" or "naive";
+    ``bounds``: "auto", "host" or "device"; ``word_bytes``: the fast kernel's word; ``out``: the
+    output."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if bounds not in BOUNDS:

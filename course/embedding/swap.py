@@ -259,15 +259,9 @@ def count_device_to_host_copies(fn) -> int:
 # --------------------------------------------------------------------------- replay
 
 class ReplayStandIn:
-    """A CUDA graph on the simulator path (``course.graphs()``'s ``CUDAGraph``), for checking replay
-    code there.
-
-    ``ReplayStandIn(fn)`` captures ``fn()`` as a GPU would: the ops are recorded, not run, and
-    ``replay()`` runs them again without running ``fn``'s Python. Like a real graph it reads the
-    memory of the tensors it was captured with (rebinding a Python name to a new tensor changes
-    nothing; ``copy_`` into the static tensor does) and writes the same output tensor at every
-    replay. With ``static_out``, the capture also copies the result into it (``static_out`` is then
-    the graph's output). ``output`` is the output tensor.
+    """The simulator's graph (``course.graphs()``'s ``CUDAGraph``) for checking replay code:
+    captures ``fn()`` (with ``static_out``, its result copied there), and ``replay()`` reruns the
+    recorded ops on the captured tensors without ``fn``'s Python; ``output`` is the output tensor.
     """
 
     def __init__(self, fn, static_out: torch.Tensor | None = None, warmup: int = 3):

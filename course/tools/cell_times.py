@@ -28,15 +28,9 @@ def _first_line(src: str) -> str:
 
 
 def time_cells(path, timeout: float = 600.0, log=print, show_output: bool = True, root=None) -> list:
-    """Execute the notebook at ``path`` and return ``[{"cell", "seconds", "first_line"}]`` for its
-    code cells.
-
-    ``root``: the checkout the kernel imports ``course`` from (first on its ``PYTHONPATH``; default:
-    this one). Give an older checkout (``git worktree add /tmp/before COMMIT``) to time the notebook
-    as it was. ``log`` gets a line per cell when it finishes (and, with ``show_output``, the lines
-    it printed that look like progress: ``[i/n]`` counters and ``done in``). Raises the cell's error
-    when one fails, after logging it.
-    """
+    """Execute the notebook at ``path``: ``[{"cell", "seconds", "first_line"}]`` per code cell.
+    ``root``: the checkout the kernel imports (an older one times the notebook as it was); ``log``
+    gets a line per cell; a failing cell's error is raised after it is logged."""
     import nbformat
     from nbclient import NotebookClient
 

@@ -46,15 +46,10 @@ def _points(cell) -> float:
 
 def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, stages: dict | None = None,
                show=()) -> dict:
-    """Run the notebook at ``path`` in a fresh kernel; return its exercises, stray cell errors and
-    timings.
-
-    Result: ``{"exercises": [{"name", "status", "message", "hint", "where", "why", "failures",
-    "points", "max_points"}], "stray": [(cell, ename, evalue)], "error": None or a reason,
-    "seconds": float}``. ``stages`` (exercise -> ✗ in earlier runs) makes staged hints start where
-    the last run left them; ``show`` names the exercises whose answer this run prints (in their
-    row's ``answer``). Raises ``OSError``/``ValueError`` if the file cannot be read as a notebook.
-    """
+    """Run the notebook at ``path`` in a fresh kernel: ``{"exercises": [rows], "stray": [(cell,
+    ename, evalue)], "error", "seconds"}``. ``stages``: ✗ per exercise so far (where staged hints
+    start); ``show``: exercises whose answer this run prints. Raises OSError/ValueError for an
+    unreadable file."""
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
@@ -169,18 +164,11 @@ def judge(exercises, answers: bool = False) -> list:
 
 def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, answers: bool = False,
                    show_answer=()) -> int:
-    """Run the notebook at ``path`` in a fresh kernel and print each exercise's status.
-
-    Prints what the notebook prints: ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's
-    line, why and the hint) / "not done yet" / "timed out" / "not reached" (with why) per exercise,
-    cells that raised outside any check, and a verdict line. Staged hints go on from the last
-    ``course check`` of this notebook (:mod:`course.tools.hints`), except with ``answers``.
-    ``show_answer`` names exercises (each its name or the start of it) whose answer to print as
-    well; unless answers are off (``COURSE_ANSWERS=off``). Returns 1 if an exercise failed, crashed,
-    timed out or was not reached, or a cell raised; with ``answers=True`` (judging an answer
-    version) also if one is not done yet. 0 otherwise; 2 if the file cannot be read, or
-    ``show_answer`` names no exercise of it (or answers are off).
-    """
+    """Run the notebook at ``path`` in a fresh kernel and print each exercise's status, stray cell
+    errors and a verdict (staged hints go on from the last run, except with ``answers``).
+    ``show_answer``: the exercises (names or their start) whose answer to print too. Returns 1 on a
+    ✗, a time-out, an exercise not reached or a cell error (with ``answers`` also "not done yet"), 0
+    otherwise, 2 when the file cannot be read or ``show_answer`` names no exercise of it."""
     from course.core.answers import answers_off, match
 
     path = Path(path)
