@@ -119,6 +119,17 @@ def explain_numba_failure(error: str) -> tuple[str, tuple[str, ...]]:
             ("run `python -m course doctor` and follow its advice",))
 
 
+def _simulator(forced: str, reason: str, fixes: tuple, gpu: str = "") -> Runtime:
+    """The simulator path for ``reason`` (torch seeing ``gpu``), or the loud failure
+    ``COURSE_PATH=cuda`` asks for."""
+    if forced == CUDA:
+        raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, "
+                                     f"but {reason}. Fix: {fixes[0]}")
+    seen = f"torch sees {gpu}, but " if gpu else ""
+    return Runtime(SIM, "Simulator path: "
+                        f"{seen}{reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
+
+
 def _decide() -> Runtime:
     forced = os.environ.get(ENV_FORCE, "").strip().lower()
     if forced and forced not in (SIM, CUDA):
@@ -145,31 +156,17 @@ def _decide() -> Runtime:
             reason = "torch is a CUDA build but sees no GPU (no NVIDIA driver or device visible)"
             fixes = ("check `nvidia-smi`; on a laptop without an "
                      "NVIDIA GPU the simulator path is the right one",)
-        if forced == CUDA:
-            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, "
-                                         f"but {reason}. Fix: {fixes[0]}")
-        return Runtime(SIM, "Simulator path: "
-                            f"{reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
+        return _simulator(forced, reason, fixes)
 
     if not numba_cuda_installed():
         reason = ("numba-cuda is not installed (it has no macOS wheels; plain "
                   "numba's built-in simulator runs the course's kernels)")
         fixes = ("pip install 'numba-cuda>=0.30,<0.31' (Linux or Windows with an NVIDIA GPU)",)
-        if forced == CUDA:
-            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, "
-                                         f"but {reason}. Fix: {fixes[0]}")
-        return Runtime(SIM, "Simulator path: torch sees "
-                            f"{torch.cuda.get_device_name(0)}, but {reason}.",
-                       "cpu", "CPU (Numba CUDA simulator)", fixes)
+        return _simulator(forced, reason, fixes, torch.cuda.get_device_name(0))
     ok, error = probe_numba_cuda()
     if not ok:
         reason, fixes = explain_numba_failure(error or "")
-        if forced == CUDA:
-            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, "
-                                         f"but {reason}. Fix: {fixes[0]}")
-        return Runtime(SIM, "Simulator path: torch sees "
-                            f"{torch.cuda.get_device_name(0)}, but {reason}.",
-                       "cpu", "CPU (Numba CUDA simulator)", fixes)
+        return _simulator(forced, reason, fixes, torch.cuda.get_device_name(0))
     return Runtime(CUDA, "GPU path: torch and numba-cuda both launched kernels on the GPU.",
                    "cuda:0", torch.cuda.get_device_name(0))
 

@@ -23,7 +23,8 @@ class Entry:
     kind: str  # "lesson", "lab" or "solution"
     summary: str
     experiments: tuple = ()  # modules that register the experiments this notebook shows first
-    experiment_cells: bool = False  # its answer version has cells tagged "experiment" (course.core.cells)
+    # its answer version has cells tagged "experiment" (course.core.cells)
+    experiment_cells: bool = False
 
     @property
     def answer_version(self) -> str:
@@ -80,32 +81,21 @@ CATALOG = (
           "rank (NCCL or symmetric-memory all-reduces), you place the residual and the "
           "all-reduces, when splitting pays (TinyLlama vs Llama-3.1-8B's shape)",
           (), experiment_cells=True),
-    Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
-          "lesson 01 with its exercise answered; generates notebooks/01_launch_overhead.ipynb"),
-    Entry("solutions/02_capture_and_replay.ipynb", "Lesson 02 with answers", "solution",
-          "lesson 02 with its exercises answered; generates notebooks/02_capture_and_replay.ipynb"),
-    Entry("solutions/03_what_breaks_capture.ipynb", "Lesson 03 with answers", "solution",
-          "lesson 03 with its exercises answered; "
-          "generates notebooks/03_what_breaks_capture.ipynb"),
-    Entry("solutions/04_graph_cache.ipynb", "Lesson 04 with answers", "solution",
-          "lesson 04 with its exercises answered; generates notebooks/04_graph_cache.ipynb"),
-    Entry("solutions/05_sharded_embedding.ipynb", "Lesson 05 with answers", "solution",
-          "lesson 05 with its exercise answered; generates notebooks/05_sharded_embedding.ipynb"),
-    Entry("solutions/06_real_model.ipynb", "Lesson 06 with answers", "solution",
-          "lesson 06 with its exercises answered; generates notebooks/06_real_model.ipynb"),
-    Entry("solutions/07_last_mile.ipynb", "Lesson 07 with answers", "solution",
-          "lesson 07 with its exercises answered; generates notebooks/07_last_mile.ipynb"),
-    Entry("solutions/08_tensor_parallel.ipynb", "Lesson 08 with answers", "solution",
-          "lesson 08 with its exercise answered; generates notebooks/08_tensor_parallel.ipynb"),
-    Entry("solutions/lab1_embedding_kernel.ipynb", "Lab 1 solution", "solution",
-          "the reference answers for lab 1"),
-    Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",
-          "the reference answers for lab 2"),
-    Entry("solutions/lab3_graph_cache.ipynb", "Lab 3 solution", "solution",
-          "the reference answers for lab 3"),
-    Entry("solutions/lab4_real_model.ipynb", "Lab 4 solution", "solution",
-          "the reference answers for lab 4"),
 )
+
+
+def _answer_version(e: Entry) -> Entry:
+    """The catalog entry of ``e``'s answer version (solutions/, generating ``e``)."""
+    n = Path(e.path).stem.split("_")[0].removeprefix("lab")
+    if e.kind == "lab":
+        return Entry(e.answer_version, f"Lab {n} solution", "solution",
+                     f"the reference answers for lab {n}")
+    return Entry(e.answer_version, f"Lesson {n} with answers", "solution",
+                 f"lesson {n} with its exercises answered; generates {e.path}")
+
+
+CATALOG += tuple(sorted((_answer_version(e) for e in CATALOG if e.path != CATALOG[0].path),
+                        key=lambda e: ("lab" in e.path, e.path)))  # every one but "Start here"
 
 
 def entries(kind: str | None = None) -> list:
