@@ -104,14 +104,9 @@ def _ended(graph) -> bool:
 
 
 def reset_rng_capture_state() -> None:
-    """Take torch's CUDA random generators out of capture mode after a failed capture.
-
-    Measured on torch 2.11 (H100): when a capture fails, the default CUDA generator is
-    left flagged as "capturing", and every later ``torch.randn(..., device="cuda")`` raises
-    ``Offset increment outside graph capture encountered unexpectedly`` (``torch.manual_seed``
-    does not clear it). Swapping in a clone of each generator's state clears the flag and
-    keeps the seed and offset, so random streams continue exactly where they were.
-    """
+    """Take torch's CUDA generators out of capture mode after a failed capture (torch 2.11 leaves
+    them flagged, and every later random op raises): each is swapped for a clone of its state, seed
+    and offset kept."""
     import torch
 
     for gen in torch.cuda.default_generators:
@@ -166,14 +161,9 @@ def release_pool(pool) -> None:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Keep Python's garbage collector off until the block ends; its previous state comes back
-    however it ends.
-
-    Around a capture: a dead reference cycle that holds a CUDA graph is then never freed in the
-    middle of the capture (where the graph's destructor would invalidate it), only after it. Cheap:
-    nothing is collected here. (An explicit ``gc.collect()`` inside the block still runs: don't call
-    one in a capture.)
-    """
+    """Keep the garbage collector off until the block ends (its state comes back however it ends),
+    so a graph in a dead cycle is never freed during a capture. An explicit ``gc.collect()`` still
+    runs."""
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -259,14 +249,9 @@ def _capture_stream():
 
 
 def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> CaptureOutcome:
-    """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
-
-    ``mode`` is ``torch.cuda.graph``'s ``capture_error_mode``: "global" (torch's default),
-    "thread_local" or "relaxed" (CUDA then allows calls, such as allocating memory, that are unsafe
-    during capture). Never raises for a capture failure: the outcome carries the root-cause error
-    and its traceback frames, and the next capture, into any pool, works (:func:`graph`). Errors
-    during warm-up (the function is broken even eagerly) are raised as is.
-    """
+    """Warm ``fn`` up, capture one call into a CUDA graph (``mode``: "global", "thread_local" or
+    "relaxed") and report: a failed capture never raises (the outcome keeps its root cause and
+    frames) and the next capture works; an error in the warm-up is raised as is."""
     require_gpu("capturing a CUDA graph")
     import torch
 
@@ -292,14 +277,8 @@ def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> Capt
 
 
 def capture_once(fn, *static):
-    """Warm ``fn`` up once on a side stream, then capture ``fn(*static)`` into a new graph:
-    ``(graph, output)``.
-
-    Written against ``course.graphs()`` (torch.cuda on a GPU, the simulator's graphs otherwise),
-    with the garbage collector paused during the capture. A failed capture raises its error after
-    :func:`recover` (the stream that was current made current again, the failed graph kept alive; on
-    a GPU, CUDA left usable).
-    """
+    """Warm ``fn`` up once on a side stream, then capture ``fn(*static)``: ``(graph, output)``, on
+    ``course.graphs()``, the collector paused; a failed capture raises after :func:`recover`."""
     from course.core.runtime import graphs
 
     cg = graphs()

@@ -39,14 +39,9 @@ def module_name(path) -> str:
 
 
 def load(path, guard=contextlib.nullcontext) -> types.ModuleType:
-    """Run the tagged cells of the notebook at ``path`` in a fresh module; return it.
-
-    Each cell's source is registered with :mod:`linecache` under ``<path>#cell<index>``, so
-    tracebacks and ``inspect.getsource`` show the cell's own lines. Each cell runs inside
-    ``guard()``: :func:`course.core.reference.load_all` passes its ``keeping_registered``, so the
-    experiments the cells define are registered except names already registered (a notebook's own
-    definition wins). A cell that fails names the notebook and the cell.
-    """
+    """Run the tagged cells of the notebook at ``path`` in a fresh module (each cell's lines in
+    :mod:`linecache`, each under ``guard()``); return it. A failing cell names the notebook and
+    cell."""
     path = Path(path)
     mod = types.ModuleType(module_name(path))
     mod.__file__ = str(path)

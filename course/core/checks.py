@@ -213,14 +213,9 @@ def raising_statuses(raise_on_fail: bool = False) -> set:
 
 @contextlib.contextmanager
 def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = False):
-    """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or
-    not done.
-
-    ``answer`` is printed only when this run was asked for it
-    (:func:`course.core.answers.requested`). The body gets a list (``with exercise(...) as
-    notes:``): what it appends is the ✓ line's note, shown by ``course check`` too (e.g. the text a
-    loop wrote). Hints follow a ✗ only: "not done yet" shows none (nothing was tried yet).
-    """
+    """Run the body as the check of one exercise (see the module docstring): ✓, ✗ or "not done yet".
+    The body gets a list whose items are the ✓ line's note; ``answer`` is printed only when asked
+    for (:func:`course.core.answers.requested`); hints follow a ✗ only."""
     remember(name, answer)
     shown = {"answer": answer} if answer and requested(name) else {}
     raising = raising_statuses(raise_on_fail)

@@ -32,14 +32,8 @@ def count_events(events) -> dict:
 
 
 def launch_counts(fn, calls: int = 1) -> dict:
-    """Profile ``calls`` calls of ``fn`` (GPU; the GPU is synchronized before and after) and count
-    per call.
-
-    Returns ``{key: count / calls}`` for every key of :data:`KEYS` (see the module's docstring).
-    Call ``fn`` a few times first: the first call of a compiled or cached function compiles or
-    captures, which is not what a steady-state call launches. Take the profile after any timing: a
-    profiler session can slow what follows it.
-    """
+    """``{key: count / calls}`` for :data:`KEYS` over ``calls`` profiled calls of ``fn`` (GPU). Warm
+    ``fn`` up first (a first call compiles or captures), and profile after any timing."""
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
     from course.core.capture import require_gpu

@@ -189,14 +189,9 @@ def full_run() -> bool:
 
 
 def heavy(name: str, full: bool | None = None, **params) -> Result:
-    """A heavy experiment: live where :func:`run` would run it live *and* :func:`full_run` is on,
-    else recorded.
-
-    On the GPU path without ``COURSE_FULL=1`` the recorded result is returned with a caption that
-    says so and names the switch (``recorded on X ...: set COURSE_FULL=1 to run it live``): never
-    silently. ``full`` overrides the environment (a notebook's ``FULL = True``). ``python -m course
-    bench`` records the full version either way.
-    """
+    """A heavy experiment: live where :func:`run` would run it and :func:`full_run` is on (``full``
+    overrides it), else recorded, with a caption naming ``COURSE_FULL=1``. ``course bench`` records
+    it full."""
     exp = get(name)
     live_here = not exp.gpu_only or (runtime().on_gpu and gpu_count() >= exp.gpus)
     if exp.gpu_only and live_here and not (full_run() if full is None else full):

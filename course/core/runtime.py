@@ -260,14 +260,9 @@ def cuda():
 
 
 def as_numba(tensor):
-    """View a torch tensor as an array a Numba kernel accepts, without copying.
-
-    GPU path: ``numba.cuda.as_cuda_array`` over the tensor's memory.
-    Simulator path: a NumPy view of the CPU tensor (simulator kernels take NumPy
-    arrays; torch tensors fail there because ``tensor.size`` is a method).
-    bfloat16 has no NumPy or Numba type: view it as int16 first (``t.view(torch.int16)``),
-    which is exact for kernels that only move the values.
-    """
+    """A torch tensor as an array a Numba kernel takes, without a copy (``as_cuda_array`` on a GPU,
+    a NumPy view on the simulator). View bfloat16 as int16 first (exact for kernels that move
+    values)."""
     import torch
 
     if not isinstance(tensor, torch.Tensor):

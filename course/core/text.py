@@ -56,14 +56,8 @@ def location(file: str, line, func: str | None = None, code: str = "") -> str:
 
 
 def condense(message: str, lines: int = 4, limit: int = 400) -> str:
-    """The first ``lines`` non-empty lines of a (multi-line) log message, joined with " / ", clipped
-    to ``limit``.
-
-    Machine paths are cut to their file names (a recorded log must not carry the recording machine's
-    folders). torch's "... Found from :" line takes the location that follows it (file, line,
-    function and source line) into the same line, or loses the words when no location follows: never
-    a dangling "Found from :".
-    """
+    """The first ``lines`` non-empty lines of a log message joined with " / ", clipped to ``limit``;
+    machine paths cut to file names, torch's "Found from :" joined with its location or dropped."""
     raw = [l.strip() for l in str(message).strip().splitlines() if l.strip()]
     kept, i = [], 0
     while i < len(raw):
@@ -99,17 +93,9 @@ def looks_cut(text: str) -> bool:
 
 
 def tidy(text: str) -> str:
-    """A text cell as a table shows it: torch's locations joined or dropped, half statements and cut
-    ends trimmed.
-
-    - "X. Found from : / File "f.py", line 4, in g / code" -> "X. Found from f.py, line 4, in g:
-      code"; "X. Found from : " with no location after it -> "X.";
-    - "... (at lookup.py:134: raise RuntimeError("the first line of a longer statement")" -> "...
-      (at lookup.py:134)";
-    - a text cut at a fixed length in mid-sentence (:func:`looks_cut`) -> its full sentences, then "
-      …".
-    Anything else is returned as it is.
-    """
+    """A text cell as a table shows it: torch's "Found from :" joined with its location (or dropped),
+    a half-quoted statement after a location cut, a text cut mid-sentence (:func:`looks_cut`) ended at
+    its last full sentence with " …"; anything else as it is."""
     if not isinstance(text, str) or not text:
         return text
     out = _FOUND_JOINED.sub(lambda m: location(m.group(1), m.group(2), m.group(3), m.group(4) or ""), text)

@@ -210,14 +210,9 @@ def one_sample(fn, inner: int, clock: str) -> float:
 
 def time_interleaved(variants: dict, *, clock: str = "device", warmup: int = 5, repeats: int = 25,
                      inner: int = 10) -> dict:
-    """Time several variants of the same work *interleaved*: repeat r runs every variant once, in a
-    rotated order.
-
-    A slow drift of the machine (clocks, other processes, the allocator) then lands on every variant
-    alike, instead of on whichever ran last. ``clock``: ``"device"`` (CUDA events; the host clock on
-    the simulator), ``"wall"`` (synchronized host clock) or ``"enqueue"`` (host issue cost). Returns
-    ``{name: Timing}``.
-    """
+    """Time variants of the same work interleaved (each repeat runs every variant once, in a rotated
+    order, so a drift lands on all alike). ``clock``: "device", "wall" or "enqueue". ``{name:
+    Timing}``."""
     _check(repeats, inner, warmup)
     if clock not in _CLOCKS:
         raise ValueError(f"clock must be one of {sorted(_CLOCKS)}, not {clock!r}")

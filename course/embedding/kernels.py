@@ -287,15 +287,10 @@ def _sm_count() -> int:
 
 
 def launch_config(impl: str, n_rows: int, words: int) -> tuple:
-    """(blocks, threads) for a launch: ``threads`` is an int (naive) or (x, y) (fast).
-
-    naive: one thread per element, 256 per block (32 on the simulator).
-    fast: ``x`` threads along a row (enough for ``UNROLL`` words each, at most 256),
-    ``y`` rows per block so a block has 256 threads (32 on the simulator), one block per
-    ``y`` rows (measured fastest on an H100: capping the grid at 4-32 blocks per SM and
-    looping cost 1-5 %); ``BLOCKS_PER_SM`` caps the grid, and the kernel's grid-stride
-    loop then covers the remaining rows. The simulator uses at most 4 blocks.
-    """
+    """(blocks, threads) for a launch: naive, one thread per element, 256 a block (32 on the
+    simulator); fast, (x, y) with ``x`` threads along a row (``UNROLL`` words each) and ``y`` rows a
+    block, a block per ``y`` rows (fastest on an H100), capped by ``BLOCKS_PER_SM`` (and at 4 blocks
+    on the simulator)."""
     per_block = 256 if runtime().on_gpu else 32
     if impl == "naive":
         total = n_rows * words

@@ -210,14 +210,9 @@ def _is_cpu_device(node) -> bool:
 
 
 def find_host_copies(fn) -> list:
-    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (a shallow static
-    look).
-
-    Finds ``.cpu()``, ``.to("cpu")`` / ``.to(device="cpu")``, ``.item()``, ``.tolist()``,
-    ``.numpy()`` and ``.synchronize()`` calls, like grepping for ``to(cpu_device)`` in the
-    C++ before/after comparison. It does not follow calls into other functions: the
-    profiler (:func:`count_device_to_host_copies`) is the proof on a GPU.
-    """
+    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (``.cpu()``,
+    ``.to("cpu")``, ``.item()``, ``.tolist()``, ``.numpy()``, ``.synchronize()``): a shallow look,
+    not into callees (the profiler, :func:`count_device_to_host_copies`, is the proof on a GPU)."""
     src = textwrap.dedent(inspect.getsource(fn))
     tree = ast.parse(src)
     lines = src.splitlines()

@@ -136,14 +136,8 @@ def teacher_extensions() -> tuple:
 
 
 def learner_config_dir(dest: Path) -> Path:
-    """Write the learner's JupyterLab config into ``dest/.course-jupyter``: nbgrader's extensions
-    off; return it.
-
-    ``labconfig/page_config.json`` disables nbgrader's JupyterLab extension (Validate button, Create
-    Assignment sidebar, the nbgrader menu) and JupyterLab's announcements (the news pop-up);
-    ``jupyter_server_config.json`` nbgrader's server extensions and the news feed
-    (``LabApp.news_url``).
-    """
+    """Write the learner's JupyterLab config into ``dest/.course-jupyter`` (nbgrader's extensions,
+    JupyterLab's announcements and the server's news feed off); return it."""
     server, lab = teacher_extensions()
     cfg = Path(dest) / CONFIG
     (cfg / "labconfig").mkdir(parents=True, exist_ok=True)
@@ -184,14 +178,9 @@ def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str 
 
 
 def serve(cmd: list, env: dict | None = None, timeout: float = 30.0) -> int:
-    """Run ``cmd`` (JupyterLab) until it exits; on SIGTERM or SIGINT (Ctrl-C) sent to this process,
-    stop it too.
-
-    Either signal is passed on as SIGTERM, JupyterLab's "shut down now" (a SIGINT alone makes it ask
-    for confirmation, and a background process may ignore SIGINT). Then this process waits for it
-    (``timeout`` seconds, then kills it), so stopping ``python -m course workspace --lab`` never
-    leaves a ``jupyter-lab`` running. Returns its exit code (0 when stopped by a signal).
-    """
+    """Run ``cmd`` (JupyterLab) until it exits; a SIGTERM or SIGINT sent here is passed on as
+    SIGTERM and waited for (``timeout`` s, then a kill), so nothing is left running. Its exit code
+    (0 when signalled)."""
     child = subprocess.Popen(cmd, env=env)
     stopped = []
 
