@@ -21,9 +21,10 @@ NBVAL := --nbval-lax --nbval-cell-timeout=900
 # `make test` runs the suite in TEST_WORKERS processes (pytest-xdist), a file per process at a time (a notebook's
 # cells share one kernel): 2 by default, which pays on 2 cores since notebook kernels and worker processes wait on
 # each other. TEST_WORKERS=0 runs it in this one process. The GPU lane (gpu-test) stays in one process: its
-# measurements must not share the GPU.
+# measurements must not share the GPU. A lost worker (a crash, or a test past pyproject's faulthandler_timeout) fails
+# the run: --max-worker-restart=0, since a worker replaced under --dist loadfile can wait forever.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0,)
 
 ifeq ($(USE_VENV),)
 CONDA_ENV := $(filter-out base,$(and $(CONDA_PREFIX),$(CONDA_DEFAULT_ENV)))
@@ -56,7 +57,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)  ## create the environment and install the course
 
-course: setup  ## set up, check the environment, execute every notebook into build/
+course: setup  ## set up, check the environment, execute the lessons and labs into build/
 	COURSE_FROM_MAKE=course $(PY) -m course doctor
 	$(PY) -m course run
 

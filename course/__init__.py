@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 
 def device():
-    """The torch.device that course tensors live on (cuda:0 on the GPU path, cpu on the simulator)."""
+    """The torch.device that course tensors live on (cuda:0 on the GPU path, cpu on the simulator).
+    """
     return torch_device()
 
 

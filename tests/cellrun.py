@@ -1,6 +1,5 @@
-"""What the exercise-variant tests share: apply a mutant's edits to answer cells, run cells as a notebook kernel
-would, and read the check log they wrote (imported by test_capture_exercises_02, test_reduce_overhead_exercise
-and the lab mutant tests)."""
+"""What tests share: apply a mutant's edits to answer cells, run cells as a notebook kernel would, and read the
+check log they wrote (the exercise-variant tests); a fresh check session per test; wait for a JupyterLab to answer."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +8,9 @@ import json
 import linecache
 import os
 import re
+import subprocess
+import time
+import urllib.request
 from functools import lru_cache
 from pathlib import Path
 
@@ -151,3 +153,26 @@ def one(find, replace):
     return [(find, replace)]
 
 
+@contextlib.contextmanager
+def jupyter_lab(cmd, env, cwd, log_path, base: str, token: str, limit: float = 120):
+    """Start JupyterLab (``cmd``, its output in ``log_path``), wait until it answers at ``base`` (fail with its log if
+    it ends first or ``limit`` seconds pass), and stop it after the block."""
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            deadline = time.time() + limit
+            while True:
+                try:
+                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    if server.poll() is not None or time.time() > deadline:
+                        pytest.fail(f"JupyterLab did not start: {Path(log_path).read_text()[-2000:]}")
+                    time.sleep(0.3)
+            yield server
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()

@@ -1,7 +1,7 @@
 """Fixtures shared by the test files that capture on either path: no capture left under way after a test, and no
 graph from an earlier file freed by the collector in the middle of one of this file's captures.
 
-:func:`verdict` runs one of :mod:`course.sim.parity_torch`'s failing captures on the path this machine has.
+:func:`verdict` runs one of :mod:`course.parity.torch_behaviours`'s failing captures on the path this machine has.
 
 A test file uses them with ``from simguard import no_capture_left_behind, no_garbage_graphs  # noqa: F401``.
 """
@@ -12,7 +12,8 @@ import gc
 import pytest
 
 from course.core.runtime import runtime
-from course.sim import graph as simgraph, parity_torch, stream as simstream
+from course.parity import torch_behaviours as parity_torch
+from course.sim import graph as simgraph, stream as simstream
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,5 +37,5 @@ def verdict(name: str) -> str:
     """A failing-capture program's verdict: here on the simulator, in a fresh process on a GPU."""
     if runtime().on_gpu:
         from course.core.isolate import run_isolated
-        return run_isolated("course.sim.parity_torch", "run", timeout=120, name=name)
+        return run_isolated("course.parity.torch_behaviours", "run", timeout=120, name=name)
     return parity_torch.run(name)

@@ -13,15 +13,14 @@ import os
 import secrets
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from cellrun import jupyter_lab
 from course.tools import workspace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,28 +75,11 @@ def lab_server():
     cmd = workspace.lab_command(dest, port=port, token=token) + [
         "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={tmp / 'lab-workspaces'}",
         f"--LabApp.user_settings_dir={tmp / 'lab-settings'}", "--ServerApp.log_level=WARN"]
-    log = open(tmp / "server.log", "w")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=dest)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if server.poll() is not None or time.time() > deadline:
-                server.kill()
-                pytest.fail(f"JupyterLab did not start: {(tmp / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
     try:
-        yield {"base": base, "token": token, "dest": dest}
+        with jupyter_lab(cmd, env, dest, tmp / "server.log", base, token):
+            yield {"base": base, "token": token, "dest": dest}
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

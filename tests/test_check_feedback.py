@@ -11,6 +11,7 @@ from course.core import answers, checks
 from course.tools import grade as G
 from course.tools import hints
 from course.tools.cli import build_parser
+from cellrun import _fresh_checks  # noqa: F401 - autouse: every test starts and ends with no outcome
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +31,6 @@ def _notebook(path, *sources):
 
 def test_in_session_hints_start_at_the_first_stage_and_advance(capsys, monkeypatch):
     monkeypatch.delenv(checks.ENV_STAGES, raising=False)
-    checks.reset()
     for _ in range(4):
         with checks.exercise("s", hint=["a", "b", "c"]):
             assert False, "no"
@@ -39,7 +39,6 @@ def test_in_session_hints_start_at_the_first_stage_and_advance(capsys, monkeypat
         "hint: [1/3] a (run the check again after a change for the next hint)",
         "hint: [2/3] b (run the check again after a change for the next hint)", "hint: [3/3] c", "hint: [3/3] c"]
     assert checks.failures("s") == 4
-    checks.reset()
 
 
 def test_carried_failures_start_the_hint_further_on(capsys, monkeypatch, tmp_path):
@@ -59,7 +58,6 @@ def test_carried_failures_start_the_hint_further_on(capsys, monkeypatch, tmp_pat
     for bad in ("not json", "[1, 2]", '{"s": "two"}', '{"s": -3}'):  # a bad value never breaks the notebook
         monkeypatch.setenv(checks.ENV_STAGES, bad)
         assert checks.carried_failures("s") == 0
-    checks.reset()
 
 
 def test_hint_state_is_kept_per_notebook_and_reset_on_pass(tmp_path):
@@ -175,7 +173,6 @@ def test_three_wrong_tries_teach_and_never_tell(tmp_path, capsys, monkeypatch):
 def test_show_answer_in_the_notebook(capsys, monkeypatch):
     monkeypatch.delenv(answers.ENV_ANSWERS, raising=False)
     monkeypatch.delenv(answers.ENV_SHOW, raising=False)
-    checks.reset()
     assert answers.show_answer("z.1") is None and "run an exercise's check cell first" in capsys.readouterr().out
     for _ in range(2):
         with checks.exercise("z.1 one", hint="the rule", answer="x = 1"):
@@ -200,7 +197,6 @@ def test_show_answer_in_the_notebook(capsys, monkeypatch):
     assert not answers.requested("z.1 one")
     answers.remember("z.2", "")  # no answer: nothing to offer
     assert answers.offer("z.2") == ""
-    checks.reset()
 
 
 def _staged_hints():

@@ -8,6 +8,7 @@ import torch
 
 from course.core import checks, plots
 from course.core.results import Result
+from cellrun import _fresh_checks  # noqa: F401 - autouse: every test starts and ends with no outcome
 
 
 def test_exercise_pass_todo_fail(capsys, tmp_path, monkeypatch):
@@ -26,7 +27,6 @@ def test_exercise_pass_todo_fail(capsys, tmp_path, monkeypatch):
     assert "✓ a: passed" in out and "b: not done yet" in out and "✗ c: FAILED (wrong" in out
     entries = [json.loads(l) for l in log.read_text().splitlines()]
     assert [e["status"] for e in entries] == ["pass", "todo", "fail", "fail"]
-    checks.reset()
 
 
 def test_close_reports_first_difference():

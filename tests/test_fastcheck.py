@@ -3,12 +3,15 @@
 Each check is tested against the course's right kernel (it must pass) and wrong ones (each named).
 The notebook-level versions of these wrong answers are in tests/test_mutants_lab1_2.py.
 """
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import course
 from course import embedding as E
+from course.core.harness import Defect
 from course.embedding import fastcheck as C
 from course.embedding import swap as S
 
@@ -56,17 +59,18 @@ def test_capped_launch_leaves_the_rows_of_a_kernel_without_grid_stride_unwritten
     out, (blocks, (x, y)), word = C.launch_capped(cuda.jit(_no_stride), ids, w)
     assert blocks == C.BLOCKS < len(ids) // y and word == 8
     assert torch.equal(out[: blocks * y], F.embedding(ids, w)[: blocks * y]) and torch.isnan(out[blocks * y:]).all()
-    with pytest.raises(AssertionError, match=rf"rows {blocks * y}-{len(ids) - 1} of the output were never written"):
-        C.check_grid_stride(cuda.jit(_no_stride))
+    with pytest.raises(Defect, match=rf"rows {blocks * y}-{len(ids) - 1} of the output were never written") as e:
+        E.check_fast_kernel(cuda.jit(_no_stride))
+    assert e.value.rule == "grid_stride"
 
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="traces in this process: the simulator")
 def test_layout_names_one_thread_per_row_and_no_loads_in_flight():
-    C.check_grid_stride(cuda.jit(_thread_per_row))  # right rows, whatever the grid
-    with pytest.raises(AssertionError, match="copied by one thread alone"):
-        C.check_layout(cuda.jit(_thread_per_row))
-    with pytest.raises(AssertionError, match="after loading 1 word: load 4 words"):
-        C.check_layout(cuda.jit(_one_load))
+    assert C.grid_stride(cuda.jit(_thread_per_row))[0] == ""  # right rows, whatever the grid
+    with pytest.raises(Defect, match="copied by one thread alone") as e:
+        E.check_fast_kernel(cuda.jit(_thread_per_row))
+    assert e.value.rule == "layout"
+    assert "after loading 1 word: load 4 words" in C.layout(cuda.jit(_one_load))[0]
 
 
 def test_layout_problem_reads_records():
@@ -94,10 +98,10 @@ def test_kernel_source_sends_modules_and_numbers_and_refuses_the_rest():
 
 
 def test_layout_in_a_simulator_process_passes_and_fails_like_here():
-    lines = C.check_layout(E.fast_kernel(8), child=True)
-    assert all(line.endswith("(in a simulator process)") for line in lines) and len(lines) == 2, lines
-    with pytest.raises(AssertionError, match="copied by one thread alone .* in its own process"):
-        C.check_layout(cuda.jit(_thread_per_row), child=True)
+    problem, lines = C.layout(E.fast_kernel(8), child=True)
+    assert not problem and all(line.endswith("(in a simulator process)") for line in lines) and len(lines) == 2, lines
+    assert re.search("copied by one thread alone .* in its own process",
+                     C.layout(cuda.jit(_thread_per_row), child=True)[0])
 
 
 def test_poisoned_empty_fills_floats_with_nan_and_restores_torch_empty():
@@ -164,8 +168,9 @@ def test_check_swap_names_what_a_wrong_swap_misses():
             m.embed.impl = impl
         return m
 
-    with pytest.raises(AssertionError, match=r"nested model, swap\(\) left 1\.0\.embed unchanged"):
+    with pytest.raises(Defect, match=r"nested model, swap\(\) left 1\.0\.embed unchanged") as e:
         S.check_swap(top_level_only, model)
+    assert e.value.rule == "nested"
 
 
 def test_kernel_source_sends_only_the_globals_the_kernel_reads():

@@ -15,6 +15,7 @@ import pytest
 from course.core import checks
 from course.tools import cli, gate, grade as G
 from course.tools.catalog import ROOT
+from cellrun import _fresh_checks  # noqa: F401 - autouse: every test starts and ends with no outcome
 
 CHK = "from course.core.checks import exercise, skip\n"
 
@@ -129,7 +130,6 @@ def test_judge_and_the_raising_statuses(monkeypatch):
     monkeypatch.setenv(checks.ENV_GATE, "everything")
     with pytest.raises(ValueError, match="COURSE_GATE"):
         checks.raising_statuses()
-    checks.reset()
 
 
 def test_lab3_declares_its_exercises_through_the_course_checks():

@@ -55,31 +55,45 @@ def _declared_requirements(driver: bool = False) -> list:
 
 
 @pytest.fixture(scope="module")
-def pypi():
+def resolved(tmp_path_factory):
+    """pip's dry-run report per platform (returncode, stderr, report), the four resolved side by side (each waits
+    on the index more than it computes)."""
     try:
         urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10).close()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"PyPI is not reachable from here ({type(e).__name__}); the platform resolution needs it")
+    runs = {}
+    for name, (env, tags) in sorted(PLATFORMS.items()):
+        env = dict(env, python_version="3.12", python_full_version="3.12.8", implementation_name="cpython",
+                   platform_python_implementation="CPython")
+        tmp = tmp_path_factory.mktemp(name)
+        cmd = [sys.executable, "-c", _PIP_SHIM, json.dumps(env), "install", "--isolated", "--dry-run",
+               "--ignore-installed", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+               *[a for t in tags for a in ("--platform", t)], "--target", str(tmp / "t"),
+               "--quiet", "--report", str(tmp / "report.json"), *_declared_requirements(name.endswith("-gpu"))]
+        runs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+                      tmp / "report.json")
+    out = {}
+    for name, (proc, report) in runs.items():
+        try:
+            _, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        out[name] = (proc.returncode, err, report)
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(PLATFORMS))
-def test_dependencies_resolve_for_every_platform(name, pypi, tmp_path):
+def test_dependencies_resolve_for_every_platform(name, resolved):
     """pip resolves the whole declared dependency set (course + test + lab) to wheels for the platform."""
-    env, tags = PLATFORMS[name]
-    env = dict(env, python_version="3.12", python_full_version="3.12.8", implementation_name="cpython",
-               platform_python_implementation="CPython")
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-c", _PIP_SHIM, json.dumps(env), "install", "--isolated", "--dry-run", "--ignore-installed",
-           "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-           *[a for t in tags for a in ("--platform", t)], "--target", str(tmp_path / "t"),
-           "--quiet", "--report", str(report), *_declared_requirements(name.endswith("-gpu"))]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    errors = "\n".join(l for l in out.stderr.splitlines() if "is ignored" not in l)
-    assert out.returncode == 0, f"{name}: the dependencies do not resolve:\n{errors[-3000:]}"
-    names = {i["metadata"]["name"].lower().replace("_", "-") for i in json.loads(report.read_text())["install"]}
+    code, stderr, report = resolved[name]
+    errors = "\n".join(line for line in stderr.splitlines() if "is ignored" not in line)
+    assert code == 0, f"{name}: the dependencies do not resolve:\n{errors[-3000:]}"
+    install = json.loads(report.read_text())["install"]
+    names = {i["metadata"]["name"].lower().replace("_", "-") for i in install}
     assert {"torch", "numba", "numpy", "nbval", "jupyterlab"} <= names, names
-    torch_v = next(i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
-                   if i["metadata"]["name"].lower() == "torch")
+    torch_v = next(i["metadata"]["version"] for i in install if i["metadata"]["name"].lower() == "torch")
     assert torch_v == torch_install.pinned_version(torch_install.default_requirement(name.endswith("-gpu"))), torch_v
     if name.startswith("macos"):
         assert "numba-cuda" not in names and not any(n.startswith(("nvidia-", "cuda-")) for n in names), names
@@ -209,7 +223,8 @@ def test_make_targets_venv_conda_lab_and_gpu_lane(tmp_path):
     plain = _make_n("test")
     assert "-m venv .venv" in plain and "course.tools.torch_install" in plain
     assert "TORCH ?=\n" in (ROOT / "Makefile").read_text(), "the Makefile must leave TORCH empty by default"
-    assert ".venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile tests notebooks labs solutions" in plain
+    assert (".venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile --max-worker-restart=0 tests notebooks "
+            "labs solutions") in plain
     assert "-m pytest -p no:cacheprovider  tests notebooks" in _make_n("test", TEST_WORKERS="0")
     conda = _make_n("test", CONDA_PREFIX=str(tmp_path), CONDA_DEFAULT_ENV="capture-replay")
     assert "-m venv" not in conda and f"{tmp_path}/bin/python -m pytest" in conda

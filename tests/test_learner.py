@@ -22,6 +22,7 @@ from course import embedding as E
 from course.core import checks, plots
 from course.tools import catalog, grade as G, learner_versions as L
 from course.tools.catalog import ROOT
+from cellrun import _fresh_checks  # noqa: F401 - autouse: every test starts and ends with no outcome
 
 # The notebook-level tests run whole labs: on the simulator (CI). On a GPU, nbval runs the same notebooks, and an
 # out-of-bounds read does not raise there (that is why the simulator's IndexError is worth a clear ✗).
@@ -94,7 +95,6 @@ def test_obs1_course_check_tests_the_learners_swap_in_any_cell_order(tmp_path, c
 
 
 def test_fallback_uses_the_reference_until_the_exercise_passes(capsys):
-    checks.reset()
 
     def mine(x):
         return x + 100  # wrong, but does not raise
@@ -105,7 +105,6 @@ def test_fallback_uses_the_reference_until_the_exercise_passes(capsys):
     with checks.exercise("t. fallback"):
         pass
     assert f(1) == 101
-    checks.reset()
 
 
 # ----------------------------------------------------------------------- observation 2: passes remembered
@@ -123,7 +122,6 @@ def test_obs2_rerunning_one_check_keeps_the_other_passes():
 
 
 def test_session_progress_and_describe(capsys):
-    checks.reset()
     assert checks.status("p") is None and "not checked yet" in checks.describe("p")
     with checks.exercise("p"):
         pass
@@ -134,7 +132,6 @@ def test_session_progress_and_describe(capsys):
     checks.skip("r", "needs a GPU")
     assert checks.progress() == {"p": "pass", "q": "todo", "r": "skip"} and checks.passed("p")
     assert "skipped" in checks.describe("r")
-    checks.reset()
 
 
 # ----------------------------------------------------------------------- observation 3: a crash is a ✗
@@ -170,7 +167,6 @@ def test_obs3_course_check_says_crashed_not_not_reached(tmp_path, capsys):
 
 
 def test_crash_summary_hides_library_frames(capsys):
-    checks.reset()
 
     def learner():
         return torch.zeros(3)[5]  # an IndexError raised inside torch
@@ -190,7 +186,6 @@ def test_crash_summary_hides_library_frames(capsys):
     with pytest.raises(checks.ExerciseFailed, match="wrong"):
         with checks.exercise("d", raise_on_fail=True):
             assert False, "wrong"
-    checks.reset()
 
 
 def test_crash_inside_the_course_never_says_look_at_your_line():
@@ -215,7 +210,6 @@ def test_under_nbgrader_every_cross_and_todo_raises(monkeypatch, capsys):
                 raise body("x")
     with checks.exercise("n"):
         pass
-    checks.reset()
 
 
 # ----------------------------------------------------------------------- observation 4: diagnosing feedback

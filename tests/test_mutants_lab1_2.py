@@ -154,7 +154,7 @@ MUTANTS = [
       ["swap() must return the model"]),
     # lab 2, exercise 4: the learner's capture
     M(2, CAPTURE, "no warm-up", [("        fn(*static)  # the warm-up, on a side stream\n", "        pass\n")],
-      ["without a warm-up"]),
+      ["no warm-up ran before the capture"]),
     M(2, CAPTURE, "warm-up on the default stream", [("    with cg.stream(side):\n", "    if True:\n")],
       ["warm-up ran on the default stream", "side stream"]),
     M(2, CAPTURE, "no fork before the side stream's warm-up", [("    side.wait_stream(cg.current_stream())\n", "")],

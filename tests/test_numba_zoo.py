@@ -77,7 +77,7 @@ def test_the_shared_affine_kernel_is_compiled_once_and_computes_2x_plus_1():
 
     from course.core import numba_kernels
     from course.core.runtime import as_numba, numba_stream
-    from course.sim.parity_streams import _affine
+    from course.parity.streams import _affine
 
     k = numba_kernels.affine()
     assert k is numba_kernels.affine() is _affine() is numba_zoo.kernels()[0]

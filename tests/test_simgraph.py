@@ -1,6 +1,6 @@
 """course.graphs(): the simulator's CUDA graphs record at capture and replay without Python, as a GPU does.
 
-The parity programs (course.sim.parity) run on the path this machine has: the simulator in CI, torch.cuda on
+The parity programs (course.parity.programs) run on the path this machine has: the simulator in CI, torch.cuda on
 a GPU, with the same expected verdicts. The rest checks the stand-in's own rules (simulator only), and that the
 programs catch a stand-in that is wrong in the ways the course's older stand-ins were.
 """
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import course
-from course.sim import cuda as simcuda, dispatch as simdispatch, graph as simgraph, parity as simparity
-from course.sim import parity_tools as simcheck, patch as simpatch, record as simrecord, stream as simstream
+from course.parity import programs as simparity, tools as simcheck
+from course.sim import cuda as simcuda, dispatch as simdispatch, graph as simgraph
+from course.sim import patch as simpatch, record as simrecord, stream as simstream
 from course.core.runtime import runtime
 
 ON_GPU = runtime().on_gpu
@@ -74,7 +75,7 @@ def test_parity_program_gives_the_gpu_verdict(name):
     assert course.graphs() is (torch.cuda if ON_GPU else simcuda)
     if ON_GPU:  # each in a fresh process: on a GPU a failed capture can leave the random generator in capture mode
         from course.core.isolate import run_isolated
-        assert run_isolated("course.sim.parity", "run", timeout=120, name=name) == EXPECTED[name]
+        assert run_isolated("course.parity.programs", "run", timeout=120, name=name) == EXPECTED[name]
     else:
         assert simparity.run(name) == EXPECTED[name]
 

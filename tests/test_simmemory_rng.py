@@ -7,7 +7,8 @@ import torch
 
 import course
 from course.core.runtime import runtime
-from course.sim import dispatch as simdispatch, graph as simgraph, memory as simmemory, parity_torch
+from course.parity import torch_behaviours as parity_torch
+from course.sim import dispatch as simdispatch, graph as simgraph, memory as simmemory
 from course.sim import rng as simrng, stream as simstream
 
 pytestmark = pytest.mark.skipif(runtime().on_gpu, reason="the simulator's own behaviour")

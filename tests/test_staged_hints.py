@@ -1,11 +1,12 @@
 """The staged-hint rule, for every exercise of the course: hints follow a ✗ (never "not done yet"), in at least two
 stages (the rule, where, a smaller example) none of which quotes the answer's code; the answer is registered apart
-and shown only on request, by a name ``course check --show-answer`` and ``course.show_answer`` accept.
+and shown only on request: ``course check --show-answer NAME`` on the learner's version names every exercise.
 
 Exercises are found in the source (:mod:`course.tools.exercises`): every ``exercise(...)`` call in ``course/`` and in
 the answer versions' cells, and, per answer version, the ``### BEGIN SOLUTION`` lines each check judges. A check
 whose notebook has no answer block for it (one that checks the lesson's own measurements) has nothing to hint at.
 """
+import ast
 import contextlib
 import io
 from pathlib import Path
@@ -14,13 +15,19 @@ import nbformat
 import pytest
 
 from course.core import answers, checks
-from course.tools.exercises import COMPUTED, answer_lines, exercise_names, quoted_lines, registered_hints
+from course.tools import cli, grade
+from course.tools.catalog import CATALOG
+from course.tools.exercises import (COMPUTED, answer_lines, exercise_calls, exercise_names, module_constants,
+                                    quoted_lines, registered_hints)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "solutions").glob("*.ipynb"))
 REGISTERED = registered_hints(ROOT)
 EXERCISES = [(nb.name, name, lines) for nb in NOTEBOOKS
              for name, lines in answer_lines(nbformat.read(nb, as_version=4)).items()]
+LEARNER = {e.answer_version: e.path for e in CATALOG if e.kind != "solution"}  # answer version -> learner's
+DECLARED = [(LEARNER[f"solutions/{nb.name}"], name) for nb in NOTEBOOKS
+            for name in exercise_names(nbformat.read(nb, as_version=4))]
 
 
 @pytest.fixture(autouse=True)
@@ -56,10 +63,48 @@ def test_every_exercise_has_staged_hints_that_do_not_quote_its_answer(notebook, 
         assert len(quoted) < 2, f"{name} ({where}): hint stage {i} quotes the answer's code: {quoted}"
 
 
-@pytest.mark.parametrize("notebook, name, lines", EXERCISES, ids=[f"{n}: {e}" for n, e, _ in EXERCISES])
-def test_show_answer_names_every_exercise(notebook, name, lines):
-    names = exercise_names(nbformat.read(ROOT / "solutions" / notebook, as_version=4))
-    assert answers.match(name, names) == [name], f"--show-answer {name!r} is refused in {notebook}: it knows {names}"
+def _unnamed(tree) -> list:
+    """The lines of ``exercise(...)`` calls in ``tree`` whose exercise the source does not name, in any scope."""
+    consts = module_constants(tree)
+    scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] + [tree]
+    named = {id(call) for scope in scopes for name, call in exercise_calls(scope, consts) if name}
+    return [call.lineno for _, call in exercise_calls(tree) if id(call) not in named]
+
+
+def test_every_exercise_call_names_its_exercise_in_the_source():
+    """What ``course check`` cannot read it cannot name (``--show-answer``, the gate): every ``exercise(...)`` call
+    in ``course/`` and in the answer versions gives its name as a literal, a constant or a parameter's default."""
+    where = [f"{p.relative_to(ROOT)}:{line}" for p in sorted((ROOT / "course").rglob("*.py"))
+             for line in _unnamed(ast.parse(p.read_text(encoding="utf-8")))]
+    for nb in NOTEBOOKS:
+        for i, cell in enumerate(nbformat.read(nb, as_version=4).cells):
+            if cell.cell_type == "code" and "exercise(" in cell.source:
+                where += [f"{nb.name} cell {i}:{line}" for line in _unnamed(ast.parse(cell.source))]
+    assert not where, f"exercise(...) calls whose name the source does not give: {where}"
+
+
+def test_every_exercise_of_the_course_is_declared_by_its_notebook():
+    """An ``exercise(...)`` the source reading misses (a name given as a parameter's default that is a constant) is
+    an exercise ``--show-answer`` cannot name: every registered exercise is declared by an answer version."""
+    missed = sorted(set(REGISTERED) - {name for _, name in DECLARED})
+    assert not missed, f"exercises no notebook declares (course check --show-answer refuses them): {missed}"
+
+
+@pytest.mark.parametrize("learner, name", DECLARED, ids=[f"{n}: {e}" for n, e in DECLARED])
+def test_show_answer_on_the_learner_version_names_every_exercise(monkeypatch, capsys, learner, name):
+    """``python -m course check --show-answer NAME`` on the learner's notebook, as a learner types it (the kernel's
+    run stood in for: the answer goes to that run only for ``NAME``)."""
+    asked = []
+
+    def run(path, show=(), **_):
+        asked.append(list(show))
+        return {"exercises": [], "stray": [], "error": None, "seconds": 0.0}
+
+    monkeypatch.setattr(grade, "run_checks", run)
+    monkeypatch.setattr(grade, "save_hint_state", lambda *a: None)
+    code = cli.main(["check", "--show-answer", name, str(ROOT / learner)])
+    out = capsys.readouterr().out
+    assert code == 0 and asked == [[name]], f"--show-answer {name!r} is refused in {learner}:\n{out}"
 
 
 @pytest.mark.parametrize("name", sorted(REGISTERED), ids=sorted(REGISTERED))
@@ -101,9 +146,7 @@ def test_quoted_lines_catches_an_answer_given_as_a_stage():
 
 
 def test_names_come_from_constants_defaults_and_the_cells_that_run_the_checks():
-    import ast
-
-    from course.tools.exercises import check_cells, module_constants
+    from course.tools.exercises import check_cells
 
     src = 'NAME = "x.1 first"\nHINT = ["a", "b"]\ndef check_a(fn):\n    with exercise(NAME, hint=HINT):\n        pass\n'
     assert module_constants(ast.parse(src)) == {"NAME": "x.1 first"}

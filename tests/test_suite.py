@@ -1,6 +1,9 @@
 """The suite checks itself: every notebook collected, none committed with outputs, docs in sync."""
 import json
 import re
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -87,6 +90,25 @@ def test_ci_runs_exactly_the_readme_test_command():
     cmd = m.group(1).strip()
     ci = [l.strip() for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.strip() and not l.startswith("#")]
     assert cmd in ci, f".ci/run must call exactly the README's test command {cmd!r}"
+
+
+def test_a_hung_test_fails_the_run_rather_than_hanging_it(tmp_path):
+    """`make test`'s xdist flags with pyproject's per-test limit: a test past the limit ends its worker, and the run
+    fails at once with the test's name (a lost worker that xdist replaces under --dist loadfile can wait forever)."""
+    make = (ROOT / "Makefile").read_text()
+    xdist = re.search(r"^XDIST := \$\(if .*?,(-n .*?),\)$", make, re.M).group(1).replace("$(TEST_WORKERS)", "2")
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    cell_limit = int(re.search(r"--nbval-cell-timeout=(\d+)", make).group(1))
+    assert ini["faulthandler_exit_on_timeout"] is True and ini["faulthandler_timeout"] > cell_limit
+    (tmp_path / "test_a.py").write_text("import time\n\ndef test_hangs():\n    time.sleep(300)\n")
+    for name in "bc":
+        (tmp_path / f"test_{name}.py").write_text(f"def test_{name}():\n    pass\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *xdist.split(),
+                          "-o", "faulthandler_timeout=2", "-o", "faulthandler_exit_on_timeout=true", str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1 and "crashed while running 'test_a.py::test_hangs'" in out.stdout, out.stdout
+    assert time.monotonic() - start < 200
 
 
 def _code_cells(path):

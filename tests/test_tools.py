@@ -127,6 +127,21 @@ def test_default_jobs_is_one_on_a_gpu_and_two_on_two_cpus():
     assert render.default_jobs(on_gpu=False, cpus=1) == 1
 
 
+def test_run_executes_the_lessons_and_labs_and_the_answers_on_request(tmp_path, monkeypatch):
+    """`make course` runs what a learner reads (each answer version once more only with --answers)."""
+    import nbformat
+
+    ran = []
+    monkeypatch.setattr(render, "execute", lambda path, timeout=900, env=None: (
+        ran.append(Path(path).parent.name) or nbformat.v4.new_notebook(), None))
+    assert main(["run", "--jobs", "1", "--out", str(tmp_path / "a")]) == 0
+    assert sorted(set(ran)) == ["labs", "notebooks"] and len(ran) == len(catalog.entries()) - len(
+        catalog.entries("solution"))
+    ran.clear()
+    assert main(["run", "--jobs", "1", "--answers", "--out", str(tmp_path / "b")]) == 0
+    assert ran.count("solutions") == len(catalog.entries("solution"))
+
+
 def test_run_rejects_unknown_notebook(tmp_path):
     assert main(["run", "--only", "nope.ipynb", "--out", str(tmp_path)]) == 2
 

@@ -2,7 +2,7 @@
 
 Each test names the PyTorch test it mirrors (``mirrors: TestCuda.test_...``). The same body runs on the simulator in
 CI (``cg`` is :mod:`course.sim.cuda`, tensors on the CPU) and on a GPU (``cg`` is ``torch.cuda``), so a laptop ✓ is a
-GPU ✓. Captures that fail run each in a fresh process on a GPU (:mod:`course.sim.parity_torch`). The optimizer and
+GPU ✓. Captures that fail run each in a fresh process on a GPU (:mod:`course.parity.torch_behaviours`). The optimizer and
 grad-scaling tests are in tests/test_torch_graph_optims.py.
 
 PyTorch graph tests this file and its twin leave out, and why (the README and CAPTURE_RULES.md point here):
@@ -10,7 +10,7 @@ PyTorch graph tests this file and its twin leave out, and why (the README and CA
 =====================================================  ===========================================================
 PyTorch test                                           why the course does not mirror it here
 =====================================================  ===========================================================
-test_graph_error, test_cuda_graph_tensor_item_not_      already parity programs (course.sim.parity: default_stream,
+test_graph_error, test_cuda_graph_tensor_item_not_      already parity programs (course.parity.programs: default_stream,
 allowed, test_graph_manual_seed_mismatch_raises         item, manual_seed), run on both paths by test_simgraph.py
 test_cuda_graph_error_options (its thread)             a second thread allocating during a capture: the simulator
                                                        runs one thread (not modelled, course/sim/graph.py)
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 import course
 from course.core.runtime import runtime
-from course.sim import parity_torch
+from course.parity import torch_behaviours as parity_torch
 
 ON_GPU = runtime().on_gpu
 cg = course.graphs()
@@ -55,7 +55,7 @@ def collect():
 
 
 def warm_up(fn, n: int = 3) -> None:
-    """Run ``fn`` ``n`` times on a side stream, joined back (:func:`course.sim.parity_torch.warm_up`)."""
+    """Run ``fn`` ``n`` times on a side stream, joined back (:func:`course.parity.torch_behaviours.warm_up`)."""
     parity_torch.warm_up(cg, fn, n)
 
 

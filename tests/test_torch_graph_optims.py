@@ -12,7 +12,7 @@ import torch
 
 import course
 from course.core.runtime import runtime
-from course.sim import parity_torch
+from course.parity import torch_behaviours as parity_torch
 
 ON_GPU = runtime().on_gpu
 cg = course.graphs()
@@ -23,7 +23,7 @@ from simguard import no_capture_left_behind, no_garbage_graphs, verdict  # noqa:
 
 
 def warm_up(fn, n: int = 3) -> None:
-    """Run ``fn`` ``n`` times on a side stream, joined back (:func:`course.sim.parity_torch.warm_up`)."""
+    """Run ``fn`` ``n`` times on a side stream, joined back (:func:`course.parity.torch_behaviours.warm_up`)."""
     parity_torch.warm_up(cg, fn, n)
 
 

@@ -1,13 +1,18 @@
 """The learner's workspace: copies of the lessons and labs in a git-ignored folder, opened by `make lab`."""
 import json
 import os
+import re
+import secrets
 import shutil
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from cellrun import jupyter_lab
 from course.tools import catalog, workspace
 from course.tools.cli import build_parser, main
 from course.tools.learner_versions import build_labs
@@ -96,11 +101,6 @@ def _free_port() -> int:
 def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
     """Start the learner's JupyterLab headless and ask it: nbgrader's pages are gone, its lab extension disabled."""
     pytest.importorskip("jupyterlab")
-    import re
-    import secrets
-    import time
-    import urllib.error
-    import urllib.request
 
     dest = tmp_path / "work"
     dest.mkdir()
@@ -116,39 +116,22 @@ def test_learners_jupyterlab_serves_no_nbgrader(tmp_path):
         except urllib.error.HTTPError as e:
             return e.code, ""
 
-    with open(tmp_path / "server.log", "w") as log:
-        server = subprocess.Popen(workspace.lab_command(dest, port=port, token=token), env=env, cwd=dest,
-                                  stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 90
-            while True:
-                try:
-                    urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=5).close()
-                    break
-                except Exception:  # noqa: BLE001 - not up yet
-                    assert server.poll() is None and time.time() < deadline, \
-                        f"JupyterLab did not start: {(tmp_path / 'server.log').read_text()[-2000:]}"
-                    time.sleep(0.3)
-            for url in ("/formgrader", "/courses", "/assignments", "/assignments/validate"):
-                assert get(url)[0] == 404, f"nbgrader's {url} is served in the learner's JupyterLab"
-            status, page = get("/lab")
-            assert status == 200
-            data = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
-                                        page, re.S).group(1))
-            assert "@jupyter/nbgrader" in data["disabledExtensions"], data["disabledExtensions"]
-            # JupyterLab 4.6 asks "get notified about official Jupyter news?" from this plugin: it is off
-            assert workspace.ANNOUNCEMENTS in data["disabledExtensions"], data["disabledExtensions"]
-            assert data["news"] == {"disabled": True}, data.get("news")
-            status, body = get("/lab/api/extensions")
-            if status == 200:  # the extension manager's view agrees
-                listed = {e["name"]: e["enabled"] for e in json.loads(body)}
-                assert not any(on for name, on in listed.items() if "nbgrader" in name), listed
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    with jupyter_lab(workspace.lab_command(dest, port=port, token=token), env, dest, tmp_path / "server.log", base,
+                     token, limit=90):
+        for url in ("/formgrader", "/courses", "/assignments", "/assignments/validate"):
+            assert get(url)[0] == 404, f"nbgrader's {url} is served in the learner's JupyterLab"
+        status, page = get("/lab")
+        assert status == 200
+        data = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
+                                    page, re.S).group(1))
+        assert "@jupyter/nbgrader" in data["disabledExtensions"], data["disabledExtensions"]
+        # JupyterLab 4.6 asks "get notified about official Jupyter news?" from this plugin: it is off
+        assert workspace.ANNOUNCEMENTS in data["disabledExtensions"], data["disabledExtensions"]
+        assert data["news"] == {"disabled": True}, data.get("news")
+        status, body = get("/lab/api/extensions")
+        if status == 200:  # the extension manager's view agrees
+            listed = {e["name"]: e["enabled"] for e in json.loads(body)}
+            assert not any(on for name, on in listed.items() if "nbgrader" in name), listed
     assert "nbgrader_config.py" not in (tmp_path / "server.log").read_text()
 
 

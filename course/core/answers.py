@@ -1,22 +1,18 @@
-"""An exercise's answer: shown only when the learner asks for it, and never when the teacher turned answers off.
+"""An exercise's answer: shown only when the learner asks for it, never when the teacher turned them
+off.
 
-Staged hints (:mod:`course.core.checks`) teach: what the rule is, where to look in your code, a smaller
-example. The answer is not a hint stage: ``exercise(name, hint=[...], answer="...")`` keeps it apart, and
-after the last stage the hint only says how to ask for it:
-
-- in the notebook, after the exercise's check ran: ``course.show_answer("02.3")`` (its name, or the start of it);
-- from a terminal: ``python -m course check --show-answer 02.3 NOTEBOOK``, which hands the names to the
-  kernel in ``COURSE_SHOW_ANSWER`` (a JSON list); that run prints the answer under the exercise's outcome.
-
-A teacher turns answers off with ``COURSE_ANSWERS=off`` in the environment of the learners' Jupyter and of
-``course check`` (INSTRUCTOR.md): the hints stay, the answer is never printed and the hint stops offering it.
+``exercise(name, hint=[...], answer="...")`` keeps the answer apart from the staged hints; after the
+last stage the hint says how to ask: ``course.show_answer("02.3")`` in the notebook (after the check
+ran), or ``python -m course check --show-answer 02.3 NOTEBOOK`` (``COURSE_SHOW_ANSWER``, a JSON
+list). ``COURSE_ANSWERS=off`` turns answers off (INSTRUCTOR.md).
 """
 from __future__ import annotations
 
 import json
 import os
 
-ENV_SHOW = "COURSE_SHOW_ANSWER"  # JSON list of exercise names whose answer `course check --show-answer` asked for
+# JSON list of exercise names whose answer `course check --show-answer` asked for
+ENV_SHOW = "COURSE_SHOW_ANSWER"
 ENV_ANSWERS = "COURSE_ANSWERS"  # "off": the teacher turned answers off
 _KNOWN: dict = {}  # exercise name -> its answer, remembered when its check runs in this session
 
@@ -38,7 +34,8 @@ def forget() -> None:
 
 
 def requested(name: str) -> bool:
-    """True when this run was asked to show the answer of ``name`` (``COURSE_SHOW_ANSWER``) and answers are on."""
+    """True when this run was asked to show the answer of ``name`` (``COURSE_SHOW_ANSWER``) and
+    answers are on."""
     try:
         names = json.loads(os.environ.get(ENV_SHOW) or "[]")
     except ValueError:  # a bad value must never break the learner's notebook
@@ -59,24 +56,26 @@ def offer(name: str) -> str:
     """What the last hint stage adds: how to ask for the answer ("" when there is none to offer)."""
     if answers_off() or name not in _KNOWN:
         return ""
-    return (f" (that was the last hint. The answer, only if you want it: course.show_answer({name!r}) in the "
-            f"notebook, or python -m course check --show-answer {json.dumps(name)} NOTEBOOK)")
+    return (" (that was the last hint. The answer, only if you want it: "
+            f"course.show_answer({name!r}) in the notebook, or python -m "
+            f"course check --show-answer {json.dumps(name)} NOTEBOOK)")
 
 
 def show_answer(query: str) -> str | None:
     """Print and return the answer of the exercise ``query`` names (its name or the start of it).
 
-    It must have been checked in this session (run its check cell first). Prints why instead, and returns
-    None, when answers are off, no checked exercise has that name, or the name is ambiguous.
+    It must have been checked in this session (run its check cell first). Prints why instead, and
+    returns None, when answers are off, no checked exercise has that name, or the name is ambiguous.
     """
     if answers_off():
-        print("Answers are turned off for this course (COURSE_ANSWERS=off): the hints are all there is.")
+        print("Answers are turned off for this course "
+              "(COURSE_ANSWERS=off): the hints are all there is.")
         return None
     found = match(query, _KNOWN)
     if len(found) != 1:
         known = sorted(_KNOWN) or ["(none yet: run an exercise's check cell first)"]
-        print(f"show_answer({query!r}): {'more than one' if found else 'no'} checked exercise with an answer is "
-              f"called that; choose one of: {', '.join(found or known)}")
+        print(f"show_answer({query!r}): {'more than one' if found else 'no'} checked exercise "
+              f"with an answer is called that; choose one of: {', '.join(found or known)}")
         return None
     print(f"answer to {found[0]}: {_KNOWN[found[0]]}")
     return _KNOWN[found[0]]

@@ -62,7 +62,8 @@ def host_blocking(fn, *, sleep_ms: float = 50.0, warmup: int = 1) -> BlockingRep
     synchronous by construction, so the report says ``blocked=None``.
     """
     if not runtime().on_gpu:
-        return BlockingReport(None, None, None, "needs a real GPU: the simulator runs kernels synchronously")
+        return BlockingReport(None, None, None, "needs a real GPU: the simulator "
+                                                "runs kernels synchronously")
     import torch
 
     for _ in range(warmup):
@@ -78,7 +79,8 @@ def host_blocking(fn, *, sleep_ms: float = 50.0, warmup: int = 1) -> BlockingRep
     host_ms, busy_ms = (t1 - t0) * 1e3, (t2 - t0) * 1e3
     blocked = host_ms >= 0.8 * min(sleep_ms, busy_ms)
     return BlockingReport(host_ms, busy_ms, blocked,
-                          "returned after the GPU finished" if blocked else "returned while the GPU was still busy")
+                          "returned after the GPU "
+                          "finished" if blocked else "returned while the GPU was still busy")
 
 
 def event_complete_right_after(fn, *, warmup: int = 1) -> bool | None:

@@ -1,31 +1,14 @@
 """Trying a CUDA graph capture safely: warm-up on a side stream, capture, report, recover.
 
-A failed capture must never poison later work. :func:`graph` is ``torch.cuda.graph`` with that
-guarantee; :func:`try_capture` uses it, catches the error and checks that a fresh op still runs,
-so the next cell (or test, or cache key) starts clean. The outcome keeps the root-cause error
-*and* the Python frames it came from, so a tool (the hazard finder in
-:mod:`course.lessons.what_breaks`) can point at the line that broke the capture.
-
-What a failed ``torch.cuda.graph`` leaves behind (measured on an H100, torch 2.11): when CUDA
-invalidates a capture (a host read, a Numba allocation, a random op before the failure, a side
-stream never joined), ``capture_end`` raises before it tells the caching allocators (device and
-pinned host memory) that the capture is over. They keep "recording into" the capture's memory
-pool, so every later capture into the same pool (a graph cache shares one) fails with
-``beginAllocateToPool: already recording to mempool_id``; the current stream also stays the
-capture stream, and the random generators stay in capture mode. Torch exposes a way to end the
-device allocator's recording (:func:`release_pool`) but none for the host allocator's, so
-:func:`graph` never captures into that pool again: later captures that name it get a fresh pool in
-its place (graphs recorded before the failure keep theirs; memory is no longer shared across the
-failure). It also puts the stream and the generators back.
-
-A graph freed during another capture invalidates that capture (measured on an H100, torch 2.11): a
-``CUDAGraph`` that only a reference cycle keeps alive is destroyed whenever Python's garbage collector
-happens to run, and its destructor calls CUDA, which a stream in global capture mode does not permit: the
-capture in progress fails (the next CUDA call inside it reports the error, e.g. cuBLAS's
-``CUBLAS_STATUS_EXECUTION_FAILED``). Torch no longer collects garbage as a capture begins
-(``torch.compiler.config.force_cudagraph_gc``, off by default, because a full collection costs tens of
-milliseconds), so :func:`graph` keeps the collector off until the capture has ended
-(:func:`collector_paused`): what was due is collected after the capture, outside it.
+A failed capture must never poison later work: :func:`graph` is ``torch.cuda.graph`` with that
+guarantee, and :func:`try_capture` catches the error (its root cause and the frames it came from)
+and checks that a fresh op still runs. On a GPU (H100, torch 2.11) a failed ``capture_end`` leaves
+the allocators recording into the capture's pool (every later capture into it fails with
+``beginAllocateToPool: already recording to mempool_id``), the capture stream current and the
+generators in capture mode: :func:`graph` puts the stream and generators back, releases the device
+pool (:func:`release_pool`) and never captures into that pool again. A graph freed by the garbage
+collector during another capture breaks it, so :func:`graph` captures with the collector paused
+(:func:`collector_paused`).
 """
 from __future__ import annotations
 
@@ -47,7 +30,8 @@ class CaptureOutcome:
     error: str | None = None  # first line of the root-cause message
     graph: object = None  # the torch.cuda.CUDAGraph when ok
     output: object = None  # what fn returned during capture (static output tensors)
-    frames: tuple = ()  # (filename, lineno, function, source line) of the root cause, outermost first
+    # (filename, lineno, function, source line) of the root cause, outermost first
+    frames: tuple = ()
 
     def __str__(self) -> str:
         return "captured" if self.ok else f"capture failed: {self.error_type}: {self.error}"
@@ -71,21 +55,16 @@ def require_gpu(what: str) -> None:
     """Raise a clear error when ``what`` needs the GPU path."""
     rt = runtime()
     if not rt.on_gpu:
-        raise CourseEnvironmentError(f"{what} needs a real GPU; this notebook runs on the simulator ({rt.reason}) "
-                                     "so the course shows reference results recorded on a GPU instead.")
+        raise CourseEnvironmentError(f"{what} needs a real GPU; this notebook runs on the "
+                                     f"simulator ({rt.reason}) so the course shows "
+                                     "reference results recorded on a GPU instead.")
 
 
 def recover(stream=None, graph=None, pool=None) -> None:
-    """Leave CUDA usable after a failed capture, on either path: no capture in progress, queue drained, ops run.
-
-    For a capture written with ``cg.graph`` itself (``cg = course.graphs()``), in its ``except``:
-    ``recover(stream=before, graph=g, pool=pool)``. ``stream``: the stream current before the capture, made current
-    again (a failed ``cg.graph`` leaves its capture stream current, on a GPU as on the simulator). ``graph``: the
-    ``CUDAGraph`` whose capture failed, kept alive (torch's allocators may still hold callbacks into it). ``pool``:
-    the pool it captured into; on a GPU, with ``graph``, the device allocator's recording into it is ended
-    (:func:`release_pool`) unless the capture ended (torch refused a copy before CUDA saw it), but never capture
-    into it again (the pinned-host allocator's recording cannot be ended). On a GPU the queue is
-    then drained, the random generators taken out of capture mode and a fresh op run; the simulator needs no more.
+    """Leave CUDA usable after a failed capture written with ``cg.graph``, on either path: in its
+    ``except``, ``recover(stream=before, graph=g, pool=pool)`` makes ``stream`` current again, keeps
+    ``graph`` alive, ends the device allocator's recording into ``pool`` (on a GPU; never capture
+    into it again), drains the queue, takes the generators out of capture mode and runs a fresh op.
     """
     from course.core.runtime import graphs
 
@@ -93,15 +72,16 @@ def recover(stream=None, graph=None, pool=None) -> None:
     if stream is not None:
         cg.set_stream(stream)
     if cg.is_current_stream_capturing():
-        raise RuntimeError("a CUDA graph capture is still in progress on the current stream; "
-                           "end it (leave the `with torch.cuda.graph(...)` block) before recovering.")
+        raise RuntimeError("a CUDA graph capture is still in progress on the current stream; end "
+                           "it (leave the `with torch.cuda.graph(...)` block) before recovering.")
     if not runtime().on_gpu:
         return
     import torch
 
     if graph is not None:
         _FAILED.append(graph)
-        if pool is not None and not _ended(graph):  # a capture that ended owns its pool: releasing it would
+        # a capture that ended owns its pool: releasing it would
+        if pool is not None and not _ended(graph):
             release_pool(pool)                      # free memory the pool's other graphs still use
     try:
         torch.cuda.synchronize()
@@ -124,14 +104,9 @@ def _ended(graph) -> bool:
 
 
 def reset_rng_capture_state() -> None:
-    """Take torch's CUDA random generators out of capture mode after a failed capture.
-
-    Measured on torch 2.11 (H100): when a capture fails, the default CUDA generator is
-    left flagged as "capturing", and every later ``torch.randn(..., device="cuda")`` raises
-    ``Offset increment outside graph capture encountered unexpectedly`` (``torch.manual_seed``
-    does not clear it). Swapping in a clone of each generator's state clears the flag and
-    keeps the seed and offset, so random streams continue exactly where they were.
-    """
+    """Take torch's CUDA generators out of capture mode after a failed capture (torch 2.11 leaves
+    them flagged, and every later random op raises): each is swapped for a clone of its state, seed
+    and offset kept."""
     import torch
 
     for gen in torch.cuda.default_generators:
@@ -139,7 +114,8 @@ def reset_rng_capture_state() -> None:
 
 
 def warm_up(fn, iters: int = 3):
-    """Run ``fn`` ``iters`` times on a side stream (lazy init, allocator, cuBLAS handles), then join."""
+    """Run ``fn`` ``iters`` times on a side stream (lazy init, allocator, cuBLAS handles), then
+    join."""
     import torch
 
     out = None
@@ -153,12 +129,14 @@ def warm_up(fn, iters: int = 3):
     return out
 
 
-_REPLACED: dict = {}  # pool handle a failed capture used -> the pool that captures naming it use instead
+# pool handle a failed capture used -> the pool that captures naming it use instead
+_REPLACED: dict = {}
 _FAILED: list = []  # invalidated captures: kept alive, since torch's allocators still hold callbacks into them
 
 
 def pool_in_use(pool):
-    """The pool a capture naming ``pool`` records into: ``pool`` itself, or its replacement after a failure."""
+    """The pool a capture naming ``pool`` records into: ``pool`` itself, or its replacement after a
+    failure."""
     while pool in _REPLACED:
         pool = _REPLACED[pool]
     return pool
@@ -183,12 +161,9 @@ def release_pool(pool) -> None:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Keep Python's garbage collector off until the block ends; its previous state comes back however it ends.
-
-    Around a capture: a dead reference cycle that holds a CUDA graph is then never freed in the middle of
-    the capture (where the graph's destructor would invalidate it), only after it. Cheap: nothing is
-    collected here. (An explicit ``gc.collect()`` inside the block still runs: don't call one in a capture.)
-    """
+    """Keep the garbage collector off until the block ends (its state comes back however it ends),
+    so a graph in a dead cycle is never freed during a capture. An explicit ``gc.collect()`` still
+    runs."""
     was_on = gc.isenabled()
     gc.disable()
     try:
@@ -200,14 +175,9 @@ def collector_paused():
 
 @contextlib.contextmanager
 def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"):
-    """``torch.cuda.graph`` that leaves CUDA clean when the capture fails (see the module docstring).
-
-    Use it like ``torch.cuda.graph``. On failure the error the body raised (or, if the body ran
-    through, the error ending the capture raised) propagates, after the device allocator's recording
-    is ended, the stream and the random generators are put back, and ``pool`` is retired: a later
-    capture that names it records into a fresh pool instead (:func:`pool_in_use`). The garbage
-    collector is off during the capture (:func:`collector_paused`), so no graph is freed in the middle of it.
-    """
+    """``torch.cuda.graph`` that leaves CUDA clean when the capture fails (the module docstring says
+    how), with the garbage collector paused during the capture. A retired ``pool`` named later
+    records into a fresh pool (:func:`pool_in_use`)."""
     import torch
 
     named = pool
@@ -215,7 +185,8 @@ def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"
     stream = stream if stream is not None else _capture_stream()
     torch.cuda.synchronize()
     body_error = end_error = None
-    with collector_paused(), torch.cuda.stream(stream):  # the previous stream is current again however it ends
+    # the previous stream is current again however it ends
+    with collector_paused(), torch.cuda.stream(stream):
         torch.cuda.empty_cache()  # what torch.cuda.graph does as it starts
         try:
             cuda_graph.capture_begin(pool, capture_error_mode=capture_error_mode)
@@ -230,7 +201,8 @@ def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"
             body_error = e
         try:
             with warnings.catch_warnings():
-                if body_error is not None:  # a capture cut short is often empty: that warning is noise here
+                # a capture cut short is often empty: that warning is noise here
+                if body_error is not None:
                     warnings.simplefilter("ignore")
                 cuda_graph.capture_end()
         except BaseException as e:  # noqa: BLE001 - CUDA refused to end the (invalidated) capture
@@ -241,7 +213,8 @@ def graph(cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"
         return
     _retire(named, pool)
     _after_failure()
-    raise body_error if body_error is not None else end_error  # raised outside any handler: no stale context
+    # raised outside any handler: no stale context
+    raise body_error if body_error is not None else end_error
 
 
 def _retire(named, pool) -> None:
@@ -255,7 +228,8 @@ def _retire(named, pool) -> None:
 
 
 def _after_failure() -> None:
-    """Drain the queue (errors of the failed capture are dropped) and take the generators out of capture mode."""
+    """Drain the queue (errors of the failed capture are dropped) and take the generators out of
+    capture mode."""
     import torch
 
     try:
@@ -275,14 +249,9 @@ def _capture_stream():
 
 
 def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> CaptureOutcome:
-    """Warm ``fn`` up, capture one call of it into a CUDA graph, and report.
-
-    ``mode`` is ``torch.cuda.graph``'s ``capture_error_mode``: "global" (torch's default), "thread_local" or
-    "relaxed" (CUDA then allows calls, such as allocating memory, that are unsafe during capture).
-    Never raises for a capture failure: the outcome carries the root-cause error
-    and its traceback frames, and the next capture, into any pool, works (:func:`graph`). Errors during
-    warm-up (the function is broken even eagerly) are raised as is.
-    """
+    """Warm ``fn`` up, capture one call into a CUDA graph (``mode``: "global", "thread_local" or
+    "relaxed") and report: a failed capture never raises (the outcome keeps its root cause and
+    frames) and the next capture works; an error in the warm-up is raised as is."""
     require_gpu("capturing a CUDA graph")
     import torch
 
@@ -300,19 +269,16 @@ def try_capture(fn, *, warmup: int = 3, pool=None, mode: str = "global") -> Capt
         etype = type(cause).__name__
         del e, cause  # drop references to tensors from the failed capture before recovering
         recover()
-        return CaptureOutcome(False, etype, msg, frames=frames)  # warnings from the aborted capture are dropped
+        # warnings from the aborted capture are dropped
+        return CaptureOutcome(False, etype, msg, frames=frames)
     for w in caught:  # a successful capture keeps its warnings (e.g. "the CUDA Graph is empty": wrong stream?)
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return CaptureOutcome(True, graph=cuda_graph, output=out)
 
 
 def capture_once(fn, *static):
-    """Warm ``fn`` up once on a side stream, then capture ``fn(*static)`` into a new graph: ``(graph, output)``.
-
-    Written against ``course.graphs()`` (torch.cuda on a GPU, the simulator's graphs otherwise), with the garbage
-    collector paused during the capture. A failed capture raises its error after :func:`recover` (the stream that
-    was current made current again, the failed graph kept alive; on a GPU, CUDA left usable).
-    """
+    """Warm ``fn`` up once on a side stream, then capture ``fn(*static)``: ``(graph, output)``, on
+    ``course.graphs()``, the collector paused; a failed capture raises after :func:`recover`."""
     from course.core.runtime import graphs
 
     cg = graphs()

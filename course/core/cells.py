@@ -1,17 +1,10 @@
-"""Experiments whose code stands in a notebook cell, and the one place that reads them out of it.
+"""Experiments whose code stands in a notebook cell (tagged ``experiment`` in the answer version),
+and the one place that reads them out of it.
 
-A lesson's key measurement is written in a code cell of its answer version (``solutions/NN_*.ipynb``, from which
-the learner version is generated), tagged ``experiment`` in the cell's metadata. The cell defines the function
-with :func:`course.core.reference.experiment` and nothing else runs at definition time, so:
-
-- in the notebook, running the cell registers the function; the next cell's ``reference.run(name)`` measures it
-  live on a GPU (or loads the GPU's recording on a laptop). A learner who edits the cell and runs it again
-  measures their own change;
-- ``python -m course bench`` and the tests read the *same cell* out of the answer version (:func:`load`), so the
-  recording and the cell are one source. A cell is self-contained: it imports what it uses.
-
-A definition made in the notebook wins over the file's: :func:`load` never replaces an experiment that is
-already registered, so ``reference.run`` in a notebook always measures the cell as the learner last ran it.
+Running the cell registers the function; ``reference.run(name)`` then measures it live on a GPU (or
+loads the recording on a laptop). ``course bench`` and the tests read the same cell (:func:`load`),
+so the recording and the cell are one source; a definition made in the notebook wins over the
+file's.
 """
 from __future__ import annotations
 
@@ -26,7 +19,8 @@ TAG = "experiment"
 
 
 def tagged_cells(path) -> list:
-    """``[(index, source), ...]``: the code cells of the notebook at ``path`` tagged :data:`TAG`, in order."""
+    """``[(index, source), ...]``: the code cells of the notebook at ``path`` tagged :data:`TAG`, in
+    order."""
     nb = json.loads(Path(path).read_text(encoding="utf-8"))
     out = []
     for i, cell in enumerate(nb.get("cells", [])):
@@ -38,20 +32,16 @@ def tagged_cells(path) -> list:
 
 
 def module_name(path) -> str:
-    """The name the cells of ``path`` run under: ``course_cells.<notebook stem>`` (a module of its own)."""
+    """The name the cells of ``path`` run under: ``course_cells.<notebook stem>`` (a module of its
+    own)."""
     stem = Path(path).stem.replace("-", "_")
     return f"course_cells.nb_{stem}"
 
 
 def load(path, guard=contextlib.nullcontext) -> types.ModuleType:
-    """Run the tagged cells of the notebook at ``path`` in a fresh module; return it.
-
-    Each cell's source is registered with :mod:`linecache` under ``<path>#cell<index>``, so tracebacks and
-    ``inspect.getsource`` show the cell's own lines. Each cell runs inside ``guard()``:
-    :func:`course.core.reference.load_all` passes its ``keeping_registered``, so the experiments the cells define
-    are registered except names already registered (a notebook's own definition wins). A cell that fails names
-    the notebook and the cell.
-    """
+    """Run the tagged cells of the notebook at ``path`` in a fresh module (each cell's lines in
+    :mod:`linecache`, each under ``guard()``); return it. A failing cell names the notebook and
+    cell."""
     path = Path(path)
     mod = types.ModuleType(module_name(path))
     mod.__file__ = str(path)

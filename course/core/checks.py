@@ -2,37 +2,17 @@
 
 Usage in a notebook::
 
-    with exercise("1. launch cost", hint=["the rule", "where", "a smaller example"], answer="the line"):
+    with exercise("1. launch cost", hint=["the rule", "where", "an example"], answer="the line"):
         assert my_answer > 0, "your launch cost should be positive"
 
-- no exception: ✓ (pass);
-- ``NotImplementedError`` (an unfinished TODO): "not done yet";
-- ``AssertionError`` (a wrong answer): ✗ "failed", with the message and a hint;
-- any other exception raised by the learner's code (an ``IndexError`` from the simulator,
-  a ``NameError``...): ✗ "crashed", in one line (type, message, the learner's own line),
-  with a hint; library frames are hidden (``COURSE_TRACEBACK=1`` prints them all).
-
-In every case the cell, and the notebook, go on: Run All reaches the end (cells after an
-unfinished or wrong exercise use the course's version, see :func:`course.embedding.fallback`).
-``exercise(..., raise_on_fail=True)`` re-raises a failure as :class:`ExerciseFailed` instead;
-under nbgrader's autograder (``NBGRADER_EXECUTION`` set) every ✗ and "not done yet" raises, so
-its grade cells score 0 for them. The test suite's gate (:mod:`course.tools.gate`) sets
-``COURSE_GATE`` for the kernels it starts: ``learner`` makes every ✗ (failed or crashed) raise,
-``answers`` (the solutions) every ✗ and "not done yet" too, so nbval fails that cell.
-
-Hints can be staged: pass a list that teaches before it tells (what the rule is, where in the
-learner's code it applies, a smaller example). The first ✗ shows the first stage, each further ✗
-of the same exercise in this session the next one, and the last stage stays. The answer is not a
-stage: ``exercise(name, hint=[...], answer="...")`` keeps it apart, shown only on request
-(:mod:`course.core.answers`: ``show_answer(name)``, ``course check --show-answer NAME``). A fresh
-kernel starts every exercise at the first stage, unless ``COURSE_HINT_STAGES`` holds a JSON
-object {exercise name: ✗ so far}: ``python -m course check`` carries the count from one run
-to the next that way (:mod:`course.tools.grade`), so its hints advance too.
-
-Outcomes are remembered for the notebook's session (:func:`status`, :func:`progress`), so a
-"What you measured" cell reports every exercise whatever order the cells ran in. When
-``COURSE_CHECK_LOG`` names a file, every outcome is appended to it as a JSON line;
-``python -m course check`` and ``python -m course grade`` use that.
+No exception: ✓; ``NotImplementedError``: "not done yet"; ``AssertionError`` (a harness ``Defect``
+names its rule): ✗ failed, with the hint's next stage; any other error: ✗ crashed, in one line with
+the learner's own line (``COURSE_TRACEBACK=1``: every frame). The notebook goes on either way.
+``raise_on_fail=True``, nbgrader's autograder (``NBGRADER_EXECUTION``) and the suite's gate
+(``COURSE_GATE``: ``learner`` or ``answers``) make a ✗ (and for answers "not done yet") raise.
+Staged hints advance with each ✗, from ``COURSE_HINT_STAGES`` when ``course check`` carries them;
+the answer is shown only on request (:mod:`course.core.answers`). Outcomes are kept for the session
+(:func:`status`, :func:`progress`) and appended to ``COURSE_CHECK_LOG`` when set.
 """
 from __future__ import annotations
 
@@ -48,23 +28,29 @@ from course.core.answers import forget, remember, requested, offer, show_answer 
 
 ENV_LOG = "COURSE_CHECK_LOG"
 ENV_TRACEBACK = "COURSE_TRACEBACK"
-ENV_NBGRADER = "NBGRADER_EXECUTION"  # set by nbgrader while it autogrades: then every ✗ and TODO raises
+# set by nbgrader while it autogrades: then every ✗ and TODO raises
+ENV_NBGRADER = "NBGRADER_EXECUTION"
 ENV_GATE = "COURSE_GATE"  # set by the test suite's gate: "learner" (✗ raises) or "answers" (✗ and TODO raise)
-ENV_STAGES = "COURSE_HINT_STAGES"  # JSON {exercise: ✗ so far}, set by `course check`: where each staged hint starts
+# JSON {exercise: ✗ so far}, set by `course check`: where each staged hint starts
+ENV_STAGES = "COURSE_HINT_STAGES"
 PASS, FAIL, TODO, CRASH, SKIP = "pass", "fail", "todo", "crash", "skip"
 _MARK = {PASS: "✓", FAIL: "✗", TODO: "…", CRASH: "✗", SKIP: "-"}
 _LABEL = {PASS: "passed", FAIL: "FAILED", TODO: "not done yet", CRASH: "CRASHED", SKIP: "skipped"}
 _SESSION: dict = {}  # exercise name -> {"status", "message", "failures"} for this Python session
 
 _CRASH_HINTS = {
-    "IndexError": "an index went outside an array. The simulator checks every access (on a GPU the same bug "
-                  "silently reads or writes memory that is not yours): check the guard (`<`, not `<=`) and "
-                  "that a bad id never indexes the table.",
-    "NameError": "a name is not defined here: run the cells above this one (Run All), or check the spelling.",
-    "TypeError": "a call got the wrong number or type of arguments: compare it with the function's docstring.",
-    "AttributeError": "an object has no such attribute: check its type (print(type(x))) and the spelling.",
+    "IndexError": "an index went outside an array. The simulator checks every access (on a "
+                  "GPU the same bug silently reads or writes memory that is not yours): "
+                  "check the guard (`<`, not `<=`) and that a bad id never indexes the table.",
+    "NameError": "a name is not defined here: run the cells above "
+                 "this one (Run All), or check the spelling.",
+    "TypeError": "a call got the wrong number or type of arguments: "
+                 "compare it with the function's docstring.",
+    "AttributeError": "an object has no such attribute: check its "
+                      "type (print(type(x))) and the spelling.",
     "ZeroDivisionError": "a division by zero: which value can be 0 here?",
-    "RuntimeError": "PyTorch or Numba refused an operation: the message says which; look at your line.",
+    "RuntimeError": "PyTorch or Numba refused an operation: "
+                    "the message says which; look at your line.",
     "ValueError": "a function got a value it does not accept: the message says which.",
 }
 
@@ -74,7 +60,8 @@ class ExerciseFailed(AssertionError):
 
 
 def carried_failures(name: str) -> int:
-    """The ✗ of exercise ``name`` in earlier runs, from ``COURSE_HINT_STAGES`` (0 when unset or unreadable)."""
+    """The ✗ of exercise ``name`` in earlier runs, from ``COURSE_HINT_STAGES`` (0 when unset or
+    unreadable)."""
     try:
         n = json.loads(os.environ.get(ENV_STAGES) or "{}").get(name, 0)
     except (ValueError, AttributeError):  # a bad value must never break the learner's notebook
@@ -83,12 +70,14 @@ def carried_failures(name: str) -> int:
 
 
 def failures(name: str) -> int:
-    """How many times exercise ``name`` has failed or crashed: in this session, plus those carried in."""
+    """How many times exercise ``name`` has failed or crashed: in this session, plus those carried
+    in."""
     return _SESSION[name]["failures"] if name in _SESSION else carried_failures(name)
 
 
 def _hint_stage(name: str, hint) -> str:
-    """The hint to show for this ✗: the next stage of a staged (list) hint, the offer of the answer after the last."""
+    """The hint to show for this ✗: the next stage of a staged (list) hint, the offer of the answer
+    after the last."""
     if not hint:
         return ""
     if isinstance(hint, str):
@@ -133,7 +122,8 @@ def skip(name: str, why: str) -> dict:
 
 
 def status(name: str):
-    """The latest outcome of exercise ``name`` in this session ("pass", "fail", "crash", "todo"), or None."""
+    """The latest outcome of exercise ``name`` in this session ("pass", "fail", "crash", "todo"), or
+    None."""
     return _SESSION.get(name, {}).get("status")
 
 
@@ -156,7 +146,8 @@ def describe(name: str) -> str:
 
 
 def reset() -> None:
-    """Forget every outcome of this session, and the answers its checks remembered (tests use it)."""
+    """Forget every outcome of this session, and the answers its checks remembered (tests use it).
+    """
     _SESSION.clear()
     forget()
 
@@ -174,7 +165,8 @@ def _is_library(filename: str) -> bool:
 
 
 def learner_frame(exc: BaseException):
-    """(filename, line number, function, source line) of the deepest frame of the learner's own code, or None."""
+    """(filename, line number, function, source line) of the deepest frame of the learner's own
+    code, or None."""
     found = None
     for fs in traceback.extract_tb(exc.__traceback__):
         if not _is_library(fs.filename):
@@ -186,7 +178,8 @@ def learner_frame(exc: BaseException):
 
 
 def crash_summary(exc: BaseException) -> dict:
-    """A crash in one line: ``message`` (type: first line), ``where`` (the learner's line), ``why`` (a hint)."""
+    """A crash in one line: ``message`` (type: first line), ``where`` (the learner's line), ``why``
+    (a hint)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     where = ""
@@ -198,13 +191,15 @@ def crash_summary(exc: BaseException) -> dict:
     why = _CRASH_HINTS.get(type(exc).__name__, "read the message and the line it points at.")
     if not where:  # no line of the learner's in the traceback: never point them at one
         what = why.split(":")[0].split(";")[0].rstrip(".") if type(exc).__name__ in _CRASH_HINTS else "an error"
-        why = (f"{what}. It was raised inside the course's code, with no line of yours in between: read the message "
-               "for what your code handed over (a tensor, a graph) and how it was made.")
+        why = (f"{what}. It was raised inside the course's code, with no "
+               "line of yours in between: read the message for what your "
+               "code handed over (a tensor, a graph) and how it was made.")
     return {"message": message, "where": where, "why": why}
 
 
 def raising_statuses(raise_on_fail: bool = False) -> set:
-    """The outcomes that :func:`exercise` re-raises here: by ``raise_on_fail``, nbgrader, and the suite's gate."""
+    """The outcomes that :func:`exercise` re-raises here: by ``raise_on_fail``, nbgrader, and the
+    suite's gate."""
     out = {FAIL} if raise_on_fail else set()
     if os.environ.get(ENV_NBGRADER):
         out |= {FAIL, CRASH, TODO}
@@ -218,12 +213,9 @@ def raising_statuses(raise_on_fail: bool = False) -> set:
 
 @contextlib.contextmanager
 def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = False):
-    """Run the body as the check of one exercise (see module docstring): ✓, ✗ failed, ✗ crashed or not done.
-
-    ``answer`` is printed only when this run was asked for it (:func:`course.core.answers.requested`). The body gets
-    a list (``with exercise(...) as notes:``): what it appends is the ✓ line's note, shown by ``course check`` too
-    (e.g. the text a loop wrote). Hints follow a ✗ only: "not done yet" shows none (nothing was tried yet).
-    """
+    """Run the body as the check of one exercise (see the module docstring): ✓, ✗ or "not done yet".
+    The body gets a list whose items are the ✓ line's note; ``answer`` is printed only when asked
+    for (:func:`course.core.answers.requested`); hints follow a ✗ only."""
     remember(name, answer)
     shown = {"answer": answer} if answer and requested(name) else {}
     raising = raising_statuses(raise_on_fail)
@@ -244,20 +236,23 @@ def exercise(name: str, hint="", answer: str = "", *, raise_on_fail: bool = Fals
         if os.environ.get(ENV_TRACEBACK):
             traceback.print_exception(e)
         elif not strict:
-            print("  (library frames hidden; the notebook goes on. COURSE_TRACEBACK=1 shows the full traceback.)")
+            print("  (library frames hidden; the notebook goes on. "
+                  "COURSE_TRACEBACK=1 shows the full traceback.)")
     else:
         record(name, PASS, " ".join(str(n) for n in notes), **shown)
         return
     if entry["status"] in raising:
         gate = os.environ.get(ENV_GATE)
         why = {"answers": " [the test suite's gate: an answer version must pass every exercise]",
-               "learner": " [the test suite's gate: a learner version may say 'not done yet', never ✗]"}.get(gate, "")
+               "learner": " [the test suite's gate: a learner "
+                          "version may say 'not done yet', never ✗]"}.get(gate, "")
         raise ExerciseFailed(f"{name}: {entry['message']}" + (f" -- hint: {entry['hint']}" if entry["hint"] else "")
                              + why) from (caught if entry["status"] == CRASH else None)
 
 
 def own(fn):
-    """The learner's own function behind a fallback wrapper (or ``fn`` itself): checks test this, never a substitute."""
+    """The learner's own function behind a fallback wrapper (or ``fn`` itself): checks test this,
+    never a substitute."""
     seen = 0
     while getattr(fn, "__course_learner__", None) is not None and seen < 10:
         fn, seen = fn.__course_learner__, seen + 1

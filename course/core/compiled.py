@@ -1,13 +1,6 @@
-"""torch.compile's state, read and reset: what it logged, what it counted, a cold start for the next compile.
-
-Lessons 02, 03, 04 and 06 compile models and report what torch did. They share these tools:
-
-- :func:`torch_log_messages`: turn on torch's logging artifacts (``cudagraphs``, ``recompiles``, ...) and collect
-  every message logged meanwhile, instead of letting torch print them;
-- :func:`reset_compile`: forget every compiled result and torch's counters, so the next compile starts cold;
-- :func:`compile_counters`: what torch counted so far: cudagraph skips, graph breaks, graphs compiled.
-
-A message goes into a table through :func:`course.core.text.condense` (a few lines, machine paths cut).
+"""torch.compile's state, read and reset (lessons 02, 03, 04 and 06): :func:`torch_log_messages`
+collects what torch logged, :func:`reset_compile` makes the next compile start cold,
+:func:`compile_counters` reads cudagraph skips, graph breaks and graphs compiled.
 """
 from __future__ import annotations
 
@@ -32,14 +25,12 @@ class _Grab(logging.Handler):
 
 @contextlib.contextmanager
 def torch_log_messages(**artifacts):
-    """Turn on torch logging artifacts (those this torch knows; others are ignored) and collect every message.
-
-    Yields the list the messages are appended to; torch's own handlers are set aside meanwhile (nothing is
-    printed) and restored on exit, with the artifacts turned off again::
+    """Collect every message of the torch logging artifacts turned on (unknown ones ignored),
+    printing
+    none; torch's handlers and artifacts are put back on exit::
 
         with torch_log_messages(cudagraphs=True, recompiles=True) as msgs:
             compiled(x)
-        skips = [m for m in msgs if "skipping cudagraphs" in m]
     """
     import torch._logging
 
@@ -65,10 +56,11 @@ def torch_log_messages(**artifacts):
 
 
 def reset_compile() -> None:
-    """Forget every ``torch.compile`` result and torch's dynamo counters: the next compile starts cold.
+    """Forget every ``torch.compile`` result and torch's dynamo counters: the next compile starts
+    cold.
 
-    Runs anywhere (no GPU needed). Call it before each compiled variant of an experiment, so one variant's
-    compiled code and counts never leak into the next one's.
+    Runs anywhere (no GPU needed). Call it before each compiled variant of an experiment, so one
+    variant's compiled code and counts never leak into the next one's.
     """
     import torch
     from torch._dynamo.utils import counters
@@ -78,10 +70,12 @@ def reset_compile() -> None:
 
 
 def compile_counters() -> dict:
-    """``{"cudagraph_skips", "graph_breaks", "unique_graphs"}``: what torch counted since :func:`reset_compile`.
+    """``{"cudagraph_skips", "graph_breaks", "unique_graphs"}``: what torch counted since
+    :func:`reset_compile`.
 
-    ``cudagraph_skips``: times inductor declined to use CUDA graphs; ``graph_breaks``: where dynamo split the
-    function; ``unique_graphs``: graphs dynamo compiled. Compare two readings to see what one call did.
+    ``cudagraph_skips``: times inductor declined to use CUDA graphs; ``graph_breaks``: where dynamo
+    split the function; ``unique_graphs``: graphs dynamo compiled. Compare two readings to see what
+    one call did.
     """
     from torch._dynamo.utils import counters
 

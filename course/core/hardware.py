@@ -4,7 +4,8 @@
 
 Bandwidth figures mean DRAM bandwidth only when the data is well above the L2 cache; below that the
 data sits in L2 and a kernel can move it faster than the memory could. Lessons use
-:func:`memory_facts` to label the L2-resident region and to quote the hardware peak beside a measured one.
+:func:`memory_facts` to label the L2-resident region and to quote the hardware peak beside a
+measured one.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from course.core.runtime import runtime
 
 
 def peak_dram_gbps(memory_clock_khz: float, bus_width_bits: int) -> float:
-    """Peak DRAM bandwidth in GB/s from the memory clock (kHz, as CUDA reports it) and bus width (bits).
+    """Peak DRAM bandwidth in GB/s from the memory clock (kHz, as CUDA reports it) and bus width
+    (bits).
 
     Double data rate: two transfers per clock, ``bus_width_bits / 8`` bytes each.
     """
@@ -22,14 +24,16 @@ def peak_dram_gbps(memory_clock_khz: float, bus_width_bits: int) -> float:
 
 
 def memory_facts() -> dict:
-    """``{"l2_bytes", "peak_dram_GBps", "memory_clock_khz", "bus_width_bits"}`` of the current GPU (GPU only).
+    """``{"l2_bytes", "peak_dram_GBps", "memory_clock_khz", "bus_width_bits"}`` of the current GPU
+    (GPU only).
 
-    Read from CUDA's device attributes (through numba-cuda; torch exposes the L2 size too). A value the
-    driver does not report is None.
+    Read from CUDA's device attributes (through numba-cuda; torch exposes the L2 size too). A value
+    the driver does not report is None.
     """
     rt = runtime()
     if not rt.on_gpu:
-        raise RuntimeError("memory_facts() reads a real GPU's attributes; this machine runs the simulator path")
+        raise RuntimeError("memory_facts() reads a real GPU's attributes; "
+                           "this machine runs the simulator path")
     import torch
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -49,10 +53,12 @@ def memory_facts() -> dict:
 
 
 def release_memory() -> None:
-    """Collect garbage, wait for the GPU and empty torch's caching allocator: what stays reserved is held by live objects.
+    """Collect garbage, wait for the GPU and empty torch's caching allocator: what stays reserved is
+    held by live objects.
 
-    Experiments call it between variants (and before reading ``torch.cuda.memory_reserved()``), so one variant's
-    freed blocks neither count against the next one nor crowd it out. Without CUDA it only collects garbage.
+    Experiments call it between variants (and before reading ``torch.cuda.memory_reserved()``), so
+    one variant's freed blocks neither count against the next one nor crowd it out. Without CUDA it
+    only collects garbage.
     """
     import gc
 
@@ -65,17 +71,9 @@ def release_memory() -> None:
 
 
 def release_blas_workspaces() -> bool:
-    """Drop the cuBLAS workspaces torch keeps, one per (cuBLAS handle, stream) that ran a matrix product.
-
-    torch allocates each workspace through its caching allocator (its default: 32 MiB on Hopper GPUs) the first time
-    a stream runs a product, and keeps it until ``torch._C._cuda_clearCublasWorkspaces()``: a side stream that warmed
-    a forward up keeps one in ordinary memory, and a capture that found none for its stream allocates one in the
-    graph's memory pool, where it keeps that pool's segment reserved after the graphs are gone. torch's own CUDA-graph
-    trees make this call before and after each recording. The next product on a stream allocates a fresh workspace.
-
-    Returns True when the workspaces were dropped; False without CUDA, while the current stream is capturing, or in
-    a torch without the call (nothing is dropped then).
-    """
+    """Drop the cuBLAS workspaces torch keeps per (handle, stream) (32 MiB each on Hopper; one a
+    capture allocated pins its graph pool's segment). True when dropped; False without CUDA, while
+    capturing, or in a torch without ``torch._C._cuda_clearCublasWorkspaces``."""
     import torch
 
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

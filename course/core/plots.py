@@ -17,14 +17,16 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
 
 
 class Caption(str):
-    """The caption text: a str that a notebook does not echo as a stray ``Out[n]`` (it is on the figure)."""
+    """The caption text: a str that a notebook does not echo as a stray ``Out[n]`` (it is on the
+    figure)."""
 
     def _ipython_display_(self):
         """Show nothing: the caption is already drawn under the figure."""
 
 
 def caption(fig, *results, extra: str = "") -> str:
-    """Write each result's provenance under the figure (and return the text, as a :class:`Caption`)."""
+    """Write each result's provenance under the figure (and return the text, as a :class:`Caption`).
+    """
     lines = []
     for r in results:
         c = r.caption()
@@ -69,7 +71,8 @@ def human_bytes(n) -> str:
 
 
 def number(v: float) -> str:
-    """A value as a person writes it: 2430 -> '2430', 3.14159 -> '3.14', 0.01234 -> '0.0123' (never '2.43e+03')."""
+    """A value as a person writes it: 2430 -> '2430', 3.14159 -> '3.14', 0.01234 -> '0.0123' (never
+    '2.43e+03')."""
     a = abs(v)
     if a >= 100 or v == 0:
         return f"{v:.0f}"
@@ -97,8 +100,8 @@ def timeline(ax, rows, *, lane: str = "lane", start: str = "start_us", dur: str 
              name: str = "name", title: str = "", highlight=None) -> None:
     """A Gantt chart: one horizontal lane per value of ``lane`` (e.g. CPU, GPU).
 
-    ``highlight(row) -> bool`` marks rows to stand out (drawn in red, at least 0.5% of the span wide), so a
-    2 us kernel next to a 50 ms sleep on the same lane is still seen.
+    ``highlight(row) -> bool`` marks rows to stand out (drawn in red, at least 0.5% of the span
+    wide), so a 2 us kernel next to a 50 ms sleep on the same lane is still seen.
     """
     lanes = []
     for r in rows:

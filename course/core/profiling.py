@@ -1,28 +1,24 @@
-"""The course's one launch counter: what calls of a function launched, read from a ``torch.profiler`` trace.
-
-:func:`launch_counts` profiles ``calls`` calls (GPU) and returns, per call:
-
-- ``graph_launches``: the host's ``cudaGraphLaunch`` calls: whether a CUDA graph was *really* replayed
-  (measured, not assumed: torch.compile may skip its graphs and say so only in a log);
-- ``kernel_launches``: the host's single kernel launches (``cudaLaunchKernel`` and its variants);
-- ``gpu_kernels``: the kernels the GPU ran (kernels inside replayed graphs included; copies and memsets not);
-- ``gpu_ops``: everything the GPU ran: kernels, copies and memsets.
-
-:func:`count_events` does the counting on plain ``(name, on_gpu)`` pairs, so its rules are tested anywhere.
+"""The course's one launch counter: what calls of a function launched, read from a
+``torch.profiler`` trace (:func:`launch_counts`, per call: ``graph_launches``, ``kernel_launches``,
+``gpu_kernels``, ``gpu_ops``); :func:`count_events` counts plain ``(name, on_gpu)`` pairs, so its
+rules test anywhere.
 """
 from __future__ import annotations
 
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
-KERNEL_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")  # ExC: caught by the first prefix too
+# ExC: caught by the first prefix too
+KERNEL_LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 NOT_A_KERNEL = ("Memcpy", "Memset")
 KEYS = ("graph_launches", "kernel_launches", "gpu_kernels", "gpu_ops")
 
 
 def count_events(events) -> dict:
-    """Counts of :data:`KEYS` over ``events``, an iterable of ``(name, on_gpu)``: host API calls and GPU activities.
+    """Counts of :data:`KEYS` over ``events``, an iterable of ``(name, on_gpu)``: host API calls and
+    GPU activities.
 
-    A host event named like ``cudaGraphLaunch`` is a graph launch, one named like ``cudaLaunchKernel`` a kernel
-    launch; every GPU activity is a GPU op, and a GPU kernel unless it is a copy or a memset.
+    A host event named like ``cudaGraphLaunch`` is a graph launch, one named like
+    ``cudaLaunchKernel`` a kernel launch; every GPU activity is a GPU op, and a GPU kernel unless it
+    is a copy or a memset.
     """
     out = dict.fromkeys(KEYS, 0)
     for name, on_gpu in events:
@@ -36,12 +32,8 @@ def count_events(events) -> dict:
 
 
 def launch_counts(fn, calls: int = 1) -> dict:
-    """Profile ``calls`` calls of ``fn`` (GPU; the GPU is synchronized before and after) and count per call.
-
-    Returns ``{key: count / calls}`` for every key of :data:`KEYS` (see the module's docstring). Call ``fn`` a
-    few times first: the first call of a compiled or cached function compiles or captures, which is not what a
-    steady-state call launches. Take the profile after any timing: a profiler session can slow what follows it.
-    """
+    """``{key: count / calls}`` for :data:`KEYS` over ``calls`` profiled calls of ``fn`` (GPU). Warm
+    ``fn`` up first (a first call compiles or captures), and profile after any timing."""
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
     from course.core.capture import require_gpu

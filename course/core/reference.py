@@ -20,10 +20,11 @@ from course.core.results import Result
 from course.core.runtime import gpu_count, runtime
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
-ENV_FULL = "COURSE_FULL"  # COURSE_FULL=1: notebooks run their heavy variants live too (torch.compile, fresh processes)
+# COURSE_FULL=1: notebooks run their heavy variants live too (torch.compile, fresh processes)
+ENV_FULL = "COURSE_FULL"
 
-# The course map (course/tools/catalog.py) lists, beside each notebook, the modules that define its experiments.
-# The toolkit names only the map, and only as a string: core imports no lesson.
+# The course map (course/tools/catalog.py) lists, beside each notebook, the modules that define its
+# experiments. The toolkit names only the map, and only as a string: core imports no lesson.
 COURSE_MAP = "course.tools.catalog"
 
 
@@ -39,7 +40,8 @@ class Experiment:
 
 
 _REGISTRY: dict = {}
-_KEEP = [False]  # True while cells are read out of an answer version: a registration already made wins
+# True while cells are read out of an answer version: a registration already made wins
+_KEEP = [False]
 _CELLS_LOADED: set = set()
 
 
@@ -47,8 +49,9 @@ _CELLS_LOADED: set = set()
 def keeping_registered():
     """While active, :func:`experiment` leaves a name that is already registered as it is.
 
-    :func:`course.core.cells.load` reads an answer version's experiment cells under it, so an experiment the
-    notebook (or a learner's edit of its cell) registered first is the one :func:`run` measures.
+    :func:`course.core.cells.load` reads an answer version's experiment cells under it, so an
+    experiment the notebook (or a learner's edit of its cell) registered first is the one
+    :func:`run` measures.
     """
     old, _KEEP[0] = _KEEP[0], True
     try:
@@ -82,15 +85,18 @@ def experiment_modules() -> tuple:
 
 
 def experiment_notebooks() -> tuple:
-    """The answer versions whose cells hold experiments (tagged ``experiment``), as the course map lists them."""
+    """The answer versions whose cells hold experiments (tagged ``experiment``), as the course map
+    lists them."""
     return tuple(importlib.import_module(COURSE_MAP).experiment_notebooks())
 
 
 def load_all() -> dict:
-    """Import every experiment module the course map lists, read every experiment cell, return the registry.
+    """Import every experiment module the course map lists, read every experiment cell, return the
+    registry.
 
-    A listed module that does not exist is an error that names it and the map, never a silent skip: its
-    experiments would otherwise vanish from ``course bench`` and the notebooks would find no reference for them.
+    A listed module that does not exist is an error that names it and the map, never a silent skip:
+    its experiments would otherwise vanish from ``course bench`` and the notebooks would find no
+    reference for them.
     """
     for mod in experiment_modules():
         try:
@@ -99,16 +105,18 @@ def load_all() -> dict:
             if e.name != mod and not mod.startswith(f"{e.name}."):
                 raise  # the module exists but imports something missing: that error says what
             raise ModuleNotFoundError(
-                f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {mod!r} as a module with experiments, "
-                f"and there is no such module: correct the `experiments` of its entry there (or restore the module)",
+                f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {mod!r} "
+                "as a module with experiments, and there is no such module: "
+                "correct the `experiments` of its entry there (or restore the module)",
                 name=mod) from e
     from course.core import cells
 
     for path in experiment_notebooks():
         if str(path) not in _CELLS_LOADED:
             if not Path(path).exists():
-                raise FileNotFoundError(f"the course map ({COURSE_MAP.replace('.', '/')}.py) lists {path} as holding "
-                                        "experiment cells, and there is no such notebook")
+                raise FileNotFoundError(f"the course map ({COURSE_MAP.replace('.', '/')}.py) "
+                                        f"lists {path} as holding experiment cells, and there "
+                                        "is no such notebook")
             cells.load(path, guard=keeping_registered)
             _CELLS_LOADED.add(str(path))
     return dict(_REGISTRY)
@@ -149,7 +157,8 @@ def run(name: str, **params) -> Result:
     if exp.gpu_only and (not runtime().on_gpu or gpu_count() < exp.gpus):
         res = load_reference(name)
         if runtime().on_gpu:  # a GPU, but too few of them: say so (not "no usable GPU")
-            res.source = (f"reference: this machine has {gpu_count()} GPU(s) and the experiment needs {exp.gpus}")
+            res.source = (f"reference: this machine has {gpu_count()} "
+                          f"GPU(s) and the experiment needs {exp.gpus}")
         return res
     res = exp.fn(**params)
     if not isinstance(res, Result):
@@ -158,10 +167,11 @@ def run(name: str, **params) -> Result:
 
 
 def available(name: str) -> bool:
-    """True when :func:`run` gives a result for ``name`` here: it runs live on this machine, or a GPU recorded it.
+    """True when :func:`run` gives a result for ``name`` here: it runs live on this machine, or a
+    GPU recorded it.
 
-    False for a GPU experiment that awaits its first recording on a simulator-path machine; a notebook then says
-    so instead of showing a result.
+    False for a GPU experiment that awaits its first recording on a simulator-path machine; a
+    notebook then says so instead of showing a result.
     """
     exp = get(name)
     live = not exp.gpu_only or (runtime().on_gpu and gpu_count() >= exp.gpus)
@@ -169,7 +179,8 @@ def available(name: str) -> bool:
 
 
 def full_run() -> bool:
-    """True when ``COURSE_FULL=1`` (or "true"/"yes"): a notebook then runs its heavy experiments live on a GPU.
+    """True when ``COURSE_FULL=1`` (or "true"/"yes"): a notebook then runs its heavy experiments
+    live on a GPU.
 
     Without it, a notebook on the GPU path runs its light experiments live and shows the heavy ones
     (torch.compile variants, one fresh process per variant) from reference data, labelled as such.
@@ -178,19 +189,15 @@ def full_run() -> bool:
 
 
 def heavy(name: str, full: bool | None = None, **params) -> Result:
-    """A heavy experiment: live where :func:`run` would run it live *and* :func:`full_run` is on, else recorded.
-
-    On the GPU path without ``COURSE_FULL=1`` the recorded result is returned with a caption that says so
-    and names the switch (``recorded on X ...: set COURSE_FULL=1 to run it live``): never silently.
-    ``full`` overrides the environment (a notebook's ``FULL = True``). ``python -m course bench`` records the
-    full version either way.
-    """
+    """A heavy experiment: live where :func:`run` would run it and :func:`full_run` is on (``full``
+    overrides it), else recorded, with a caption naming ``COURSE_FULL=1``. ``course bench`` records
+    it full."""
     exp = get(name)
     live_here = not exp.gpu_only or (runtime().on_gpu and gpu_count() >= exp.gpus)
     if exp.gpu_only and live_here and not (full_run() if full is None else full):
         res = load_reference(name)
-        res.source = (f"reference: the full run takes minutes, so this notebook shows the recorded one; "
-                      f"set {ENV_FULL}=1 to run it live here")
+        res.source = ("reference: the full run takes minutes, so this notebook "
+                      f"shows the recorded one; set {ENV_FULL}=1 to run it live here")
         return res
     return run(name, **params)
 
@@ -207,7 +214,8 @@ def bench_names(registry: dict, gpus: int) -> list:
 
 
 def bench_skipped(registry: dict, gpus: int) -> list:
-    """The GPU experiments ``course bench`` cannot record on a machine with ``gpus`` GPUs (they need more)."""
+    """The GPU experiments ``course bench`` cannot record on a machine with ``gpus`` GPUs (they need
+    more)."""
     return sorted(n for n, e in registry.items() if e.gpu_only and e.gpus > max(gpus, 1))
 
 
@@ -220,7 +228,8 @@ def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=prin
     """
     rt = runtime()
     if not rt.on_gpu:
-        raise RuntimeError(f"`course bench` writes reference data and needs a real GPU. {rt.reason} "
+        raise RuntimeError("`course bench` writes reference data "
+                           f"and needs a real GPU. {rt.reason} "
                            + (f"Fix: {rt.fixes[0]}" if rt.fixes else ""))
     reg = load_all()
     n_gpus = gpu_count()
@@ -230,8 +239,8 @@ def bench(names=None, out_dir: Path | None = None, quick: bool = False, log=prin
         raise KeyError(f"unknown experiments {unknown}; known: {sorted(reg)}")
     short = [n for n in names if reg[n].gpus > n_gpus]
     if short:
-        raise RuntimeError(f"{short} need {max(reg[n].gpus for n in short)} GPUs; this machine has {n_gpus}. "
-                           "Record them on a multi-GPU machine.")
+        raise RuntimeError(f"{short} need {max(reg[n].gpus for n in short)} GPUs; this "
+                           f"machine has {n_gpus}. Record them on a multi-GPU machine.")
     log(f"bench: this machine has {n_gpus} GPU(s); recording {names}")
     unreachable = bench_skipped(reg, n_gpus)
     if unreachable:

@@ -13,15 +13,18 @@ import json
 from course.core.provenance import describe, provenance
 from course.core.text import tidy
 
-# text cells wrap (long reasons become paragraphs, long words break) instead of widening the table past the page;
-# a table still wider than its box scrolls inside it. Only styles JupyterLab's HTML sanitizer keeps.
+# text cells wrap (long reasons become paragraphs, long words break) instead of widening the table
+# past the page; a table still wider than its box scrolls inside it. Only styles JupyterLab's HTML
+# sanitizer keeps.
 TEXT_CELL = "text-align:left;white-space:normal;overflow-wrap:break-word"
-LONG_TEXT = 60  # characters: a longer text cell gets room to be a paragraph (min-width), not a thin column
+# characters: a longer text cell gets room to be a paragraph (min-width), not a thin column
+LONG_TEXT = 60
 NUMBER_CELL = "text-align:right;white-space:nowrap"
 
 
 class Html(str):
-    """An HTML fragment that Jupyter shows rendered (``_repr_html_``) and the terminal as its text."""
+    """An HTML fragment that Jupyter shows rendered (``_repr_html_``) and the terminal as its text.
+    """
 
     def _repr_html_(self) -> str:
         return str(self)
@@ -97,7 +100,8 @@ class Result:
 
         ``columns`` picks and orders columns (default: all). Notebooks show a result as this
         table (its rich display); the terminal keeps :meth:`table`. Text cells wrap and are shown
-        whole, tidied (:func:`course.core.text.tidy`): never cut mid-sentence, no dangling "Found from :".
+        whole, tidied (:func:`course.core.text.tidy`): never cut mid-sentence, no dangling "Found
+        from :".
         """
         import html as _h
 
@@ -117,7 +121,8 @@ class Result:
             cells = "".join(f"<td style='{style(fmt(r[c]), num(r[c]))}'>{_h.escape(fmt(r[c]))}</td>" for c in cols)
             body.append(f"<tr>{cells}</tr>")
         more = f"<p>... {len(self.rows) - max_rows} more rows</p>" if len(self.rows) > max_rows else ""
-        summ = "".join(f"<li>{_h.escape(k)}: {_h.escape(fmt(v['value']))} {_h.escape(v['unit'])}</li>"
+        summ = "".join(f"<li>{_h.escape(k)}: {_h.escape(fmt(v['value']))} "
+                       f"{_h.escape(v['unit'])}</li>"
                        for k, v in self.summary.items())
         return Html(f"<div class='course-result' style='max-width:100%;overflow-x:auto'><b>{_h.escape(self.title)}</b>"
                     f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{more}"
@@ -150,7 +155,7 @@ class Result:
         fields = {k: d[k] for k in ("name", "title", "columns", "rows", "provenance", "summary", "params")}
         res = cls(**fields, source=source)
         if d.get("sha256") != res.checksum():
-            raise ValueError(f"reference data {d.get('name')!r} was edited by hand (checksum mismatch). "
-                             "Reference data is only written by `python -m course bench` on a GPU: "
-                             "restore it with git or re-run the bench.")
+            raise ValueError(f"reference data {d.get('name')!r} was edited by hand (checksum "
+                             "mismatch). Reference data is only written by `python -m course "
+                             "bench` on a GPU: restore it with git or re-run the bench.")
         return res

@@ -1,20 +1,9 @@
 """The course's one runtime decision: a real CUDA GPU, or the Numba CUDA simulator.
 
-Everything in the course asks this module which path it is on; nothing else
-detects devices. The decision is made once per process, before numba is first
-imported (the simulator must be switched on with ``NUMBA_ENABLE_CUDASIM=1``
-before that import), and it is passed to child processes (notebook kernels)
-through the environment so they do not probe again.
-
-The CUDA path needs both halves to work: torch must see a GPU *and* numba-cuda
-must compile and launch a trivial kernel there. The second half is checked in a
-subprocess, so that a failure (for example numpy 2.5, which removed
-``np.row_stack`` that numba-cuda 0.30 still calls) cannot leave this process
-with a half-initialised ``numba.cuda``.
-
-Set ``COURSE_PATH=sim`` to force the simulator (also on a GPU machine), or
-``COURSE_PATH=cuda`` to insist on the GPU (the decision then fails loudly
-instead of falling back).
+Made once per process, before numba is imported (``NUMBA_ENABLE_CUDASIM=1`` must come first), and
+handed to notebook kernels through the environment. The GPU path needs torch to see a GPU and
+numba-cuda to launch a trivial kernel there (tried in a subprocess). ``COURSE_PATH=sim`` forces the
+simulator; ``COURSE_PATH=cuda`` insists on the GPU and fails loudly instead of falling back.
 """
 from __future__ import annotations
 
@@ -105,7 +94,8 @@ def probe_numba_cuda(*, simulator: bool = False, timeout: float = 180.0) -> tupl
 
 
 def numba_cuda_installed() -> bool:
-    """True when the numba-cuda package is installed (the GPU path needs it; the simulator does not)."""
+    """True when the numba-cuda package is installed (the GPU path needs it; the simulator does
+    not)."""
     from importlib import metadata
     try:
         metadata.version("numba-cuda")
@@ -129,11 +119,23 @@ def explain_numba_failure(error: str) -> tuple[str, tuple[str, ...]]:
             ("run `python -m course doctor` and follow its advice",))
 
 
+def _simulator(forced: str, reason: str, fixes: tuple, gpu: str = "") -> Runtime:
+    """The simulator path for ``reason`` (torch seeing ``gpu``), or the loud failure
+    ``COURSE_PATH=cuda`` asks for."""
+    if forced == CUDA:
+        raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, "
+                                     f"but {reason}. Fix: {fixes[0]}")
+    seen = f"torch sees {gpu}, but " if gpu else ""
+    return Runtime(SIM, "Simulator path: "
+                        f"{seen}{reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
+
+
 def _decide() -> Runtime:
     forced = os.environ.get(ENV_FORCE, "").strip().lower()
     if forced and forced not in (SIM, CUDA):
         raise CourseEnvironmentError(
-            f"{ENV_FORCE}={forced!r} is not understood: use {ENV_FORCE}=sim or {ENV_FORCE}=cuda, or unset it.")
+            f"{ENV_FORCE}={forced!r} is not understood: use "
+            f"{ENV_FORCE}=sim or {ENV_FORCE}=cuda, or unset it.")
     if forced == SIM or (os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" and forced != CUDA):
         why = (f"forced by {ENV_FORCE}=sim" if forced == SIM
                else "NUMBA_ENABLE_CUDASIM=1 was set before the course started")
@@ -142,34 +144,29 @@ def _decide() -> Runtime:
         import torch
     except ImportError as e:
         raise CourseEnvironmentError(
-            f"PyTorch is not installed ({e}). Run `make setup` (or `pip install -e .`) and restart the kernel.") from None
+            f"PyTorch is not installed ({e}). Run `make setup` "
+            "(or `pip install -e .`) and restart the kernel.") from None
 
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             reason = f"this torch ({torch.__version__}) is a CPU build, so no GPU can be used"
-            fixes = ("on a machine with an NVIDIA GPU, install a CUDA build of torch: https://pytorch.org/get-started/locally/",)
+            fixes = ("on a machine with an NVIDIA GPU, install a CUDA "
+                     "build of torch: https://pytorch.org/get-started/locally/",)
         else:
             reason = "torch is a CUDA build but sees no GPU (no NVIDIA driver or device visible)"
-            fixes = ("check `nvidia-smi`; on a laptop without an NVIDIA GPU the simulator path is the right one",)
-        if forced == CUDA:
-            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
-        return Runtime(SIM, f"Simulator path: {reason}.", "cpu", "CPU (Numba CUDA simulator)", fixes)
+            fixes = ("check `nvidia-smi`; on a laptop without an "
+                     "NVIDIA GPU the simulator path is the right one",)
+        return _simulator(forced, reason, fixes)
 
     if not numba_cuda_installed():
-        reason = ("numba-cuda is not installed (it has no macOS wheels; plain numba's built-in simulator "
-                  "runs the course's kernels)")
+        reason = ("numba-cuda is not installed (it has no macOS wheels; plain "
+                  "numba's built-in simulator runs the course's kernels)")
         fixes = ("pip install 'numba-cuda>=0.30,<0.31' (Linux or Windows with an NVIDIA GPU)",)
-        if forced == CUDA:
-            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
-        return Runtime(SIM, f"Simulator path: torch sees {torch.cuda.get_device_name(0)}, but {reason}.",
-                       "cpu", "CPU (Numba CUDA simulator)", fixes)
+        return _simulator(forced, reason, fixes, torch.cuda.get_device_name(0))
     ok, error = probe_numba_cuda()
     if not ok:
         reason, fixes = explain_numba_failure(error or "")
-        if forced == CUDA:
-            raise CourseEnvironmentError(f"{ENV_FORCE}=cuda was asked for, but {reason}. Fix: {fixes[0]}")
-        return Runtime(SIM, f"Simulator path: torch sees {torch.cuda.get_device_name(0)}, but {reason}.",
-                       "cpu", "CPU (Numba CUDA simulator)", fixes)
+        return _simulator(forced, reason, fixes, torch.cuda.get_device_name(0))
     return Runtime(CUDA, "GPU path: torch and numba-cuda both launched kernels on the GPU.",
                    "cuda:0", torch.cuda.get_device_name(0))
 
@@ -195,25 +192,28 @@ def _apply(rt: Runtime) -> None:
         from numba import config
         if bool(config.ENABLE_CUDASIM) != want_sim:
             raise CourseEnvironmentError(
-                "numba was imported before the course chose its runtime, in the wrong mode "
-                f"({'simulator' if config.ENABLE_CUDASIM else 'GPU'}; the course needs "
-                f"{'the simulator' if want_sim else 'the GPU'}). Restart the kernel and run "
-                "`import course` (or `from course.core.runtime import runtime`) before importing numba.")
+                "numba was imported before the course chose its runtime, in the "
+                f"wrong mode ({'simulator' if config.ENABLE_CUDASIM else 'GPU'}; "
+                f"the course needs {'the simulator' if want_sim else 'the GPU'}). "
+                "Restart the kernel and run `import course` (or `from "
+                "course.core.runtime import runtime`) before importing numba.")
     if want_sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     else:
         os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-    prepare_triton(interpret=want_sim)  # Triton too: interpreted on the simulator path, before anything imports it
+    # Triton too: interpreted on the simulator path, before anything imports it
+    prepare_triton(interpret=want_sim)
 
 
 TRITON_ENV = "TRITON_INTERPRET"
 
 
 def prepare_triton(interpret: bool) -> None:
-    """Set ``TRITON_INTERPRET`` for the path chosen (Triton's interpreter on the simulator path), before Triton loads.
+    """Set ``TRITON_INTERPRET`` for the path chosen (Triton's interpreter on the simulator path),
+    before Triton loads.
 
-    Triton reads it as it is imported; once it is, this does nothing and :mod:`course.core.triton_path` checks
-    the mode it was imported in.
+    Triton reads it as it is imported; once it is, this does nothing and
+    :mod:`course.core.triton_path` checks the mode it was imported in.
     """
     if "triton" in sys.modules:
         return
@@ -235,7 +235,8 @@ def runtime() -> Runtime:
 
 
 def gpu_count() -> int:
-    """How many GPUs the course may use: 0 on the simulator path, else ``torch.cuda.device_count()``.
+    """How many GPUs the course may use: 0 on the simulator path, else
+    ``torch.cuda.device_count()``.
 
     Multi-GPU lessons (the sharded embedding) start one process per GPU when this is 2 or more.
     """
@@ -259,31 +260,28 @@ def cuda():
 
 
 def as_numba(tensor):
-    """View a torch tensor as an array a Numba kernel accepts, without copying.
-
-    GPU path: ``numba.cuda.as_cuda_array`` over the tensor's memory.
-    Simulator path: a NumPy view of the CPU tensor (simulator kernels take NumPy
-    arrays; torch tensors fail there because ``tensor.size`` is a method).
-    bfloat16 has no NumPy or Numba type: view it as int16 first (``t.view(torch.int16)``),
-    which is exact for kernels that only move the values.
-    """
+    """A torch tensor as an array a Numba kernel takes, without a copy (``as_cuda_array`` on a GPU,
+    a NumPy view on the simulator). View bfloat16 as int16 first (exact for kernels that move
+    values)."""
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"as_numba expects a torch.Tensor, got {type(tensor).__name__}.")
     if tensor.dtype == torch.bfloat16:
-        raise TypeError("bfloat16 has no Numba type. For a kernel that only moves values (a gather, a copy), "
-                        "pass tensor.view(torch.int16) instead; the bits are copied exactly.")
+        raise TypeError("bfloat16 has no Numba type. For a kernel that "
+                        "only moves values (a gather, a copy), pass "
+                        "tensor.view(torch.int16) instead; the bits are copied exactly.")
     rt = runtime()
     t = tensor.detach()
     if rt.on_gpu:
         if t.device.type != "cuda":
-            raise ValueError(f"This tensor is on {t.device}, but the course runs on {rt.device}: "
-                             "create it with device=course.device() or move it with .to(course.device()).")
+            raise ValueError(f"This tensor is on {t.device}, but the "
+                             f"course runs on {rt.device}: create it with "
+                             "device=course.device() or move it with .to(course.device()).")
         return cuda().as_cuda_array(t)
     if t.device.type != "cpu":
-        raise ValueError(f"This tensor is on {t.device}, but the course runs on the simulator (CPU): "
-                         "create it with device=course.device().")
+        raise ValueError(f"This tensor is on {t.device}, but the course runs on the "
+                         "simulator (CPU): create it with device=course.device().")
     return t.numpy()
 
 
@@ -299,7 +297,8 @@ def numba_stream():
     stream of ``course.graphs()`` (cached per stream), so a simulated capture records the launch.
     """
     nc = cuda()
-    if not runtime().on_gpu:  # one simulator stream per stand-in torch stream, so a capture sees its launches
+    # one simulator stream per stand-in torch stream, so a capture sees its launches
+    if not runtime().on_gpu:
         from course.sim import stream as simstream
         return simstream.numba_stream_for(simstream.current_stream(), nc)
     import torch
@@ -311,7 +310,8 @@ def numba_stream():
 
 
 def synchronize() -> None:
-    """Wait for all queued GPU work (simulator: nothing to wait for, but refused during a capture, as on a GPU)."""
+    """Wait for all queued GPU work (simulator: nothing to wait for, but refused during a capture,
+    as on a GPU)."""
     if runtime().on_gpu:
         import torch
         torch.cuda.synchronize()
@@ -321,10 +321,12 @@ def synchronize() -> None:
 
 
 def graphs():
-    """``torch.cuda`` on the GPU path; its simulated graph and stream API (:mod:`course.sim.cuda`) otherwise.
+    """``torch.cuda`` on the GPU path; its simulated graph and stream API (:mod:`course.sim.cuda`)
+    otherwise.
 
-    ``cg = course.graphs()`` then ``cg.CUDAGraph()``, ``cg.graph(g)``, ``cg.Stream()``, ``g.replay()``... run the
-    same learner code on both paths: the simulator records at capture and replays without running Python.
+    ``cg = course.graphs()`` then ``cg.CUDAGraph()``, ``cg.graph(g)``, ``cg.Stream()``,
+    ``g.replay()``... run the same learner code on both paths: the simulator records at capture and
+    replays without running Python.
     """
     if runtime().on_gpu:
         import torch

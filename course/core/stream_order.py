@@ -1,30 +1,34 @@
-"""Which stream waited for which, as the learner's calls ordered them: a missing fork or join, named on both paths.
+"""Which stream waited for which, as the learner's calls ordered them: a missing fork or join, named
+on both paths.
 
-A warm-up on a side stream must start after the work already queued on the stream the data was written on (the
-fork, ``side.wait_stream(cg.current_stream())``), and the capture must start after the warm-up (the join,
-``cg.current_stream().wait_stream(side)``). Without them a GPU runs the streams side by side: a race that no error
-reports and that a laptop, where every op runs at once, cannot show. So the check watches the calls that order
-streams, the same on both paths: ``Event.record`` and ``Event.wait`` (``wait_stream`` and ``wait_event`` go through
-them), and the learner's ``synchronize()`` (device-wide, a stream's or an event's: the host waits, so everything
-queued before is done). :class:`StreamOrder` keeps, per stream, how much of every stream's work it waited for (a
-vector clock) and the first missing fork or join.
+A warm-up on a side stream must start after the work already queued on the stream the data was
+written on (the fork, ``side.wait_stream(cg.current_stream())``), and the capture must start after
+the warm-up (the join, ``cg.current_stream().wait_stream(side)``). Without them a GPU runs the
+streams side by side: a race that no error reports and that a laptop, where every op runs at once,
+cannot show. So the check watches the calls that order streams, the same on both paths:
+``Event.record`` and ``Event.wait`` (``wait_stream`` and ``wait_event`` go through them), and the
+learner's ``synchronize()`` (device-wide, a stream's or an event's: the host waits, so everything
+queued before is done). :class:`StreamOrder` keeps, per stream, how much of every stream's work it
+waited for (a vector clock) and the first missing fork or join.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-FORK = ("the warm-up on a side stream did not wait for the stream your data was written on (the fork): on a GPU "
-        "the side stream may then read your static inputs and the weights before they are written, a race no error "
-        "reports. "
+FORK = ("the warm-up on a side stream did not wait for the stream your data was "
+        "written on (the fork): on a GPU the side stream may then read your static "
+        "inputs and the weights before they are written, a race no error reports. "
         "Before `with cg.stream(side):` call side.wait_stream(cg.current_stream())")
-JOIN = ("the capture began before the stream it began on waited for the warm-up's side stream (the join): on a "
-        "GPU the work queued after the warm-up may then run while the warm-up still runs, a race no error reports. "
-        "After the warm-up call cg.current_stream().wait_stream(side)")
+JOIN = ("the capture began before the stream it began on waited for the "
+        "warm-up's side stream (the join): on a GPU the work queued after the "
+        "warm-up may then run while the warm-up still runs, a race no error "
+        "reports. After the warm-up call cg.current_stream().wait_stream(side)")
 
 
 def _library_caller(depth: int = 2) -> bool:
-    """True when the call comes from torch or the course's simulator (``cg.graph`` synchronizes by itself)."""
+    """True when the call comes from torch or the course's simulator (``cg.graph`` synchronizes by
+    itself)."""
     import torch
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # course/
@@ -33,14 +37,18 @@ def _library_caller(depth: int = 2) -> bool:
 
 
 class StreamOrder:
-    """Watches ``cg``'s events and synchronizations until :meth:`close`; :meth:`work` is told each watched call."""
+    """Watches ``cg``'s events and synchronizations until :meth:`close`; :meth:`work` is told each
+    watched call."""
 
     def __init__(self, cg):
         self.cg, self.origin = cg, cg.current_stream()
-        self.count = {self.origin: 1}  # stream -> work queued on it (the origin: the data, written before)
+        # stream -> work queued on it (the origin: the data, written before)
+        self.count = {self.origin: 1}
         self.clock: dict = {}  # stream -> {stream: how much of its work this stream waited for}
-        self.floor: dict = {}  # work the host waited for (synchronize): every later op comes after it
-        self.events: dict = {}  # id(event) -> (event, what its stream had waited for, its own count)
+        # work the host waited for (synchronize): every later op comes after it
+        self.floor: dict = {}
+        # id(event) -> (event, what its stream had waited for, its own count)
+        self.events: dict = {}
         self.problem = None
         self._saved = []
         self._patch()
@@ -54,9 +62,11 @@ class StreamOrder:
         return seen
 
     def work(self, capturing: bool) -> None:
-        """One watched call (a model's forward) on the current stream: a fork or join missing before it is noted."""
+        """One watched call (a model's forward) on the current stream: a fork or join missing before
+        it is noted."""
         stream = self.cg.current_stream()
-        if capturing:  # the warm-ups must be done: the origin joined them, or the capture runs on their stream
+        # the warm-ups must be done: the origin joined them, or the capture runs on their stream
+        if capturing:
             seen, here = self._seen(self.origin), self._seen(stream)
             if self.problem is None and any(n > max(seen.get(s, 0), here.get(s, 0))
                                             for s, n in self.count.items() if s != self.origin):

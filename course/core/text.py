@@ -1,10 +1,14 @@
-"""Text for tables and reasons: shortened at a sentence's end, torch's log messages condensed, never cut mid-sentence.
+"""Text for tables and reasons: shortened at a sentence's end, torch's log messages condensed, never
+cut mid-sentence.
 
-- :func:`clip`: at most about ``limit`` characters, ending at a sentence (or clause) end, with "…" when shortened;
-- :func:`condense`: a multi-line log message in a few lines, joined with " / ", machine paths cut to file names,
-  torch's "Found from :" joined to the location it introduces (or dropped when none follows);
-- :func:`tidy`: what a table shows for a text cell recorded before these rules: no dangling "Found from :",
-  no quoted half statement, and a text cut at a fixed length ends at its last full sentence, marked "…".
+- :func:`clip`: at most about ``limit`` characters, ending at a sentence (or clause) end, with "…"
+  when shortened;
+- :func:`condense`: a multi-line log message in a few lines, joined with " / ", machine paths cut to
+  file names, torch's "Found from :" joined to the location it introduces (or dropped when none
+  follows);
+- :func:`tidy`: what a table shows for a text cell recorded before these rules: no dangling "Found
+  from :", no quoted half statement, and a text cut at a fixed length ends at its last full
+  sentence, marked "…".
 """
 from __future__ import annotations
 
@@ -20,16 +24,16 @@ _FOUND_JOINED = re.compile(r'Found from\s*:\s*/\s*File "([^"]+)", line (\d+)(?:,
                            r'\s*(?=$| \| | / )')
 _FOUND_EMPTY = re.compile(r"\s*Found from\s*:\s*(\||$)")
 _AT_CODE = re.compile(r" \(at ([^\s():]+:\d+): (.*)\)$")
-# the lengths the course's producers once cut reasons at (``[:N]`` after an "Error: " prefix, or the whole text);
-# shorter cuts are not guessed at: too many whole messages are that short
+# the lengths the course's producers once cut reasons at (``[:N]`` after an "Error: " prefix, or the
+# whole text); shorter cuts are not guessed at: too many whole messages are that short
 CUT_LENGTHS = (150, 160, 200, 240, 300, 400)
 
 
 def clip(text: str, limit: int = 200) -> str:
     """``text`` if it fits in ``limit`` characters, else its full sentences that fit, then " …".
 
-    With no sentence end in reach, it ends at the last clause end (";", ":", ",", " | ") or word, still
-    marked " …": a cut is always visible and never falls inside a word.
+    With no sentence end in reach, it ends at the last clause end (";", ":", ",", " | ") or word,
+    still marked " …": a cut is always visible and never falls inside a word.
     """
     text = " ".join(str(text).split())
     if len(text) <= limit:
@@ -44,19 +48,16 @@ def clip(text: str, limit: int = 200) -> str:
 
 
 def location(file: str, line, func: str | None = None, code: str = "") -> str:
-    """'Found from reduce_overhead.py, line 44, in forward: x.clamp_(...)': where torch says a hazard is."""
+    """'Found from reduce_overhead.py, line 44, in forward: x.clamp_(...)': where torch says a
+    hazard is."""
     name = _PATH.sub(r"\1", file)
     where = f"Found from {name}, line {line}" + (f", in {func}" if func else "")
     return where + (f": {code.strip()}" if code and code.strip() else "")
 
 
 def condense(message: str, lines: int = 4, limit: int = 400) -> str:
-    """The first ``lines`` non-empty lines of a (multi-line) log message, joined with " / ", clipped to ``limit``.
-
-    Machine paths are cut to their file names (a recorded log must not carry the recording machine's folders).
-    torch's "... Found from :" line takes the location that follows it (file, line, function and source
-    line) into the same line, or loses the words when no location follows: never a dangling "Found from :".
-    """
+    """The first ``lines`` non-empty lines of a log message joined with " / ", clipped to ``limit``;
+    machine paths cut to file names, torch's "Found from :" joined with its location or dropped."""
     raw = [l.strip() for l in str(message).strip().splitlines() if l.strip()]
     kept, i = [], 0
     while i < len(raw):
@@ -75,7 +76,8 @@ def condense(message: str, lines: int = 4, limit: int = 400) -> str:
 
 
 def complete_statement(code: str) -> bool:
-    """True when ``code`` is whole Python (a source line that is not the first line of a longer statement)."""
+    """True when ``code`` is whole Python (a source line that is not the first line of a longer
+    statement)."""
     try:
         compile(code, "<code>", "exec")
         return True
@@ -84,20 +86,16 @@ def complete_statement(code: str) -> bool:
 
 
 def looks_cut(text: str) -> bool:
-    """True for a text cut at one of the producers' old fixed lengths (:data:`CUT_LENGTHS`) in mid-sentence."""
+    """True for a text cut at one of the producers' old fixed lengths (:data:`CUT_LENGTHS`) in
+    mid-sentence."""
     body = text.split(": ", 1)[1] if re.match(r"^[A-Za-z_.]+(Error|Exception|Warning): ", text) else text
     return (len(body) in CUT_LENGTHS or len(text) in CUT_LENGTHS) and text[-1:].isalnum()
 
 
 def tidy(text: str) -> str:
-    """A text cell as a table shows it: torch's locations joined or dropped, half statements and cut ends trimmed.
-
-    - "X. Found from : / File "f.py", line 4, in g / code" -> "X. Found from f.py, line 4, in g: code";
-      "X. Found from : " with no location after it -> "X.";
-    - "... (at lookup.py:134: raise RuntimeError("the first line of a longer statement")" -> "... (at lookup.py:134)";
-    - a text cut at a fixed length in mid-sentence (:func:`looks_cut`) -> its full sentences, then " …".
-    Anything else is returned as it is.
-    """
+    """A text cell as a table shows it: torch's "Found from :" joined with its location (or dropped),
+    a half-quoted statement after a location cut, a text cut mid-sentence (:func:`looks_cut`) ended at
+    its last full sentence with " …"; anything else as it is."""
     if not isinstance(text, str) or not text:
         return text
     out = _FOUND_JOINED.sub(lambda m: location(m.group(1), m.group(2), m.group(3), m.group(4) or ""), text)

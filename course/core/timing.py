@@ -56,7 +56,8 @@ def _stats(samples: list, inner: int, clock: str) -> Timing:
 
 def _check(repeats: int, inner: int, warmup: int) -> None:
     if repeats < 1 or inner < 1 or warmup < 0:
-        raise ValueError(f"repeats and inner must be >= 1 and warmup >= 0 (got {repeats}, {inner}, {warmup}).")
+        raise ValueError("repeats and inner must be >= 1 and warmup "
+                         f">= 0 (got {repeats}, {inner}, {warmup}).")
 
 
 def time_device(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> Timing:
@@ -104,7 +105,8 @@ def time_enqueue(fn, *, warmup: int = 5, repeats: int = 25, inner: int = 10) -> 
 
 
 def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> Timing:
-    """Capture ``calls`` back-to-back calls of ``fn`` into one CUDA graph and time its replays with events.
+    """Capture ``calls`` back-to-back calls of ``fn`` into one CUDA graph and time its replays with
+    events.
 
     The returned Timing is per *replay* (clock "cuda-events"); divide by ``calls`` for the GPU's own
     time per call, with no CPU launch cost in it. GPU only.
@@ -116,9 +118,11 @@ def time_graph_replay(fn, *, calls: int, warmup: int = 3, repeats: int = 15) -> 
 
 
 def capture_calls(fn, calls: int):
-    """A ``torch.cuda.CUDAGraph`` of ``calls`` back-to-back calls of ``fn``, warmed up first (GPU only).
+    """A ``torch.cuda.CUDAGraph`` of ``calls`` back-to-back calls of ``fn``, warmed up first (GPU
+    only).
 
-    Replay it and time the replays to get the GPU's own time per call (:func:`time_graph_replay` does both).
+    Replay it and time the replays to get the GPU's own time per call (:func:`time_graph_replay`
+    does both).
     """
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
@@ -140,9 +144,11 @@ def capture_calls(fn, calls: int):
 
 
 def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
-    """Device time per call of ``fn``: ``calls`` calls captured into one CUDA graph, replays timed with events.
+    """Device time per call of ``fn``: ``calls`` calls captured into one CUDA graph, replays timed
+    with events.
 
-    GPU only. The returned :class:`Timing` is per call (replay time / ``calls``), clock "cuda-graph-replay".
+    GPU only. The returned :class:`Timing` is per call (replay time / ``calls``), clock
+    "cuda-graph-replay".
     """
     t = time_graph_replay(fn, calls=calls, warmup=2, repeats=repeats)
     return Timing(t.median / calls, t.q1 / calls, t.q3 / calls, t.min / calls, t.max / calls, t.repeats, calls,
@@ -150,17 +156,9 @@ def graph_time(fn, *, calls: int = 10, repeats: int = 10) -> Timing:
 
 
 def time_ranks(fn, *, group=None, warmup: int = 3, repeats: int = 15, inner: int = 10) -> Timing:
-    """Time a step that holds a collective on every rank of ``group`` together: per repeat, the slowest rank.
-
-    Call it on every rank of ``group`` (a collective inside). Each rank timing itself alone lets *rank skew* in:
-    a collective finishes only when the last rank joins it, so a rank that starts a repeat first also times its
-    wait for the others, by however far the processes drifted apart in that repeat. Here every repeat starts
-    aligned: a one-element all-reduce on ``group`` is queued just before the start (NCCL: the start event fires
-    when it completes, on every GPU at once; gloo CPU processes: the host clock starts when it returns). Each rank
-    times ``inner`` calls (CUDA events, or the synchronized host clock), the samples are all-gathered, and each
-    repeat counts as its slowest rank's time: the step is done when it is done everywhere. Every rank returns
-    the same :class:`Timing`; clock "cuda-events, slowest rank" or "host-synchronized, slowest rank".
-    """
+    """Time a step holding a collective on every rank of ``group`` (call it on each): every repeat
+    starts aligned by a one-element all-reduce (no rank skew), and counts as its slowest rank's
+    time. Every rank returns the same :class:`Timing`."""
     _check(repeats, inner, warmup)
     import torch
     import torch.distributed as dist
@@ -173,7 +171,8 @@ def time_ranks(fn, *, group=None, warmup: int = 3, repeats: int = 15, inner: int
     samples = []
     for _ in range(repeats):
         dist.all_reduce(token, group=group)  # the aligned start
-        samples.append(one_sample(fn, inner, "device" if gpu else "wall"))  # NCCL ranks: on the GPU path
+        # NCCL ranks: on the GPU path
+        samples.append(one_sample(fn, inner, "device" if gpu else "wall"))
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, samples, group=group)
     return _stats([max(col) for col in zip(*every)], inner,
@@ -187,8 +186,9 @@ _CLOCKS = {"device": "cuda-events", "wall": "host-synchronized", "enqueue": "hos
 
 
 def one_sample(fn, inner: int, clock: str) -> float:
-    """Seconds for ``inner`` back-to-back calls of ``fn``, one repeat: ``clock`` "device" (CUDA events; the
-    synchronized host clock on the simulator), "wall" (synchronized host clock) or "enqueue" (host issue time)."""
+    """Seconds for ``inner`` back-to-back calls of ``fn``, one repeat: ``clock`` "device" (CUDA
+    events; the synchronized host clock on the simulator), "wall" (synchronized host clock) or
+    "enqueue" (host issue time)."""
     if clock == "device" and runtime().on_gpu:
         import torch
 
@@ -210,12 +210,9 @@ def one_sample(fn, inner: int, clock: str) -> float:
 
 def time_interleaved(variants: dict, *, clock: str = "device", warmup: int = 5, repeats: int = 25,
                      inner: int = 10) -> dict:
-    """Time several variants of the same work *interleaved*: repeat r runs every variant once, in a rotated order.
-
-    A slow drift of the machine (clocks, other processes, the allocator) then lands on every variant alike,
-    instead of on whichever ran last. ``clock``: ``"device"`` (CUDA events; the host clock on the simulator),
-    ``"wall"`` (synchronized host clock) or ``"enqueue"`` (host issue cost). Returns ``{name: Timing}``.
-    """
+    """Time variants of the same work interleaved (each repeat runs every variant once, in a rotated
+    order, so a drift lands on all alike). ``clock``: "device", "wall" or "enqueue". ``{name:
+    Timing}``."""
     _check(repeats, inner, warmup)
     if clock not in _CLOCKS:
         raise ValueError(f"clock must be one of {sorted(_CLOCKS)}, not {clock!r}")
@@ -237,7 +234,8 @@ def time_interleaved(variants: dict, *, clock: str = "device", warmup: int = 5, 
 
 @dataclasses.dataclass(frozen=True)
 class Speedup:
-    """``slow`` vs ``fast``: the ratio of medians, and whether the difference is inside the spread."""
+    """``slow`` vs ``fast``: the ratio of medians, and whether the difference is inside the spread.
+    """
 
     slow_name: str
     slow: Timing
@@ -268,10 +266,11 @@ def speedup(slow_name: str, slow: Timing, fast_name: str, fast: Timing) -> Speed
 
 
 def eager_versus(row: dict, other: str, fmt: str = ".1f") -> str:
-    """``eager X us (IQR a-b) -> <other> Y us (IQR c-d): <verdict>`` from a result row's ``eager_us``,
-    ``eager_q1_us``, ``eager_q3_us``, ``<other>_us``, ``<other>_q1_us``, ``<other>_q3_us`` and ``speedup``
-    (numbers formatted with ``fmt``). The verdict is "inside the spread, noise" when ``other``'s upper quartile
-    reaches eager's lower one, else "<speedup>x faster"."""
+    """``eager X us (IQR a-b) -> <other> Y us (IQR c-d): <verdict>`` from a result row's
+    ``eager_us``, ``eager_q1_us``, ``eager_q3_us``, ``<other>_us``, ``<other>_q1_us``,
+    ``<other>_q3_us`` and ``speedup`` (numbers formatted with ``fmt``). The verdict is "inside the
+    spread, noise" when ``other``'s upper quartile reaches eager's lower one, else "<speedup>x
+    faster"."""
     def side(name):
         return (f"{name} {row[f'{name}_us']:{fmt}} us (IQR {row[f'{name}_q1_us']:{fmt}}-"
                 f"{row[f'{name}_q3_us']:{fmt}})")

@@ -2,11 +2,13 @@
 
 - :mod:`~course.embedding.kernels`: the naive and fast gather kernels, word views, launch shapes.
 - :mod:`~course.embedding.lookup`: :func:`embedding`, the one validated launch function, and the
-  device-side error flag for out-of-range ids; :mod:`~course.embedding.lean`: the lean launch path (no per-call
-  argument typing).
-- :mod:`~course.embedding.access`: which addresses each thread of a warp touches (coalescing, lab 1).
+  device-side error flag for out-of-range ids; :mod:`~course.embedding.lean`: the lean launch path
+  (no per-call argument typing).
+- :mod:`~course.embedding.access`: which addresses each thread of a warp touches (coalescing, lab
+  1).
 - :mod:`~course.embedding.cases`: checks for any lookup function (lab 1's exercises use them).
-- :mod:`~course.embedding.fastcheck`: checks that a fast kernel has the layout lab 1's exercise 3 asks for.
+- :mod:`~course.embedding.fastcheck`: checks that a fast kernel has the layout lab 1's exercise 3
+  asks for.
 - :mod:`~course.embedding.swap`: lab 2's CPU-copy embedding and the swap into a model.
 - :mod:`~course.embedding.bench`: the labs' GPU experiments (bandwidth, small lookups, swap timing);
   :mod:`~course.embedding.launch_cost`: where an eager call's host time goes, part by part.

@@ -1,19 +1,10 @@
 """See the memory access of an embedding kernel: which addresses each thread of a warp touches.
 
-On the simulator every array access of a kernel is a Python call, so :func:`trace` can record,
-for each thread, the byte address of every element it reads or writes. A *warp request* is the
-k-th access of each of the 32 threads of a warp (in lockstep they issue it together). The memory
-system serves a request in 32-byte sectors, so a request costs ``32 x (distinct sectors)`` bytes
-however few of them the threads use. The coalescing score of an array is
-
-    bytes requested / bytes used   (1.0: every byte fetched is used; 8.0: 4-byte values, one sector each)
-
-A kernel whose neighbouring threads read neighbouring words scores ~1; one whose threads of a warp
-read one column of different rows (:func:`uncoalesced_kernel`) is correct, and scores ~8 on the
-table and the output: on a GPU it fetches ~8 times the bytes it needs. :func:`draw` shows the
-picture (threads x addresses, one colour per request). The GPU experiment
-``embedding_coalescing`` measures both course kernels' bandwidth on the GPU beside their scores
-from the simulator (computed in a child process with ``COURSE_PATH=sim``).
+On the simulator every array access is a Python call, so :func:`trace` records each thread's
+addresses. A warp's k-th accesses form one request, served in 32-byte sectors; an array's coalescing
+score is bytes requested / bytes used (1.0: all used; ~8: one column of 32 rows, as
+:func:`uncoalesced_kernel` reads). :func:`draw` shows it; the experiment ``embedding_coalescing``
+measures both course kernels' bandwidth on a GPU beside their scores from the simulator.
 """
 from __future__ import annotations
 
@@ -61,7 +52,8 @@ def uncoalesced_kernel():
 
 
 def launch_elementwise(kernel, ids, weight, threads=None):
-    """Launch an ``(ids, weight, out, err)`` kernel with one thread per output element; return ``out``."""
+    """Launch an ``(ids, weight, out, err)`` kernel with one thread per output element; return
+    ``out``."""
     flat = ids.contiguous().view(-1)
     out = torch.empty(*ids.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
     w, o = element_view(weight), element_view(out.view(-1, weight.shape[1]))
@@ -72,14 +64,16 @@ def launch_elementwise(kernel, ids, weight, threads=None):
 
 
 class AccessTrace:
-    """The accesses of one traced launch: ``records`` of (block, thread, k, array, offset, nbytes, write)."""
+    """The accesses of one traced launch: ``records`` of (block, thread, k, array, offset, nbytes,
+    write)."""
 
     def __init__(self, records: list, arrays: dict):
         self.records = records
         self.arrays = arrays  # name -> (start address, nbytes)
 
     def requests(self, array: str | None = None) -> dict:
-        """(block, warp, k, array, write) -> list of (lane, byte offset, nbytes): one entry per warp request."""
+        """(block, warp, k, array, write) -> list of (lane, byte offset, nbytes): one entry per warp
+        request."""
         out = defaultdict(list)
         for b, t, k, name, off, nbytes, write in self.records:
             if array is None or name == array:
@@ -87,7 +81,8 @@ class AccessTrace:
         return out
 
     def score(self) -> Result:
-        """Per array and direction: requests, bytes used, bytes requested (32-byte sectors), their ratio."""
+        """Per array and direction: requests, bytes used, bytes requested (32-byte sectors), their
+        ratio."""
         agg = defaultdict(lambda: [0, 0, 0])
         for (b, w, k, name, write), acc in self.requests().items():
             used = {off + j for _, off, nb in acc for j in range(nb)}
@@ -112,9 +107,10 @@ class AccessTrace:
         if s <= GOOD:
             return f"coalesced: each warp request uses {1 / s:.0%} of the bytes it fetches (score {s:.2f}x)."
         worst = max(self.score().rows, key=lambda r: r["requested_per_used"])
-        tail = (f"a warp fetches {s:.1f}x the bytes it uses (worst: {worst['array']} {worst['access']}s, "
-                f"{worst['requested_per_used']:.1f}x): neighbouring threads touch addresses in different 32-byte "
-                f"sectors. Correct, but on a GPU expect roughly 1/{s:.0f} of the bandwidth of a coalesced kernel; "
+        tail = (f"a warp fetches {s:.1f}x the bytes it uses (worst: {worst['array']} "
+                f"{worst['access']}s, {worst['requested_per_used']:.1f}x): neighbouring "
+                "threads touch addresses in different 32-byte sectors. Correct, but on a "
+                f"GPU expect roughly 1/{s:.0f} of the bandwidth of a coalesced kernel; "
                 "give neighbouring threads neighbouring columns (d = i - n * D).")
         return ("UNCOALESCED: " if s > BAD else "partly coalesced: ") + tail
 
@@ -145,14 +141,16 @@ def _address(ary, idx):
 
 
 def trace(launch, *args, **kwargs) -> AccessTrace:
-    """Run ``launch(*args, **kwargs)`` on the simulator and record every element access of its kernels.
+    """Run ``launch(*args, **kwargs)`` on the simulator and record every element access of its
+    kernels.
 
     Arrays are named by the kernel's parameter names (``ids``, ``weight``, ``out``, ``err``).
     Simulator only: on a GPU, run it in a process started with ``COURSE_PATH=sim``.
     """
     if runtime().on_gpu:
-        raise RuntimeError("trace() needs the Numba CUDA simulator (it records each thread's accesses in Python): "
-                           "start a process with COURSE_PATH=sim, or use the GPU experiment embedding_coalescing")
+        raise RuntimeError("trace() needs the Numba CUDA simulator (it records each "
+                           "thread's accesses in Python): start a process with "
+                           "COURSE_PATH=sim, or use the GPU experiment embedding_coalescing")
     import inspect
 
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
@@ -192,7 +190,8 @@ def trace(launch, *args, **kwargs) -> AccessTrace:
                           or (hasattr(arg, "__array_interface__") and getattr(arg, "ndim", 0) > 0)]
         return orig_call(self, *a)
 
-    def init(self, item):  # the simulator wraps each array argument, in order, on the launching thread
+    # the simulator wraps each array argument, in order, on the launching thread
+    def init(self, item):
         orig_init(self, item)
         if pending and not isinstance(threading.current_thread(), BlockThread):
             arr = item._ary
@@ -221,14 +220,16 @@ def trace(launch, *args, **kwargs) -> AccessTrace:
 
 
 def demo_inputs(n_ids: int = 32, dim: int = 32, vocab: int = 64, seed: int = 0):
-    """Small ids and a float32 table for a trace: 32 x 32 outputs, so a warp can read 32 different rows."""
+    """Small ids and a float32 table for a trace: 32 x 32 outputs, so a warp can read 32 different
+    rows."""
     g = torch.Generator().manual_seed(seed)
     dev = runtime().device
     return (torch.randint(0, vocab, (n_ids,), generator=g).to(dev), torch.randn(vocab, dim, generator=g).to(dev))
 
 
 def draw(ax, tr: AccessTrace, array: str = "weight", block: int = 0, warp: int = 0, max_requests: int = 8):
-    """Threads (x) against byte offsets in ``array`` (y), one colour per warp request of one warp."""
+    """Threads (x) against byte offsets in ``array`` (y), one colour per warp request of one warp.
+    """
     reqs = sorted((k, acc) for (b, w, k, name, _), acc in tr.requests(array).items() if b == block and w == warp)
     if not reqs:
         ax.text(0.5, 0.5, f"no accesses to {array} by warp {warp} of block {block}", ha="center",
@@ -237,7 +238,8 @@ def draw(ax, tr: AccessTrace, array: str = "weight", block: int = 0, warp: int =
     for n, (k, acc) in enumerate(reqs[:max_requests]):
         lanes, offs = [a[0] for a in acc], [a[1] for a in acc]
         sectors = len({o // SECTOR for o in offs})
-        ax.scatter(lanes, offs, s=14, label=f"request {k}: {sectors} sector{'s' if sectors > 1 else ''}")
+        ax.scatter(lanes, offs, s=14, label=f"request {k}: {sectors} "
+                                            f"sector{'s' if sectors > 1 else ''}")
     ax.set_xlabel("thread (lane) in the warp")
     ax.set_ylabel(f"byte offset in {array}")
     ax.set_title(f"{array}: warp {warp} of block {block}", fontsize=10)
@@ -245,7 +247,8 @@ def draw(ax, tr: AccessTrace, array: str = "weight", block: int = 0, warp: int =
 
 
 def check_coalescing(launch, ids=None, weight=None) -> AccessTrace:
-    """Trace ``launch(ids, weight)`` (default: :func:`demo_inputs`), print its scores and verdict, return the trace."""
+    """Trace ``launch(ids, weight)`` (default: :func:`demo_inputs`), print its scores and verdict,
+    return the trace."""
     if ids is None or weight is None:
         ids, weight = demo_inputs()
     tr = trace(launch, ids, weight)
@@ -255,7 +258,8 @@ def check_coalescing(launch, ids=None, weight=None) -> AccessTrace:
 
 
 def _sim_scores() -> dict:
-    """Scores of the course's naive and uncoalesced kernels on the simulator (run in a COURSE_PATH=sim child)."""
+    """Scores of the course's naive and uncoalesced kernels on the simulator (run in a
+    COURSE_PATH=sim child)."""
     from course.embedding.kernels import naive_kernel
 
     ids, w = demo_inputs()
@@ -265,7 +269,8 @@ def _sim_scores() -> dict:
 
 @experiment("embedding_coalescing", gpu_only=True, quick=dict(n_ids=1024, dim=256, repeats=3))
 def embedding_coalescing(n_ids: int = 16384, dim: int = 1024, vocab: int = 32000, repeats: int = 10) -> Result:
-    """Bandwidth on the GPU of the coalesced naive kernel and the uncoalesced one, beside their simulator scores."""
+    """Bandwidth on the GPU of the coalesced naive kernel and the uncoalesced one, beside their
+    simulator scores."""
     from course.core.timing import graph_time
     from course.embedding.kernels import naive_kernel
 
@@ -290,6 +295,7 @@ def embedding_coalescing(n_ids: int = 16384, dim: int = 1024, vocab: int = 32000
     res = Result("embedding_coalescing", "Coalescing score (simulator) vs bandwidth (GPU)",
                  {"kernel": "", "score": "x", "us": "us", "us_q1": "us", "us_q3": "us", "GB_per_s": "GB/s"}, rows,
                  params=dict(n_ids=n_ids, dim=dim, vocab=vocab, repeats=repeats))
-    res.add_summary("bandwidth ratio naive / uncoalesced", rows[0]["GB_per_s"] / rows[1]["GB_per_s"], "x")
+    res.add_summary("bandwidth ratio naive / "
+                    "uncoalesced", rows[0]["GB_per_s"] / rows[1]["GB_per_s"], "x")
     res.add_summary("score ratio uncoalesced / naive", scores["uncoalesced"] / scores["naive"], "x")
     return res

@@ -27,10 +27,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def run_isolated(func: str, **kwargs):
-    """``course.embedding.bench.<func>(**kwargs)`` in a fresh process (:func:`course.core.isolate.run_isolated`).
+    """``course.embedding.bench.<func>(**kwargs)`` in a fresh process
+    (:func:`course.core.isolate.run_isolated`).
 
-    Used for the experiments that start ``torch.profiler``, as a precaution: whatever state the profiler
-    (CUPTI) leaves behind stays in that process, away from the timings of the experiments after it.
+    Used for the experiments that start ``torch.profiler``, as a precaution: whatever state the
+    profiler (CUPTI) leaves behind stays in that process, away from the timings of the experiments
+    after it.
     """
     return isolate.run_isolated("course.embedding.bench", func, **kwargs)
 
@@ -46,7 +48,8 @@ def lookup_bytes(n_ids: int, dim: int, dtype, id_dtype=torch.int64) -> int:
     return 2 * n_ids * dim * el + n_ids * torch.empty((), dtype=id_dtype).element_size()
 
 
-SM_COPY = "copy on the SMs (torch.mul(src, 1, out=out))"  # the bound: a kernel that only reads and writes
+# the bound: a kernel that only reads and writes
+SM_COPY = "copy on the SMs (torch.mul(src, 1, out=out))"
 MEMCPY = "memcpy device-to-device (cudaMemcpyAsync)"
 NUMBA_KERNELS = {  # label -> keyword arguments of course.embedding.embedding
     "numba naive (1 thread per element)": dict(impl="naive"),
@@ -59,7 +62,8 @@ NUMBA_KERNELS = {  # label -> keyword arguments of course.embedding.embedding
 @experiment("embedding_bandwidth", quick=dict(n_ids=4096, dim=512, vocab=1000, calls=3, repeats=3))
 def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
                         dtypes=("float32", "bfloat16"), calls: int = 10, repeats: int = 10, seed: int = 0) -> Result:
-    """Lookup bandwidth of F.embedding and each Numba kernel, beside a device-to-device copy of the output size."""
+    """Lookup bandwidth of F.embedding and each Numba kernel, beside a device-to-device copy of the
+    output size."""
     from course.core.capture import require_gpu
     require_gpu("the embedding bandwidth benchmark")
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -98,8 +102,8 @@ def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
         gc.collect()
         torch.cuda.empty_cache()
     res = Result("embedding_bandwidth",
-                 f"Embedding lookup, {n_ids} ids x {dim} dims (table {vocab} rows): device time per call from "
-                 f"CUDA-graph replay of {calls} back-to-back calls",
+                 f"Embedding lookup, {n_ids} ids x {dim} dims (table {vocab} rows): device "
+                 f"time per call from CUDA-graph replay of {calls} back-to-back calls",
                  {"dtype": "", "kernel": "", "us_per_call": "us", "q1_us": "us", "q3_us": "us", "GB_per_s": "GB/s",
                   "vs_F_embedding": "x", "exact": ""}, rows,
                  params=dict(n_ids=n_ids, dim=dim, vocab=vocab, dtypes=list(dtypes), calls=calls, repeats=repeats))
@@ -116,7 +120,8 @@ def embedding_bandwidth(n_ids: int = 65536, dim: int = 4096, vocab: int = 32000,
 @experiment("embedding_small_lookup", quick=dict(repeats=5, inner=5))
 def embedding_small_lookup(n_ids: int = 128, dim: int = 128, vocab: int = 32000, dtype: str = "float32",
                            repeats: int = 25, inner: int = 20) -> Result:
-    """A small lookup: eager launches vs CUDA-graph replay of one call (device time and host time per call)."""
+    """A small lookup: eager launches vs CUDA-graph replay of one call (device time and host time
+    per call)."""
     from course.core.capture import try_capture
     from course.core.timing import time_enqueue
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -137,8 +142,9 @@ def embedding_small_lookup(n_ids: int = 128, dim: int = 128, vocab: int = 32000,
         del outcome
     E.check_errors()
     res = Result("embedding_small_lookup",
-                 f"Small lookup ({n_ids} ids x {dim} dims, {dtype}): time per call, eager vs CUDA-graph replay "
-                 f"(device_us: CUDA events around {inner} back-to-back calls; host_us: time to issue a call)",
+                 f"Small lookup ({n_ids} ids x {dim} dims, {dtype}): time per "
+                 "call, eager vs CUDA-graph replay (device_us: CUDA events around "
+                 f"{inner} back-to-back calls; host_us: time to issue a call)",
                  {"kernel": "", "mode": "", "device_us": "us", "q1_us": "us", "q3_us": "us", "host_us": "us"}, rows,
                  params=dict(n_ids=n_ids, dim=dim, vocab=vocab, dtype=dtype, repeats=repeats, inner=inner))
     eager = res.column("device_us", kernel="numba fast", mode="eager")[0]
@@ -151,7 +157,8 @@ def embedding_small_lookup(n_ids: int = 128, dim: int = 128, vocab: int = 32000,
 
 @experiment("embedding_bounds_modes", quick=dict(repeats=5))
 def embedding_bounds_modes(n_ids: int = 128, dim: int = 128, vocab: int = 32000, repeats: int = 20) -> Result:
-    """bounds='host' vs bounds='device': cost per call, does the host wait, can it be captured, when errors show."""
+    """bounds='host' vs bounds='device': cost per call, does the host wait, can it be captured, when
+    errors show."""
     from course.core.blocking import host_blocking
     from course.core.capture import try_capture
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -177,10 +184,11 @@ def embedding_bounds_modes(n_ids: int = 128, dim: int = 128, vocab: int = 32000,
             when = "at the call"
         rows.append(dict(bounds=bounds, device_us=t.us, host_waits=bool(rep.blocked),
                          host_return_ms=rep.host_return_ms, captured=cap.ok,
-                         capture_error="" if cap.ok else f"{cap.error_type}: {cap.error}", error_reported=when))
+                         capture_error="" if cap.ok else f"{cap.error_type}: "
+                                                         f"{cap.error}", error_reported=when))
     return Result("embedding_bounds_modes",
-                  f"Out-of-range checks for a {n_ids} x {dim} lookup: on the host (exact, immediate, a sync) or on "
-                  "the device (an error flag, checked later)",
+                  f"Out-of-range checks for a {n_ids} x {dim} lookup: on the host (exact, "
+                  "immediate, a sync) or on the device (an error flag, checked later)",
                   {"bounds": "", "device_us": "us", "host_waits": "", "host_return_ms": "ms", "captured": "",
                    "capture_error": "", "error_reported": ""}, rows,
                   params=dict(n_ids=n_ids, dim=dim, vocab=vocab, repeats=repeats))
@@ -200,14 +208,16 @@ def _verify_rows() -> dict:
 
 @experiment("embedding_verify", quick={})
 def embedding_verify() -> Result:
-    """The verify-embedding report for both implementations (rows: one per check; summary: the printed reports).
+    """The verify-embedding report for both implementations (rows: one per check; summary: the
+    printed reports).
 
     Runs in its own process (it uses the profiler; see :func:`run_isolated`).
     """
     from course.core.capture import require_gpu
     require_gpu("verify-embedding")
     out = run_isolated("_verify_rows")
-    res = Result("embedding_verify", "verify-embedding: capture, replay, device-resident ids, asynchrony",
+    res = Result("embedding_verify", "verify-embedding: capture, replay, "
+                                     "device-resident ids, asynchrony",
                  {"impl": "", "check": "", "passed": "", "detail": ""}, out["rows"])
     for impl, text in out["texts"].items():
         res.add_summary(f"report_{impl}", text)
@@ -217,7 +227,8 @@ def embedding_verify() -> Result:
 @experiment("embedding_swap_timing", quick=dict(tokens=(1, 256), repeats=5, inner=5))
 def embedding_swap_timing(tokens=(1, 16, 256, 4096), vocab: int = 32000, dim: int = 512, out_features: int = 512,
                           repeats: int = 15, inner: int = 10) -> Result:
-    """The small model (embedding -> linear): eager cpu-copy vs eager device vs graph replay, per forward."""
+    """The small model (embedding -> linear): eager cpu-copy vs eager device vs graph replay, per
+    forward."""
     from course.core.capture import try_capture
     from course.embedding.swap import make_model, swap
     model = make_model(vocab, dim, out_features)
@@ -238,8 +249,8 @@ def embedding_swap_timing(tokens=(1, 16, 256, 4096), vocab: int = 32000, dim: in
         del outcome
     E.check_errors()
     res = Result("embedding_swap_timing",
-                 f"TinyModel (embedding {vocab}x{dim} -> linear {dim}->{out_features}): time per forward "
-                 f"(CUDA events around {inner} back-to-back forwards)",
+                 f"TinyModel (embedding {vocab}x{dim} -> linear {dim}->{out_features}): "
+                 f"time per forward (CUDA events around {inner} back-to-back forwards)",
                  {"tokens": "", "mode": "", "us": "us", "q1_us": "us", "q3_us": "us"}, rows,
                  params=dict(tokens=list(tokens), vocab=vocab, dim=dim, out_features=out_features))
     n = tokens[0]
@@ -252,7 +263,8 @@ def embedding_swap_timing(tokens=(1, 16, 256, 4096), vocab: int = 32000, dim: in
 
 @experiment("embedding_sync_timeline", quick=dict(sleep_ms=5))
 def embedding_sync_timeline(sleep_ms: float = 20.0, tokens: int = 128) -> Result:
-    """Host-blocking timeline: GPU busy with a long sleep, when does forward() return? (both impls)"""
+    """Host-blocking timeline: GPU busy with a long sleep, when does forward() return? (both impls)
+    """
     from course.core.blocking import host_blocking
     from course.embedding.swap import SwapEmbedding
     emb = SwapEmbedding(32000, 256, generator=torch.Generator().manual_seed(0))
@@ -268,7 +280,8 @@ def embedding_sync_timeline(sleep_ms: float = 20.0, tokens: int = 128) -> Result
         rows.append(dict(impl=impl, lane=f"{impl}: CPU", name="forward() call, until it returns",
                          start_us=0.0, dur_us=rep.host_return_ms * 1e3))
     res = Result("embedding_sync_timeline",
-                 f"When does forward() return while the GPU is busy for {sleep_ms:g} ms? (host clock)",
+                 "When does forward() return while the GPU is "
+                 f"busy for {sleep_ms:g} ms? (host clock)",
                  {"impl": "", "lane": "", "name": "", "start_us": "us", "dur_us": "us"}, rows,
                  params=dict(sleep_ms=sleep_ms, tokens=tokens))
     for impl, rep in res_blocked.items():
@@ -282,7 +295,8 @@ _KEEP_CPU = ("aten::to", "aten::_to_copy", "aten::copy_", "cudaMemcpy", "cudaStr
 
 
 def _short(name: str) -> str:
-    for key, label in (("_fast16_body", "numba fast kernel (16-byte words)"), ("_fast_body", "numba fast kernel"),
+    for key, label in (("_fast16_body", "numba fast kernel "
+                                        "(16-byte words)"), ("_fast_body", "numba fast kernel"),
                        ("_naive_body", "numba naive kernel"), ("sleep", "GPU sleep (queued work)"),
                        ("spin", "GPU sleep (queued work)")):
         if key in name:
@@ -300,7 +314,8 @@ def _profile_rows(sleep_ms: float, tokens: int) -> dict:
     ids = torch.randint(0, 32000, (tokens,), device="cuda")
     rows, summary = [], {}
     sleep_cycles_per_ms()  # calibrate the GPU sleep now, not inside a trace
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):  # warm-up: first-session costs
+    # warm-up: first-session costs
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
         for impl in ("cpu-copy", "device"):
             emb.impl = impl
             gpu_sleep(sleep_ms)
@@ -323,7 +338,8 @@ def _profile_rows(sleep_ms: float, tokens: int) -> dict:
         t0 = min(s for s, *_ in events)
         fwd = [(s, d) for s, d, lane, n in events if lane == "CPU" and n == "forward"]
         f0, f1 = (fwd[0][0], fwd[0][0] + fwd[0][1]) if fwd else (t0, float("inf"))
-        # CPU events up to the end of forward() (not the trace's own final synchronize), every GPU event
+        # CPU events up to the end of forward() (not the trace's own final synchronize), every GPU
+        # event
         events = [e for e in events if e[2] == "GPU" or e[0] <= f1]
         for start, dur, lane, name in sorted(events)[:60]:
             rows.append(dict(impl=impl, lane=f"{impl}: {lane}", name=_short(name), start_us=float(start - t0),
@@ -347,7 +363,8 @@ def embedding_profile(sleep_ms: float = 2.0, tokens: int = 128) -> Result:
     require_gpu("profiling the embedding")
     out = run_isolated("_profile_rows", sleep_ms=sleep_ms, tokens=tokens)
     res = Result("embedding_profile",
-                 f"torch.profiler: one forward ({tokens} ids) behind {sleep_ms:g} ms of queued GPU work",
+                 f"torch.profiler: one forward ({tokens} ids) "
+                 f"behind {sleep_ms:g} ms of queued GPU work",
                  {"impl": "", "lane": "", "name": "", "start_us": "us", "dur_us": "us"}, out["rows"],
                  params=dict(sleep_ms=sleep_ms, tokens=tokens))
     for impl, s in out["summary"].items():

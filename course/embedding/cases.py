@@ -1,21 +1,25 @@
-"""Checks for any embedding function: random lookups against F.embedding, and inputs it must reject.
+"""Checks for any embedding function (named rules of the course's harness): random lookups against
+F.embedding, and inputs it must reject.
 
 :func:`check_lookup` and :func:`check_rejects` drive a learner's function (or the course's) with
 :func:`lookup_cases` and :func:`reject_cases`; :func:`fallback` lets a notebook go on with the
-reference version when the learner's is not done yet. When a lookup is wrong, :func:`diagnose` reruns
-it on a :func:`named_table` (values that name their row and column) and says what was read where;
-:func:`check_bad_ids` names the out-of-range ids that were not zeroed or not counted (the output's
-memory poisoned by :func:`poisoned_empty`, so a row never written cannot pass for a zero row).
-``check_rejects(..., host=True)`` checks a host check alone: the kernel's error flag cannot stand in.
+reference version when the learner's is not done yet. When a lookup is wrong, :func:`diagnose`
+reruns it on a :func:`named_table` (values that name their row and column) and says what was read
+where; :func:`check_bad_ids` names the out-of-range ids that were not zeroed or not counted (the
+output's memory poisoned by :func:`poisoned_empty`, so a row never written cannot pass for a zero
+row). ``check_rejects(..., host=True)`` checks a host check alone: the kernel's error flag cannot
+stand in.
 """
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 import torch.nn.functional as F
 
 from course.core.checks import close
+from course.core.harness import Rule, check
 from course.core.runtime import runtime
 from course.embedding.lookup import check_errors, reset_errors
 
@@ -41,7 +45,8 @@ def lookup_cases(*, padding: bool = True, seed=None) -> list:
     cases = [
         dict(desc="float32 weight, int64 ids of shape [N]", ids=idx(d(6, 500)),
              weight=table(d(8, 256), torch.float32)),
-        dict(desc="float16 weight, int32 ids of shape [B, T]", ids=idx(2, d(3, 77), dtype=torch.int32),
+        dict(desc="float16 weight, int32 ids of shape [B, "
+                  "T]", ids=idx(2, d(3, 77), dtype=torch.int32),
              weight=table(d(6, 96), torch.float16)),
         dict(desc="bfloat16 weight, int64 ids of shape [A, B, T]", ids=idx(2, 2, d(2, 33)),
              weight=table(d(8, 4096), torch.bfloat16)),
@@ -51,48 +56,57 @@ def lookup_cases(*, padding: bool = True, seed=None) -> list:
              ids=idx(d(3, 40), d(2, 17)).t(), weight=table(d(4, 100), torch.float32)),
         dict(desc="float16 weight, non-contiguous int32 ids (every other column)",
              ids=idx(2, d(6, 64), dtype=torch.int32)[:, ::2], weight=table(d(8, 64), torch.float16)),
-        dict(desc="float32 weight, a single 0-d id", ids=idx(), weight=table(d(5, 33), torch.float32)),
+        dict(desc="float32 weight, a single 0-d "
+                  "id", ids=idx(), weight=table(d(5, 33), torch.float32)),
     ]
     if padding:
         ids = idx(3, d(2, 50), dtype=torch.int32)
         ids[0, 0] = 3
-        cases.append(dict(desc="float32 weight, int32 ids, padding_idx=3 (row 3 is not zero: the forward "
-                               "returns it as stored)", ids=ids, weight=table(d(8, 128), torch.float32),
+        cases.append(dict(desc="float32 weight, int32 ids, padding_idx=3 "
+                               "(row 3 is not zero: the forward returns it "
+                               "as stored)", ids=ids, weight=table(d(8, 128), torch.float32),
                           padding_idx=3))
     for c in cases:
         c.setdefault("padding_idx", None)
     return cases
 
 
-def check_lookup(fn, *, padding: bool = True, seed=None) -> list:
-    """Compare ``fn(ids, weight)`` with ``F.embedding`` on :func:`lookup_cases`; exact match required.
-
-    The padding case calls ``fn(ids, weight, padding_idx=...)`` (skip it with
-    ``padding=False``). When a case differs, ``fn`` runs again on a table whose values name
-    their row and column (:func:`diagnose`), and the AssertionError says what was read where
-    ("row 3 was read where row 7 was expected"). Returns the case descriptions that passed.
-    """
-    passed = []
-    for c in lookup_cases(padding=padding, seed=seed):
+def _matches(p) -> str:
+    """Every case of :func:`lookup_cases` equals ``F.embedding`` exactly (what was read where, if
+    not)."""
+    for c in lookup_cases(padding=p.padding, seed=p.seed):
         kw = {} if c["padding_idx"] is None else {"padding_idx": c["padding_idx"]}
-        got = fn(c["ids"], c["weight"], **kw)
-        assert isinstance(got, torch.Tensor), f"{c['desc']}: expected a tensor, got {type(got).__name__}"
+        got = p.fn(c["ids"], c["weight"], **kw)
+        if not isinstance(got, torch.Tensor):
+            return f"{c['desc']}: expected a tensor, got {type(got).__name__}"
         want = F.embedding(c["ids"], c["weight"], **kw)
         try:
             close(got, want, rtol=0, atol=0, what=f"[{c['desc']}] output")
         except AssertionError as e:
             if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
-                raise
-            raise AssertionError(f"[{c['desc']}] {diagnose(fn, c['ids'], c['weight'], **kw) or e}") from None
-        passed.append(c["desc"])
-    return passed
+                return str(e)
+            return f"[{c['desc']}] {diagnose(p.fn, c['ids'], c['weight'], **kw) or e}"
+        p.passed.append(c["desc"])
+    return ""
+
+
+def check_lookup(fn, *, padding: bool = True, seed=None) -> list:
+    """Compare ``fn(ids, weight)`` with ``F.embedding`` on :func:`lookup_cases` (the harness's rule
+    "matches"); exact match required. The padding case calls ``fn(ids, weight, padding_idx=...)``
+    (not with ``padding=False``). A case that differs runs again on a table whose values name their
+    row and column (:func:`diagnose`): the ✗ says what was read where. Returns the case descriptions
+    that passed."""
+    p = types.SimpleNamespace(fn=fn, padding=padding, seed=seed, passed=[])
+    check(p, [Rule("matches", "", _matches)])
+    return p.passed
 
 
 _EXACT = {torch.float32: 2 ** 24, torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8}
 
 
 def named_table(vocab: int, dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
-    """A table whose value at [row, col] is ``1 + row * dim + col``: every value names its row and column.
+    """A table whose value at [row, col] is ``1 + row * dim + col``: every value names its row and
+    column.
 
     Uses ``dtype`` when it holds those integers exactly, else float32. 0 never occurs (a zero says
     "written as zero", not "read from the table").
@@ -110,13 +124,15 @@ def _rows(values: list) -> str:
 
 
 def diagnose(fn, ids, weight, **kw) -> str:
-    """Run ``fn`` on a :func:`named_table` like ``weight`` and say, in words, what it read and wrote wrong.
+    """Run ``fn`` on a :func:`named_table` like ``weight`` and say, in words, what it read and wrote
+    wrong.
 
     Returns "" when ``fn`` is right on the named table (a dtype-specific bug, then).
     """
     vocab, dim = weight.shape
     table = named_table(vocab, dim, weight.dtype, weight.device)
-    torch.full((ids.numel() * dim * 2 + 64,), float("nan"), device=weight.device)  # recycled memory: not codes
+    # recycled memory: not codes
+    torch.full((ids.numel() * dim * 2 + 64,), float("nan"), device=weight.device)
     got = fn(ids, table, **kw).detach().cpu().double().reshape(-1, dim)
     flat = ids.detach().cpu().reshape(-1).long()
     code = got.round()
@@ -128,8 +144,8 @@ def diagnose(fn, ids, weight, **kw) -> str:
     bad = ~(valid & (g_row == e_row) & (g_col == e_col))
     if not bad.any():
         return ""
-    said = [f"wrong at {int(bad.sum())} of {bad.numel()} output values. Rerun on a table whose values name "
-            f"their row and column (value = 1 + row * {dim} + column):"]
+    said = [f"wrong at {int(bad.sum())} of {bad.numel()} output values. Rerun on a table "
+            f"whose values name their row and column (value = 1 + row * {dim} + column):"]
     cols_never = [c for c in range(dim) if bool((bad[:, c] & ~valid[:, c]).all())]
     if cols_never:
         zero = bool((got[:, cols_never] == 0).all())
@@ -161,7 +177,8 @@ def diagnose(fn, ids, weight, **kw) -> str:
 
 @contextlib.contextmanager
 def poisoned_empty():
-    """While active, ``torch.empty`` returns floating tensors filled with NaN instead of leftover memory.
+    """While active, ``torch.empty`` returns floating tensors filled with NaN instead of leftover
+    memory.
 
     Fresh memory is often zeros (always on a CPU), so an output row a kernel never wrote could
     pass for a zeroed one; poisoned, it holds NaN and the check sees it.
@@ -184,13 +201,51 @@ def poisoned_empty():
 _BAD = (5, 9, -1)  # on a 5-row table: the first id past the end, one far past it, a negative one
 
 
-def check_bad_ids(launch, *, dim: int = 4, device=None) -> None:
-    """Check that ``launch(ids, weight)`` writes zero rows for out-of-range ids and counts each once in err[0].
+def _bad_rows(p) -> str:
+    for n, bad_id in enumerate(_BAD, 1):
+        if bool(torch.isnan(p.out[n]).all()):
+            return (f"id {bad_id} is outside the 5-row table: its output row {n} "
+                    "must be zeros, but it was never written (it still holds the "
+                    "NaN the check filled it with): write a zero for a bad id")
+        held = p.out[n].tolist()
+        if p.out[n].abs().sum() != 0:
+            return (f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, it "
+                    f"holds {held[:8]}{' ...' if len(held) > 8 else ''} (never read the table with "
+                    "a bad id: only ids with idx >= 0 and idx < weight.shape[0] may read it)")
+    return ""
 
-    Uses ids [0, 5, 9, -1] on a 5-row table, with the output's memory poisoned
-    (:func:`poisoned_empty`); the AssertionError names the ids not zeroed or not counted, or
-    says that a bad id indexed the table (the simulator's IndexError).
-    """
+
+def _counted(p) -> str:
+    want, count = len(_BAD), p.count
+    if count == 0:
+        return f"ids 5, 9 and -1 were not counted (err[0] is 0, expected {want}): cuda.atomic.add(err, 0, 1) once " \
+               "per bad id"
+    if count < want:
+        return (f"err[0] is {count}, expected {want}: {want - count} of the bad ids 5, 9 and -1 "
+                f"{'was' if want - count == 1 else 'were'} not counted. Every id outside idx >= 0 "
+                "and idx < weight.shape[0] is bad (5 too: valid ids are 0..4), counted once")
+    if count == want:
+        return ""
+    return f"err[0] is {count}, expected {want} (ids 5, 9 and -1): " + (
+        f"each bad id was counted {count // want} times; count it once, by "
+        "one thread of its row (the thread of column 0: d == 0, or tx == "
+        "0 in a row of threads)" if count % want == 0 else "count each bad id exactly once")
+
+
+BAD_ID_RULES = [
+    Rule("index_error", "", lambda p: "" if not p.index_error else (
+        f"with ids {p.ids} on a 5-row table the kernel went outside an array "
+        f"({p.index_error}): a bad id must never index the table. Valid ids are 0..4, "
+        "so 5 is already outside: guard with idx >= 0 and idx < weight.shape[0]")),
+    Rule("good_row", "", lambda p: "" if torch.equal(p.out[0], p.table[0].cpu()) else (
+        f"id 0 must give row 0 {p.table[0].tolist()}, got {p.out[0].tolist()}")),
+    Rule("bad_rows_zero", "", _bad_rows), Rule("counted_once", "", _counted)]
+
+
+def check_bad_ids(launch, *, dim: int = 4, device=None) -> None:
+    """Judge ``launch(ids, weight)`` by :data:`BAD_ID_RULES`: zero rows for out-of-range ids, each
+    counted once in err[0], a bad id never indexing the table. Ids [0, 5, 9, -1] on a 5-row table,
+    the output's memory poisoned (:func:`poisoned_empty`)."""
     from course.embedding.kernels import EmbeddingIndexError
     from course.embedding.lookup import error_flag
 
@@ -198,42 +253,17 @@ def check_bad_ids(launch, *, dim: int = 4, device=None) -> None:
     reset_errors()
     table = named_table(5, dim, device=device)
     ids = torch.tensor([0, *_BAD], device=device)
+    p = types.SimpleNamespace(table=table, ids=ids.tolist(), index_error="", out=None, count=0)
     try:
         with poisoned_empty():
-            out = launch(ids, table).reshape(len(ids), dim).cpu()
+            p.out = launch(ids, table).reshape(len(ids), dim).cpu()
     except EmbeddingIndexError:
         raise
     except IndexError as e:
-        reset_errors()
-        first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise AssertionError(f"with ids {ids.tolist()} on a 5-row table the kernel went outside an array ({first}): "
-                             "a bad id must never index the table. Valid ids are 0..4, so 5 is already outside: "
-                             "guard with idx >= 0 and idx < weight.shape[0]") from None
-    count = int(error_flag()[0].item())
+        p.index_error = (str(e).strip().splitlines() or [""])[0][:160]
+    p.count = int(error_flag()[0].item())
     reset_errors()
-    assert torch.equal(out[0], table[0].cpu()), f"id 0 must give row 0 {table[0].tolist()}, got {out[0].tolist()}"
-    for n, bad_id in enumerate(_BAD, 1):
-        if bool(torch.isnan(out[n]).all()):
-            raise AssertionError(f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, but it "
-                                 "was never written (it still holds the NaN the check filled it with): write a zero "
-                                 "for a bad id")
-        held = out[n].tolist()
-        assert out[n].abs().sum() == 0, (
-            f"id {bad_id} is outside the 5-row table: its output row {n} must be zeros, it holds "
-            f"{held[:8]}{' ...' if len(held) > 8 else ''} (never read the table with a bad id: only ids with "
-            "idx >= 0 and idx < weight.shape[0] may read it)")
-    want = len(_BAD)
-    if count == 0:
-        raise AssertionError(f"ids 5, 9 and -1 were not counted (err[0] is 0, expected {want}): "
-                             "cuda.atomic.add(err, 0, 1) once per bad id")
-    if count < want:
-        raise AssertionError(f"err[0] is {count}, expected {want}: {want - count} of the bad ids 5, 9 and -1 "
-                             f"{'was' if want - count == 1 else 'were'} not counted. Every id outside "
-                             "idx >= 0 and idx < weight.shape[0] is bad (5 too: valid ids are 0..4), counted once")
-    assert count == want, (f"err[0] is {count}, expected {want} (ids 5, 9 and -1): "
-                           + (f"each bad id was counted {count // want} times; count it once, by one thread of its "
-                              "row (the thread of column 0: d == 0, or tx == 0 in a row of threads)"
-                              if count % want == 0 else "count each bad id exactly once"))
+    check(p, BAD_ID_RULES)
 
 
 def reject_cases(*, padding: bool = True) -> list:
@@ -262,51 +292,52 @@ _HOST_MISSED = {  # what a host check that let this case through is missing
 }
 
 
-def check_rejects(fn, *, padding: bool = True, after=None, host: bool = False) -> list:
-    """Check that ``fn`` rejects each of :func:`reject_cases` with the right exception and a message.
-
-    ``after`` (default :func:`check_errors`) runs right after ``fn`` returns, so errors a
-    kernel reports through the error flag count too. ``host=True`` checks a host check
-    alone: every error must be raised by ``fn`` itself (the flag cannot stand in), and a
-    missed id range is named ("an id < 0 was not rejected by your host check"). The flag is
-    cleared after every case. Returns "case: Error: message" lines.
-    """
-    after = (lambda: None) if host else (check_errors if after is None else after)
-    reset_errors()
-    lines = []
-    for desc, args, kw, exc in reject_cases(padding=padding):
+def _rejects(p) -> str:
+    """Each of :func:`reject_cases` raises its exception with a message (the flag cleared after
+    each)."""
+    for desc, args, kw, exc in reject_cases(padding=p.padding):
         try:
-            fn(*args, **kw)
-            after()
+            p.fn(*args, **kw)
+            p.after()
         except exc as e:
-            msg = str(e)
-            assert len(msg) >= 20, f"{desc}: raised {type(e).__name__} with a message too short to act on: {msg!r}"
-            lines.append(f"{desc}: {type(e).__name__}: {msg}")
+            if len(str(e)) < 20:
+                return f"{desc}: raised {type(e).__name__} with a message too short to act on: {str(e)!r}"
+            p.lines.append(f"{desc}: {type(e).__name__}: {e}")
             continue
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001 - report the wrong type
-            raise AssertionError(f"{desc}: expected {exc.__name__}, got {type(e).__name__}: {e}") from None
+            return f"{desc}: expected {exc.__name__}, got {type(e).__name__}: {e}"
         finally:
             reset_errors()
-        if host and desc in _HOST_MISSED:
+        if p.host and desc in _HOST_MISSED:
             what, fix = _HOST_MISSED[desc]
-            ids, weight = args[0], args[1]
-            raise AssertionError(f"{what} was not rejected by your host check (ids {ids.tolist()} for a table of "
-                                 f"{weight.shape[0]} rows, and the call returned normally): {fix}")
-        raise AssertionError(f"{desc}: expected {exc.__name__}, but the call returned normally")
-    return lines
+            return (f"{what} was not rejected by your host check (ids {args[0].tolist()} for a "
+                    f"table of {args[1].shape[0]} rows, and the call returned normally): {fix}")
+        return f"{desc}: expected {exc.__name__}, but the call returned normally"
+    return ""
+
+
+def check_rejects(fn, *, padding: bool = True, after=None, host: bool = False) -> list:
+    """Check that ``fn`` rejects each of :func:`reject_cases` with the right exception and a message
+    (the harness's rule "rejects"); "case: Error: message" lines.
+
+    ``after`` (default :func:`check_errors`) runs right after ``fn`` returns, so errors a kernel
+    reports through the error flag count too. ``host=True`` checks a host check alone: every error
+    must be raised by ``fn`` itself, and a missed id range is named ("an id < 0 was not rejected by
+    your host check")."""
+    after = (lambda: None) if host else (check_errors if after is None else after)
+    reset_errors()
+    p = types.SimpleNamespace(fn=fn, padding=padding, after=after, host=host, lines=[])
+    check(p, [Rule("rejects", "", _rejects)])
+    return p.lines
 
 
 def fallback(fn, reference, what: str, exercise: str | None = None):
-    """Wrap ``fn`` so that the notebook goes on with ``reference`` while the learner's version is not ready.
-
-    With ``exercise`` (an exercise name), ``fn`` is used only once that exercise's latest check
-    passed in this session; otherwise (or without it, while ``fn`` raises NotImplementedError)
-    ``reference`` is used, and a note says so once. The wrapper keeps the learner's function
-    as ``__course_learner__``: a check given the wrapper tests the learner's code
-    (:func:`course.core.checks.own`), never the reference.
-    """
+    """``fn``, or ``reference`` while the learner's version is not ready (with ``exercise``: until
+    its check passed in this session; else while ``fn`` raises NotImplementedError), saying so once.
+    The wrapper keeps ``fn`` as ``__course_learner__`` for the checks
+    (:func:`course.core.checks.own`)."""
     from course.core.checks import describe, passed
 
     told = []

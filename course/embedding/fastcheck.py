@@ -1,18 +1,11 @@
-"""Is a fast kernel the one lab 1's exercise 3 asks for? Grid-stride loop, rows of threads, loads in flight.
+"""Is a fast kernel the one lab 1's exercise 3 asks for? Grid-stride loop, rows of threads, loads in
+flight (the rules :data:`FAST_RULES` on the course's harness).
 
-A lookup that gives the right numbers can still ignore the layout the exercise is about. These
-checks launch a kernel ``(ids, weight, out, err)`` (the word views of :func:`course.embedding.as_words`)
-and look at *how* it copies:
-
-- :func:`check_grid_stride`: a grid of fewer blocks than the rows need, on an output filled with
-  NaN, so a kernel without the grid-stride loop leaves rows unwritten, and they are named;
-- :func:`check_layout`: the access trace (:mod:`course.embedding.access`) says which thread wrote
-  which word: each row copied once, by one row of threads (``threadIdx.y``), thread ``tx`` copying
-  words ``tx, tx + blockDim.x, ...``, each thread loading 4 words before it stores them. The trace
-  needs the simulator: on a GPU it runs the kernel's source in a ``COURSE_PATH=sim`` process;
-- :func:`check_fast_kernel`: both, returning what was covered, one line each.
-
-Speed is not judged here: only a GPU can (the lab's check times the kernel there).
+:func:`grid_stride` launches fewer blocks than the rows need, on an output filled with NaN: rows
+left unwritten are named. :func:`layout` reads the access trace (:mod:`course.embedding.access`; on
+a GPU in a ``COURSE_PATH=sim`` process): each row copied once by one row of threads, thread ``tx``
+copying words ``tx, tx + blockDim.x, ...``, 4 loads before the stores. Speed is judged on a GPU
+only, by the lab.
 """
 from __future__ import annotations
 
@@ -29,6 +22,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from course.core.harness import Rule, check
 from course.core.runtime import as_numba, numba_stream, runtime
 from course.embedding.kernels import UNROLL, as_words, launch_config, pick_word_bytes
 from course.embedding.lookup import error_flag, reset_errors
@@ -49,7 +43,8 @@ def _ranges(rows: list) -> str:
 
 
 def capped_inputs(n_ids=None, vocab: int = 40, dim: int = 64, seed: int = 0):
-    """(ids, weight) for the checks: float32 rows of ``dim`` values (8-byte words), ids for 3 rounds of the grid."""
+    """(ids, weight) for the checks: float32 rows of ``dim`` values (8-byte words), ids for 3 rounds
+    of the grid."""
     _, (_, y) = launch_config("fast", 1, dim // 2)
     n = n_ids or 3 * BLOCKS * y
     g = torch.Generator().manual_seed(seed)
@@ -58,7 +53,8 @@ def capped_inputs(n_ids=None, vocab: int = 40, dim: int = 64, seed: int = 0):
 
 
 def launch_capped(kernel, ids, weight, blocks: int = BLOCKS):
-    """Launch ``kernel`` on 8-byte word views with the lab's (x, y) blocks but only ``blocks`` of them.
+    """Launch ``kernel`` on 8-byte word views with the lab's (x, y) blocks but only ``blocks`` of
+    them.
 
     The output starts as NaN, so rows the kernel never wrote stay NaN. Returns
     ``(out, (blocks, (x, y)), word_bytes)``.
@@ -73,12 +69,10 @@ def launch_capped(kernel, ids, weight, blocks: int = BLOCKS):
     return out, (blocks, threads), word
 
 
-def check_grid_stride(kernel, ids=None, weight=None) -> str:
-    """Launch with a grid of :data:`BLOCKS` blocks for more rows than they hold; name the rows left unwritten.
-
-    Returns one line saying what was covered; raises AssertionError when rows were not written
-    (no grid-stride loop) or hold wrong values.
-    """
+def grid_stride(kernel, ids=None, weight=None) -> tuple:
+    """Launch with a grid of :data:`BLOCKS` blocks for more rows than they hold: ``(problem,
+    line)``, the problem ('' if none) naming the rows left unwritten (no grid-stride loop) or wrong,
+    the line what was covered."""
     if ids is None or weight is None:
         ids, weight = capped_inputs()
     out, (blocks, (x, y)), _ = launch_capped(kernel, ids, weight)
@@ -86,26 +80,27 @@ def check_grid_stride(kernel, ids=None, weight=None) -> str:
     unwritten = [r for r in range(len(got)) if bool(torch.isnan(got[r]).all())]
     grid = (f"a grid of {blocks} blocks of {y} rows (blockDim = ({x}, {y})) for {len(got)} ids, "
             f"{blocks * y} rows per round")
-    if unwritten:
-        raise AssertionError(
-            f"with {grid}, rows {_ranges(unwritten)} of the output were never written: the kernel copies only the "
-            "rows of the first round. Loop over rows (a grid-stride loop): while row < out.shape[0]: ... "
-            "row += cuda.gridDim.x * cuda.blockDim.y")
     wrong = [r for r in range(len(got)) if not torch.equal(got[r], want[r])]
+    if unwritten:
+        return (f"with {grid}, rows {_ranges(unwritten)} of the output were never written: the "
+                "kernel copies only the rows of the first round. Loop over rows (a grid-stride "
+                "loop): while row < out.shape[0]: ... row += cuda.gridDim.x * cuda.blockDim.y"), ""
     if wrong:
-        raise AssertionError(f"with {grid}, rows {_ranges(wrong)} of the output are wrong or partly written "
-                             "(the first round is right?): check the grid-stride step, "
-                             "row += cuda.gridDim.x * cuda.blockDim.y")
-    return f"grid-stride loop: {grid} - every row written"
+        return (f"with {grid}, rows {_ranges(wrong)} of the output are wrong "
+                "or partly written (the first round is right?): check the "
+                "grid-stride step, row += cuda.gridDim.x * cuda.blockDim.y"), ""
+    return "", f"grid-stride loop: {grid} - every row written"
 
 
-# --------------------------------------------------------------------------- the layout, from the access trace
+# --------------------------------------------------------------------------- the layout, from the
+# access trace
 
 def layout_problem(records, out_name: str, weight_name: str, row_bytes: int, word_bytes: int, x: int):
     """The first way a traced launch breaks the exercise's layout, in words, or None.
 
     ``records``: :class:`course.embedding.access.AccessTrace` records (block, thread, k, array,
-    offset, nbytes, write); ``x``: blockDim.x (a thread's ``tx, ty`` is ``thread % x, thread // x``).
+    offset, nbytes, write); ``x``: blockDim.x (a thread's ``tx, ty`` is ``thread % x, thread //
+    x``).
     """
     writers = defaultdict(list)  # (row, word) -> [(block, tx, ty)]
     per_thread = defaultdict(list)  # (block, thread) -> [(k, array, row, word, write)]
@@ -114,37 +109,42 @@ def layout_problem(records, out_name: str, weight_name: str, row_bytes: int, wor
             row, word = off // row_bytes, (off % row_bytes) // word_bytes
             per_thread[(b, t)].append((k, name, row, word, write))
             if name == out_name and write and (b, t % x, t // x) not in writers[(row, word)]:
-                writers[(row, word)].append((b, t % x, t // x))  # a thread writing a word twice is no harm
+                # a thread writing a word twice is no harm
+                writers[(row, word)].append((b, t % x, t // x))
     if not writers:
         return "the kernel wrote nothing to the output"
     who = lambda w: f"block {w[0]}, tx={w[1]}, ty={w[2]}"
     for (row, word), ws in sorted(writers.items()):
         if len(ws) > 1:
             if len({(b, ty) for b, _, ty in ws}) == 1:
-                return (f"word {word} of row {row} was written by {len(ws)} threads of one row of threads "
-                        f"({'; '.join(who(w) for w in ws[:3])}): each thread must copy only its own words, "
-                        "tx, tx + blockDim.x, tx + 2 * blockDim.x, ...")
-            return (f"row {row} was copied more than once ({'; '.join(who(w) for w in ws[:3])}): step rows by "
-                    "cuda.gridDim.x * cuda.blockDim.y, so that every row is copied by one row of threads, once")
+                return (f"word {word} of row {row} was written by {len(ws)} threads of one row "
+                        f"of threads ({'; '.join(who(w) for w in ws[:3])}): each thread must "
+                        "copy only its own words, tx, tx + blockDim.x, tx + 2 * blockDim.x, ...")
+            return (f"row {row} was copied more than once "
+                    f"({'; '.join(who(w) for w in ws[:3])}): step rows by cuda.gridDim.x * "
+                    "cuda.blockDim.y, so that every row is copied by one row of threads, once")
     rows = defaultdict(dict)  # row -> {word: (block, tx, ty)}
     for (row, word), ws in writers.items():
         rows[row][word] = ws[0]
     for row, words in sorted(rows.items()):
         groups = sorted({(b, ty) for b, _, ty in words.values()})
         if len(groups) > 1:
-            return (f"row {row} was copied by threads of {len(groups)} different rows of threads (threadIdx.y "
-                    f"{', '.join(str(ty) for _, ty in groups[:4])}): threadIdx.y picks the row (row = "
-                    "cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y) and threadIdx.x the word inside it")
+            return (f"row {row} was copied by threads of {len(groups)} different rows of "
+                    f"threads (threadIdx.y {', '.join(str(ty) for _, ty in groups[:4])}): "
+                    "threadIdx.y picks the row (row = cuda.blockIdx.x * cuda.blockDim.y + "
+                    "cuda.threadIdx.y) and threadIdx.x the word inside it")
         txs = {tx for _, tx, _ in words.values()}
         if len(txs) == 1 and len(words) > 1 and x > 1:
             (w0,) = {w for w in words.values()}
-            return (f"row {row} was copied by one thread alone ({who(w0)}), all {len(words)} words: a row of "
-                    f"blockDim.x = {x} threads must share it, thread tx copying words tx, tx + blockDim.x, ...")
+            return (f"row {row} was copied by one thread alone ({who(w0)}), all "
+                    f"{len(words)} words: a row of blockDim.x = {x} threads must "
+                    "share it, thread tx copying words tx, tx + blockDim.x, ...")
         for word, (b, tx, ty) in sorted(words.items()):
             if tx != word % x:
-                return (f"word {word} of row {row} was written by tx={tx}, expected tx={word % x} (= word % "
-                        f"blockDim.x): neighbouring threads must copy neighbouring words, thread tx copying "
-                        "words tx, tx + blockDim.x, tx + 2 * blockDim.x, ... (a warp's loads are then coalesced)")
+                return (f"word {word} of row {row} was written by tx={tx}, expected "
+                        f"tx={word % x} (= word % blockDim.x): neighbouring threads must "
+                        "copy neighbouring words, thread tx copying words tx, tx + "
+                        "blockDim.x, tx + 2 * blockDim.x, ... (a warp's loads are then coalesced)")
     for (b, t), acc in sorted(per_thread.items()):
         acc.sort()
         loads, stored = 0, set()  # words loaded since this thread's last store; rows it has started storing
@@ -157,16 +157,18 @@ def layout_problem(records, out_name: str, weight_name: str, row_bytes: int, wor
                 loads += 1
             elif name == out_name and write:
                 if row not in stored and loads < min(UNROLL, todo[row]):
-                    return (f"thread ({who((b, t % x, t // x))}) stored word {word} of row {row} after loading "
-                            f"{loads} word{'s' if loads != 1 else ''}: load {UNROLL} words (j, j + bx, j + 2 * bx, "
-                            f"j + 3 * bx) before storing them, so {UNROLL} loads are in flight")
+                    return (f"thread ({who((b, t % x, t // x))}) stored word {word} of row "
+                            f"{row} after loading {loads} word{'s' if loads != 1 else ''}: "
+                            f"load {UNROLL} words (j, j + bx, j + 2 * bx, j + 3 * bx) "
+                            f"before storing them, so {UNROLL} loads are in flight")
                 stored.add(row)
                 loads = 0
     return None
 
 
-def _layout_here(kernel) -> list:
-    """Trace a capped launch of ``kernel`` on the simulator; raise AssertionError naming a layout problem."""
+def _layout_here(kernel) -> tuple:
+    """Trace a capped launch of ``kernel`` on the simulator: ``(problem, lines)`` (see
+    :func:`layout`)."""
     import course.embedding.access as access
 
     ids, weight = capped_inputs()
@@ -175,17 +177,19 @@ def _layout_here(kernel) -> list:
     out, (blocks, (x, y)), word = held["r"]
     names = list(tr.arrays)
     if len(names) != 4:
-        raise AssertionError(f"expected a kernel of four arrays (ids, weight, out, err), it got {len(names)}")
+        return f"expected a kernel of four arrays (ids, weight, out, err), it got {len(names)}", []
     problem = layout_problem(tr.records, names[2], names[1], out.shape[1] * out.element_size(), word, x)
     if problem:
-        raise AssertionError(f"{problem} [access trace of {len(ids)} rows, blockDim = ({x}, {y})]")
-    return [f"rows of threads: each row copied once, by one row of {x} threads, thread tx copying words tx, "
-            f"tx + {x}, ... (access trace)",
-            f"{UNROLL} loads in flight: every thread loaded {UNROLL} words before storing them (access trace)"]
+        return f"{problem} [access trace of {len(ids)} rows, blockDim = ({x}, {y})]", []
+    return "", [f"rows of threads: each row copied once, by one row of {x} "
+            f"threads, thread tx copying words tx, tx + {x}, ... (access trace)",
+            f"{UNROLL} loads in flight: every thread loaded "
+            f"{UNROLL} words before storing them (access trace)"]
 
 
 def kernel_source(kernel) -> dict:
-    """What a simulator process needs to rebuild ``kernel``: its source, its name, the globals it reads.
+    """What a simulator process needs to rebuild ``kernel``: its source, its name, the globals it
+    reads.
 
     Modules travel as their names, numbers as values; anything else raises ValueError.
     """
@@ -193,7 +197,8 @@ def kernel_source(kernel) -> dict:
     src = textwrap.dedent(inspect.getsource(fn))
     glob, free = {}, dict(zip(fn.__code__.co_freevars, [c.cell_contents for c in fn.__closure__ or ()]))
     read = {i.argval for i in dis.get_instructions(fn) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    for name in sorted(read):  # the globals it reads (co_names would add attribute names: .x, .shape)
+    # the globals it reads (co_names would add attribute names: .x, .shape)
+    for name in sorted(read):
         if name in free or name not in fn.__globals__:
             continue
         glob[name] = fn.__globals__[name]
@@ -205,13 +210,14 @@ def kernel_source(kernel) -> dict:
         elif isinstance(value, (bool, int, float)):
             spec[name] = {"value": value}
         else:
-            raise ValueError(f"the kernel reads {name!r} ({type(value).__name__}), which cannot be sent to a "
-                             "simulator process")
+            raise ValueError(f"the kernel reads {name!r} ({type(value).__name__}), "
+                             "which cannot be sent to a simulator process")
     return {"source": src, "name": fn.__name__, "globals": spec}
 
 
 def _rebuild(spec: dict):
-    """The kernel of :func:`kernel_source`'s ``spec``, compiled for the simulator (in a simulator process)."""
+    """The kernel of :func:`kernel_source`'s ``spec``, compiled for the simulator (in a simulator
+    process)."""
     import importlib
 
     from course.core.runtime import cuda
@@ -219,49 +225,59 @@ def _rebuild(spec: dict):
     ns = {k: importlib.import_module(v["module"]) if "module" in v else v["value"]
           for k, v in spec["globals"].items()}
     ns.setdefault("cuda", cuda())
-    exec(compile(spec["source"], "<learner kernel>", "exec"), ns)  # noqa: S102 - the learner's own kernel
+    exec(compile(spec["source"], "<learner "
+                                 "kernel>", "exec"), ns)  # noqa: S102 - the learner's own kernel
     k = ns[spec["name"]]
     return k if hasattr(k, "configure") or hasattr(k, "__getitem__") else cuda().jit(k)
 
 
 def _child_main() -> None:
-    """Entry point of the simulator process: read a spec on stdin, print the layout verdict as JSON."""
-    spec = json.load(sys.stdin)
-    try:
-        print(json.dumps({"ok": True, "lines": _layout_here(_rebuild(spec))}))
-    except AssertionError as e:
-        print(json.dumps({"ok": False, "problem": str(e)}))
+    """Entry point of the simulator process: read a spec on stdin, print the layout's ``(problem,
+    lines)`` as JSON."""
+    print(json.dumps(_layout_here(_rebuild(json.load(sys.stdin)))))
 
 
-def _layout_in_child(kernel) -> list:
+def _layout_in_child(kernel) -> tuple:
     try:
         spec = kernel_source(kernel)
     except (OSError, TypeError, ValueError) as e:
-        return [f"rows of threads, loads in flight: not traced ({e})"]
+        return "", [f"rows of threads, loads in flight: not traced ({e})"]
     env = {**os.environ, "COURSE_PATH": "sim", "NUMBA_ENABLE_CUDASIM": "1"}
-    child = subprocess.run([sys.executable, "-c", "import course.embedding.fastcheck as C; C._child_main()"],
+    child = subprocess.run([sys.executable, "-c", "import course.embedding.fastcheck "
+                                                  "as C; C._child_main()"],
                            input=json.dumps(spec), env=env, capture_output=True, text=True, timeout=600)
     lines = child.stdout.strip().splitlines()
     if child.returncode or not lines:
         why = (child.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return [f"rows of threads, loads in flight: not traced (the simulator process failed: {why})"]
-    verdict = json.loads(lines[-1])
-    if not verdict["ok"]:
-        raise AssertionError(verdict["problem"] + " (traced on the simulator, in its own process)")
-    return [f"{line} (in a simulator process)" for line in verdict["lines"]]
+        return "", ["rows of threads, loads in flight: not "
+                    f"traced (the simulator process failed: {why})"]
+    problem, covered = json.loads(lines[-1])
+    return (problem + " (traced on the simulator, in its own process)" if problem else "",
+            [f"{line} (in a simulator process)" for line in covered])
 
 
-def check_layout(kernel, *, child=None) -> list:
-    """Check the exercise's layout from the access trace; return what was covered, one line each.
+def layout(kernel, *, child=None) -> tuple:
+    """The exercise's layout from the access trace: ``(problem, lines)``, the problem ('' if none)
+    in words, the lines what was covered. On a GPU (or with ``child=True``) the kernel's source is
+    traced in a ``COURSE_PATH=sim`` process; when that cannot be done the line says "not traced"."""
+    return _layout_in_child(kernel) if (child if child is not None else runtime().on_gpu) else _layout_here(kernel)
 
-    On the simulator the trace runs here; on a GPU (or with ``child=True``) the kernel's source
-    runs in a ``COURSE_PATH=sim`` process. When that cannot be done the line says "not traced".
-    """
-    if child if child is not None else runtime().on_gpu:
-        return _layout_in_child(kernel)
-    return _layout_here(kernel)
+
+def _covered(step):
+    """A rule's test: ``step(kernel)``'s problem, its lines of what was covered kept."""
+    def test(k) -> str:
+        problem, lines = step(k.kernel)
+        k.lines += [lines] if isinstance(lines, str) else lines
+        return problem
+    return test
+
+
+FAST_RULES = [Rule("grid_stride", "", _covered(grid_stride)), Rule("layout", "", _covered(layout))]
 
 
 def check_fast_kernel(kernel) -> list:
-    """:func:`check_grid_stride` then :func:`check_layout`; return what was covered (speed is not)."""
-    return [check_grid_stride(kernel), *check_layout(kernel)]
+    """Judge ``kernel`` by :data:`FAST_RULES` (grid-stride loop, then the layout); what was covered
+    (not speed)."""
+    k = types.SimpleNamespace(kernel=kernel, lines=[])
+    check(k, FAST_RULES)
+    return k.lines

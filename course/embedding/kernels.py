@@ -1,45 +1,18 @@
-"""Embedding lookup in Numba CUDA: the naive and the fast gather kernels, the word views they copy through, and
-their launch shapes (the validated launch function is :mod:`~course.embedding.lookup`, the checks
+"""The embedding lookup in Numba CUDA: the naive and the fast gather kernels, their word views and
+launch shapes (the launch function is :mod:`~course.embedding.lookup`, the checks
 :mod:`~course.embedding.cases`).
 
-An embedding lookup is a gather: ``out[..., :] = weight[ids[...], :]``. It does no
-arithmetic, so it is exact for any dtype when it copies bytes, and its speed is set by
-memory bandwidth alone.
+A lookup is a gather, ``out[..., :] = weight[ids[...], :]``: a byte copy, so its speed is memory
+bandwidth. **naive**: one thread per output element. **fast**: a row of threads per row, wide words
+(up to 16 bytes), 4 loads in flight per thread, a grid-stride loop over rows. Both take ``(ids,
+weight, out, err)``: flat ids, 2-D integer views of the table and the output, and the error flag
+``err``.
 
-Two kernels:
-
-- **naive**: one thread per output element. Simple, but every thread does an integer
-  division, moves 2 or 4 bytes, and there is one thread per element.
-- **fast**: rows are handled by rows of threads (a block holds one or several rows),
-  each thread copies wide words (up to 16 bytes: the row is viewed as ``int64``,
-  ``int32``, ... words, or as groups of four ``int32`` moved with one 16-byte load and
-  store), the loop is unrolled so several loads are in flight, and a grid-stride loop
-  over rows keeps a fixed number of blocks busy.
-
-Both take ``(ids, weight, out, err)``: flat ids, the table and the output as 2-D integer
-views (a gather is a byte copy, so bfloat16 travels as int16 and a row of floats can
-travel as int64 words), and the **error flag** ``err`` (4 int64).
-
-Out-of-range ids, two ways to catch them (``bounds=``):
-
-- ``"host"``: read the ids' min and max on the host before launching. The error is
-  immediate and exact, but on a GPU it is a device-to-host copy: the host waits for
-  the GPU on every call, and the call cannot be captured in a CUDA graph.
-- ``"device"``: the kernel never reads out of bounds; for a bad id it writes a zero row
-  and records the bad id in ``err`` (count, first flat position, a value, table size).
-  Nothing waits, so the call stays asynchronous and can be captured; the price is that
-  you learn about the error later, when you call :func:`check_errors` (one sync, e.g.
-  after a step or after a replay).
-- ``"auto"`` (default): ``"host"`` on the simulator (the ids are already on the host, the
-  check is free) except while a graph is being captured, and ``"device"`` on a GPU.
-
-(``torch.nn.functional.embedding`` uses a device-side assert instead: it stops the
-kernel, and the CUDA context is unusable afterwards.)
-
-Everything launches on :func:`course.numba_stream` (torch's current stream) with
-:func:`course.as_numba` views, so on a GPU the launch is ordered with torch's work and
-is captured by ``torch.cuda.graph``. On the simulator every thread runs in Python: keep
-sizes tiny there.
+Out-of-range ids (``bounds=``): ``"host"`` reads min and max on the host (exact, but a sync on a GPU
+and not capturable); ``"device"`` writes a zero row and records the bad id in ``err``, read later by
+:func:`check_errors` (asynchronous, capturable); ``"auto"``: host on the simulator outside a
+capture, device on a GPU. Launches go on :func:`course.numba_stream` (torch's current stream), so a
+GPU capture records them; on the simulator every thread runs in Python: keep sizes tiny.
 """
 from __future__ import annotations
 
@@ -283,7 +256,8 @@ def as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
                          f"strides {t.stride()}")
     row_bytes = t.shape[1] * t.element_size()
     if word_bytes not in WORD_BYTES or row_bytes % word_bytes:
-        raise ValueError(f"a row of {row_bytes} bytes is not a whole number of {word_bytes}-byte words")
+        raise ValueError(f"a row of {row_bytes} bytes is not a "
+                         f"whole number of {word_bytes}-byte words")
     if t.data_ptr() % word_bytes:
         raise ValueError(f"this tensor's data is not aligned to {word_bytes} bytes")
     t = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -291,12 +265,14 @@ def as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
 
 
 def element_view(t: torch.Tensor) -> torch.Tensor:
-    """The same-size integer view of a float tensor (float32 -> int32, float16/bfloat16 -> int16)."""
+    """The same-size integer view of a float tensor (float32 -> int32, float16/bfloat16 -> int16).
+    """
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64, 1: torch.uint8}[t.element_size()])
 
 
 def pick_word_bytes(row_bytes: int, *tensors) -> int:
-    """The widest word (16, 8, 4, 2 or 1 bytes) that divides a row and every tensor's start address."""
+    """The widest word (16, 8, 4, 2 or 1 bytes) that divides a row and every tensor's start address.
+    """
     for wb in WORD_BYTES:
         if row_bytes % wb == 0 and all(t.data_ptr() % wb == 0 for t in tensors):
             return wb
@@ -311,15 +287,10 @@ def _sm_count() -> int:
 
 
 def launch_config(impl: str, n_rows: int, words: int) -> tuple:
-    """(blocks, threads) for a launch: ``threads`` is an int (naive) or (x, y) (fast).
-
-    naive: one thread per element, 256 per block (32 on the simulator).
-    fast: ``x`` threads along a row (enough for ``UNROLL`` words each, at most 256),
-    ``y`` rows per block so a block has 256 threads (32 on the simulator), one block per
-    ``y`` rows (measured fastest on an H100: capping the grid at 4-32 blocks per SM and
-    looping cost 1-5 %); ``BLOCKS_PER_SM`` caps the grid, and the kernel's grid-stride
-    loop then covers the remaining rows. The simulator uses at most 4 blocks.
-    """
+    """(blocks, threads) for a launch: naive, one thread per element, 256 a block (32 on the
+    simulator); fast, (x, y) with ``x`` threads along a row (``UNROLL`` words each) and ``y`` rows a
+    block, a block per ``y`` rows (fastest on an H100), capped by ``BLOCKS_PER_SM`` (and at 4 blocks
+    on the simulator)."""
     per_block = 256 if runtime().on_gpu else 32
     if impl == "naive":
         total = n_rows * words

@@ -1,9 +1,11 @@
-"""Where the eager embedding call's host time goes, part by part, and what the lean launch path saves.
+"""Where the eager embedding call's host time goes, part by part, and what the lean launch path
+saves.
 
-Lab 1's eager ``E.embedding`` once took 350-440 us of host time for a kernel that runs in about 2 us,
-while a bare Numba launch costs about 20 us: so "a graph makes it 80x faster" mostly measured the course's
-own Python. :func:`eager_parts_experiment` times each part of the call, the plain and the lean launch
-(:mod:`course.embedding.lean`), the bare empty launch and ``F.embedding``, interleaved in one run.
+Lab 1's eager ``E.embedding`` once took 350-440 us of host time for a kernel that runs in about 2
+us, while a bare Numba launch costs about 20 us: so "a graph makes it 80x faster" mostly measured
+the course's own Python. :func:`eager_parts_experiment` times each part of the call, the plain and
+the lean launch (:mod:`course.embedding.lean`), the bare empty launch and ``F.embedding``,
+interleaved in one run.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def empty_kernel():
 @experiment("embedding_eager_parts", gpu_only=True, quick=dict(repeats=5))
 def eager_parts_experiment(n_ids: int = 128, dim: int = 128, vocab: int = 32000, repeats: int = 25,
                            inner: int = 10) -> Result:
-    """Host time per call of each part of an eager ``E.embedding`` call, beside a bare empty launch (GPU)."""
+    """Host time per call of each part of an eager ``E.embedding`` call, beside a bare empty launch
+    (GPU)."""
     from course.core.capture import require_gpu
 
     require_gpu("timing the parts of an eager launch")
@@ -80,7 +83,8 @@ def eager_parts_experiment(n_ids: int = 128, dim: int = 128, vocab: int = 32000,
     rows = [{"part": name, "host_us": t[name].us, "q1_us": t[name].q1 * 1e6, "q3_us": t[name].q3 * 1e6}
             for name in parts]
     res = Result("embedding_eager_parts",
-                 f"Host time to issue one eager lookup ({n_ids} ids x {dim} dims), part by part (interleaved)",
+                 f"Host time to issue one eager lookup ({n_ids} "
+                 f"ids x {dim} dims), part by part (interleaved)",
                  {"part": "", "host_us": "us", "q1_us": "us", "q3_us": "us"}, rows,
                  params=dict(n_ids=n_ids, dim=dim, vocab=vocab, repeats=repeats, inner=inner,
                              lean_available=lean.available()))

@@ -1,14 +1,10 @@
-"""A lean launch path for the course's kernels: skip Numba's per-call argument typing and array wrapping.
+"""A lean launch path for the course's kernels: Numba's per-call argument typing and array wrapping
+skipped (tens of microseconds for a kernel that runs for two).
 
-A plain Numba launch ``kernel[grid, block, stream](a, b, c, d)`` types every argument, wraps every tensor in a
-device-array object and converts it to kernel parameters, on every call: tens of microseconds of Python for a
-kernel that runs for two. The parameters of an array argument are only numbers (size, item size, pointer,
-shape, strides), so once the kernel is compiled for the argument *types*, a launch can pass those numbers read
-straight off the torch tensors. That is what :func:`launch` does (GPU path; numba-cuda's own launch underneath,
-so the launch is ordered on the stream and captured by ``torch.cuda.graph`` like any other).
-
-Where the internals it relies on are missing (another numba-cuda, or the simulator), :func:`launch` falls back
-to the plain launch, so results never depend on it; :func:`available` says which one runs.
+Once a kernel is compiled for its argument types, :func:`launch` passes an array's parameters (size,
+item size, pointer, shape, strides) straight from the torch tensors, through numba-cuda's own launch
+(so a capture records it). Where the internals are missing it falls back to the plain launch
+(:func:`available` says which runs).
 """
 from __future__ import annotations
 
@@ -37,10 +33,12 @@ def available() -> bool:
 def array_params(t) -> tuple:
     """The kernel parameters of a contiguous torch tensor as a Numba array argument.
 
-    (meminfo, parent, size, itemsize, pointer, *shape, *strides in bytes), the order Numba passes them in.
+    (meminfo, parent, size, itemsize, pointer, *shape, *strides in bytes), the order Numba passes
+    them in.
     """
     if not t.is_contiguous():
-        raise ValueError("lean launches take contiguous tensors only (make the view contiguous first)")
+        raise ValueError("lean launches take contiguous tensors "
+                         "only (make the view contiguous first)")
     item = t.element_size()
     strides, acc = [], item
     for n in reversed(t.shape):
@@ -68,10 +66,11 @@ def _compiled(kernel, tensors):
 
 
 def launch(kernel, blocks, threads, *tensors) -> None:
-    """Launch the Numba ``kernel`` on torch's current stream with ``tensors`` (contiguous) as array arguments.
+    """Launch the Numba ``kernel`` on torch's current stream with ``tensors`` (contiguous) as array
+    arguments.
 
-    GPU path: compiled once per argument types, then each call passes the tensors' numbers directly. Otherwise:
-    the plain ``kernel[blocks, threads, stream](*views)`` launch.
+    GPU path: compiled once per argument types, then each call passes the tensors' numbers directly.
+    Otherwise: the plain ``kernel[blocks, threads, stream](*views)`` launch.
     """
     nd = _internals() if runtime().on_gpu else None
     if nd is None:

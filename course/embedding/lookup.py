@@ -27,7 +27,8 @@ _FLAGS: dict = {}
 
 
 def error_flag(device=None) -> torch.Tensor:
-    """The int64[4] error flag kernels write: [bad-id count, first bad flat position, a bad value, table size].
+    """The int64[4] error flag kernels write: [bad-id count, first bad flat position, a bad value,
+    table size].
 
     One flag per device, created on first use (outside a capture: run a lookup once
     before capturing, which warm-up does anyway).
@@ -37,8 +38,9 @@ def error_flag(device=None) -> torch.Tensor:
     flag = _FLAGS.get(key)
     if flag is None:
         if _capturing():
-            raise RuntimeError("The embedding error flag does not exist yet and cannot be created during "
-                               "CUDA graph capture: run the lookup once before capturing (warm-up).")
+            raise RuntimeError("The embedding error flag does not exist yet and "
+                               "cannot be created during CUDA graph capture: run "
+                               "the lookup once before capturing (warm-up).")
         flag = _FLAGS[key] = torch.tensor([0, INT64_MAX, 0, 0], dtype=torch.int64, device=dev)
     return flag
 
@@ -58,8 +60,9 @@ def check_errors(*, reset: bool = True, device=None) -> int:
     when there was no error. ``reset`` clears the flag before raising.
     """
     if _capturing():
-        raise RuntimeError("check_errors() reads the error flag on the host (a sync), which is not allowed "
-                           "during CUDA graph capture: call it after the capture, e.g. after graph.replay().")
+        raise RuntimeError("check_errors() reads the error flag on the host (a "
+                           "sync), which is not allowed during CUDA graph capture: "
+                           "call it after the capture, e.g. after graph.replay().")
     flag = error_flag(device)
     count, pos, value, vocab = flag.tolist()
     if count == 0:
@@ -68,61 +71,65 @@ def check_errors(*, reset: bool = True, device=None) -> int:
         reset_errors(device)
     where = f"the first at flat position {pos}" if pos != INT64_MAX else "position not recorded"
     if vocab > 0:  # the kernel recorded the table size (and a bad value with it)
-        what = (f"for an embedding table with {vocab} rows ({where}; one bad value: {value}). Valid ids are "
-                f"0..{vocab - 1}. Their output rows were written as zeros.")
+        what = (f"for an embedding table with {vocab} rows ({where}; one bad value: {value}). "
+                f"Valid ids are 0..{vocab - 1}. Their output rows were written as zeros.")
     else:  # a kernel that only counts (lab 1's kernels): no table size, no value
         what = f"({where}; the kernel that saw them did not record the table size or a bad value)."
     raise EmbeddingIndexError(
-        f"{count} id(s) were out of range {what} Fix the ids (tokenizer and vocabulary size disagree?) "
-        "or mask them before the lookup.")
+        f"{count} id(s) were out of range {what} Fix the ids (tokenizer "
+        "and vocabulary size disagree?) or mask them before the lookup.")
 
 
 # --------------------------------------------------------------------------- validation
 
 def validate(ids, weight, padding_idx=None, out=None):
-    """Check the arguments of a lookup; raise TypeError/ValueError saying what to do. Returns padding_idx.
+    """Check the arguments of a lookup; raise TypeError/ValueError saying what to do. Returns
+    padding_idx.
 
     ``padding_idx`` is normalised like PyTorch (a negative value counts from the end).
     Out-of-range ids are not checked here (see ``bounds=`` in :func:`embedding`).
     """
     if not isinstance(ids, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(f"ids and weight must be torch tensors, got {type(ids).__name__} and "
-                        f"{type(weight).__name__}: wrap them with torch.as_tensor(..., device=course.device()).")
+        raise TypeError("ids and weight must be torch tensors, got "
+                        f"{type(ids).__name__} and {type(weight).__name__}: wrap them "
+                        "with torch.as_tensor(..., device=course.device()).")
     if ids.dtype not in ID_DTYPES:
-        raise TypeError(f"ids must be integer token ids (torch.int32 or torch.int64), got {ids.dtype}: "
-                        "convert them with ids.long() (or ids.int()).")
+        raise TypeError("ids must be integer token ids (torch.int32 or torch.int64), "
+                        f"got {ids.dtype}: convert them with ids.long() (or ids.int()).")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [num_embeddings, embedding_dim], got shape {tuple(weight.shape)}: "
-                         "reshape the table to one row per token.")
+        raise ValueError("weight must be 2-D [num_embeddings, embedding_dim], got shape "
+                         f"{tuple(weight.shape)}: reshape the table to one row per token.")
     if weight.dtype not in WEIGHT_DTYPES:
         raise TypeError(f"weight must be float32, float16 or bfloat16, got {weight.dtype}: "
                         "convert it once with weight.float() (or .half() / .bfloat16()).")
     if not weight.is_contiguous():
-        raise ValueError(f"weight must be contiguous (its strides are {weight.stride()}): make it contiguous "
-                         "once, outside the hot loop, with weight = weight.contiguous().")
+        raise ValueError("weight must be contiguous (its strides are "
+                         f"{weight.stride()}): make it contiguous once, outside the "
+                         "hot loop, with weight = weight.contiguous().")
     want = torch.device(runtime().device)
     for name, t in (("ids", ids), ("weight", weight)):
         if t.device.type != want.type:
-            raise ValueError(f"{name} is on {t.device}, but the course runs on {want}: create it with "
-                             f"device=course.device() or move it once with .to(course.device()) "
-                             "(never inside a captured region).")
+            raise ValueError(f"{name} is on {t.device}, but the course runs on {want}: "
+                             "create it with device=course.device() or move it once with "
+                             ".to(course.device()) (never inside a captured region).")
     if padding_idx is not None:
         if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
             raise TypeError(f"padding_idx must be an int or None, got {padding_idx!r}")
         vocab = weight.shape[0]
         if not -vocab <= padding_idx < vocab:
-            raise ValueError(f"padding_idx={padding_idx} is outside the table of {vocab} rows: use a value in "
-                             f"[{-vocab}, {vocab - 1}] (or None).")
+            raise ValueError(f"padding_idx={padding_idx} is outside the table of {vocab} "
+                             f"rows: use a value in [{-vocab}, {vocab - 1}] (or None).")
         padding_idx = padding_idx + vocab if padding_idx < 0 else padding_idx
     if out is not None:
         shape = (*ids.shape, weight.shape[1])
         if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != weight.dtype
                 or out.device != weight.device or not out.is_contiguous()):
-            got = (f"shape {tuple(out.shape)}, {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+            got = (f"shape {tuple(out.shape)}, {out.dtype} "
+                   f"on {out.device}" if isinstance(out, torch.Tensor)
                    else type(out).__name__)
-            raise ValueError(f"out must be a contiguous {weight.dtype} tensor of shape {shape} on {weight.device}; "
-                             f"got {got}. Allocate it with torch.empty({shape}, dtype=weight.dtype, "
-                             "device=weight.device).")
+            raise ValueError(f"out must be a contiguous {weight.dtype} tensor of shape "
+                             f"{shape} on {weight.device}; got {got}. Allocate it with "
+                             f"torch.empty({shape}, dtype=weight.dtype, device=weight.device).")
     return padding_idx
 
 
@@ -135,16 +142,18 @@ def host_bounds_check(ids: torch.Tensor, num_embeddings: int) -> None:
     if ids.numel() == 0:
         return
     if _capturing():
-        raise RuntimeError("bounds='host' reads the ids on the host (a device-to-host copy), which cannot be "
-                           "captured in a CUDA graph: use bounds='device' and call check_errors() after replay.")
+        raise RuntimeError("bounds='host' reads the ids on the host (a device-to-host "
+                           "copy), which cannot be captured in a CUDA graph: use "
+                           "bounds='device' and call check_errors() after replay.")
     lo, hi = torch.stack(torch.aminmax(ids.reshape(-1))).tolist()
     if lo >= 0 and hi < num_embeddings:
         return
     bad = (ids < 0) | (ids >= num_embeddings)
     first = tuple(int(i) for i in bad.nonzero()[0])
     raise EmbeddingIndexError(
-        f"ids{list(first)} = {int(ids[first])} is out of range for an embedding table with {num_embeddings} rows "
-        f"({int(bad.sum())} id(s) out of range; valid ids are 0..{num_embeddings - 1}). Fix the ids "
+        f"ids{list(first)} = {int(ids[first])} is out of range for an "
+        f"embedding table with {num_embeddings} rows ({int(bad.sum())} id(s) "
+        f"out of range; valid ids are 0..{num_embeddings - 1}). Fix the ids "
         "(tokenizer and vocabulary size disagree?) or mask them before the lookup.")
 
 
@@ -152,17 +161,11 @@ def host_bounds_check(ids: torch.Tensor, num_embeddings: int) -> None:
 
 def embedding(ids, weight, padding_idx=None, impl: str = "fast", *, bounds: str = "auto",
               out=None, word_bytes=None):
-    """``F.embedding(ids, weight, padding_idx)`` (forward) computed by a Numba CUDA kernel.
-
-    ``ids``: int32/int64 of any shape (non-contiguous is fine); ``weight``: contiguous
-    [V, D] float32/float16/bfloat16; returns ``[*ids.shape, D]`` in ``weight.dtype``
-    (written into ``out`` if given). ``padding_idx`` is validated like PyTorch's; as in
-    PyTorch it only matters for gradients, so the forward returns that row as stored.
-    ``impl``: "fast" or "naive". ``bounds``: "auto", "host" or "device" (module docstring).
-    ``word_bytes``: force the fast kernel's word size (default: the widest that fits).
-    The launch goes on :func:`course.numba_stream` and does not wait for the GPU unless
-    ``bounds="host"``.
-    """
+    """``F.embedding(ids, weight, padding_idx)`` (forward) computed by a Numba CUDA kernel, on
+    :func:`course.numba_stream`, not waiting for the GPU unless ``bounds="host"``. ``ids``: int32/64
+    of any shape; ``weight``: contiguous [V, D] float32/16 or bfloat16; ``impl``: "fast" or "naive";
+    ``bounds``: "auto", "host" or "device"; ``word_bytes``: the fast kernel's word; ``out``: the
+    output."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if bounds not in BOUNDS:
@@ -173,7 +176,8 @@ def embedding(ids, weight, padding_idx=None, impl: str = "fast", *, bounds: str 
         out = torch.empty((*ids.shape, dim), dtype=weight.dtype, device=weight.device)
     if bounds == "host" or (bounds == "auto" and not runtime().on_gpu and not _capturing()):
         host_bounds_check(ids, vocab)
-    flat = ids.contiguous().view(-1)  # no copy when ids are contiguous, else a (capturable) device copy
+    # no copy when ids are contiguous, else a (capturable) device copy
+    flat = ids.contiguous().view(-1)
     n = flat.numel()
     if n == 0 or dim == 0:
         return out

@@ -1,34 +1,24 @@
-"""Two embeddings that compute the same thing; only one of them can be captured.
+"""Lab 2's two embeddings that compute the same thing; only one of them can be captured.
 
-``cpu-copy`` is the "before" code of the InfiniCore change this lab is built on::
-
-    auto indices_cpu = indices->to(cpu_device)->contiguous();   // device -> host copy
-
-It copies the ids to the host, checks them there, sends them back and then looks the
-rows up. The copy to the host makes the host wait until the GPU has produced the ids,
-so the call is synchronous, and inside ``torch.cuda.graph`` it fails with
-``RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture ...``.
-
-``device`` is the "after" code: the Numba kernel of :mod:`course.embedding` reads the
-ids where they are, on the GPU, launched on torch's current stream. Nothing waits, and
-the launch is captured.
-
-:class:`SwapEmbedding` holds the table and switches between the two with ``impl``;
-:func:`make_model` builds a small model around it and :func:`swap` switches a whole
-model (:func:`check_swap` checks a learner's version). :class:`ReplayStandIn` is the simulator's CUDA graph
-(records at capture, replays without running Python), so the replay exercise behaves on a laptop as it does
-on a GPU.
+``cpu-copy`` (InfiniCore's "before": ``indices->to(cpu_device)``) copies the ids to the host, checks
+them and sends them back: the host waits for the GPU, and a capture refuses the copy. ``device``
+(the "after") reads the ids on the GPU with the Numba kernel: nothing waits, and it is captured.
+:class:`SwapEmbedding` switches between them (``impl``), :func:`make_model` builds a small model,
+:func:`swap` switches a whole model (:func:`check_swap` judges a learner's); :class:`ReplayStandIn`
+is the simulator's graph for the replay exercise.
 """
 from __future__ import annotations
 
 import ast
 import inspect
 import textwrap
+import types
 import warnings
 
 import torch
 
 from course import embedding as E
+from course.core.harness import Rule, check
 from course.core.runtime import runtime
 
 IMPLS = ("cpu-copy", "device")
@@ -73,7 +63,8 @@ class SwapEmbedding(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, impl: str = "device", padding_idx=None,
                  dtype=torch.float32, device=None, generator=None, lookups=None):
         super().__init__()
-        # ``lookups`` maps impl -> fn(ids, weight, padding_idx): a lab plugs in its own versions here.
+        # ``lookups`` maps impl -> fn(ids, weight, padding_idx): a lab plugs in its own versions
+        # here.
         self.lookups = {**LOOKUPS, **(lookups or {})}
         device = torch.device(device if device is not None else runtime().device)
         w = torch.randn(num_embeddings, embedding_dim, generator=generator).to(dtype)
@@ -126,50 +117,77 @@ def make_model(vocab: int = 1000, dim: int = 64, out_features: int = 32, *, impl
 
 
 def swap(model: torch.nn.Module, impl: str) -> torch.nn.Module:
-    """Switch every :class:`SwapEmbedding` in ``model`` to ``impl`` (weights untouched); returns ``model``."""
+    """Switch every :class:`SwapEmbedding` in ``model`` to ``impl`` (weights untouched); returns
+    ``model``."""
     _check_impl(impl)
     found = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
     if not found:
-        raise ValueError(f"{type(model).__name__} contains no SwapEmbedding to swap: build it with "
-                         "course.embedding.swap.make_model() or use SwapEmbedding for its embedding.")
+        raise ValueError(f"{type(model).__name__} contains no SwapEmbedding to "
+                         "swap: build it with course.embedding.swap.make_model() "
+                         "or use SwapEmbedding for its embedding.")
     for m in found:
         m.impl = impl
     return model
 
 
-def check_swap(swap_fn, model: torch.nn.Module) -> None:
-    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model; the AssertionError names the defect.
+def _returns_model(s) -> str:
+    got = s.swap(s.model, "device")
+    return "" if got is s.model else f"swap() must return the model it was given, it returned {type(got).__name__}"
 
-    Checks that it returns the model, sets ``impl`` on every :class:`SwapEmbedding` (also inside
-    nested modules), keeps the weights, gives the same output both ways, and refuses an unknown
-    impl with a ValueError that lists the valid ones. Leaves ``model`` on "device".
-    """
-    ids = torch.randint(0, model.embed.weight.shape[0], (4, 32), device=model.embed.weight.device)
-    tables = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
-    weights = [(m.weight, m.weight.data_ptr(), m.weight.clone()) for m in tables]
-    got = swap_fn(model, "device")
-    assert got is model, f"swap() must return the model it was given, it returned {type(got).__name__}"
-    assert model.embed.impl == "device", f"swap(model, 'device') left model.embed.impl = {model.embed.impl!r}"
-    before = model(ids)
-    swap_fn(model, "cpu-copy")
-    assert model.embed.impl == "cpu-copy", f"swap(model, 'cpu-copy') left model.embed.impl = {model.embed.impl!r}"
-    for (w, ptr, copy), m in zip(weights, tables):
-        assert m.weight is w and m.weight.data_ptr() == ptr and torch.equal(m.weight, copy), \
-            "swap() must keep the weights: change .impl only, not the table"
-    assert torch.equal(before, model(ids)), "both implementations must give the same output for the same ids"
+
+def _impl_is(impl: str):
+    """A rule's test: after ``swap(model, impl)`` (the device one already ran), every table says
+    ``impl``."""
+    def test(s) -> str:
+        if impl == "cpu-copy":
+            s.before = s.model(s.ids)
+            s.swap(s.model, impl)
+        return "" if s.model.embed.impl == impl else \
+            f"swap(model, {impl!r}) left model.embed.impl = {s.model.embed.impl!r}"
+    return test
+
+
+def _nested(s) -> str:
     nested = torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4),
                                  torch.nn.Sequential(make_model(vocab=50, dim=8, out_features=4, seed=1)))
-    swap_fn(nested, "cpu-copy")
+    s.swap(nested, "cpu-copy")
     left = [name for name, m in nested.named_modules() if isinstance(m, SwapEmbedding) and m.impl != "cpu-copy"]
-    assert not left, (f"in a nested model, swap() left {', '.join(left)} unchanged: walk every module with "
-                      "model.modules() (it goes into submodules), not only the top level or the first one")
+    return "" if not left else (f"in a nested model, swap() left {', '.join(left)} unchanged: "
+                                "walk every module with model.modules() (it goes into "
+                                "submodules), not only the top level or the first one")
+
+
+def _refuses(s) -> str:
     try:
-        swap_fn(model, "gpu")
+        s.swap(s.model, "gpu")
     except ValueError as e:
         missing = [i for i in IMPLS if i not in str(e)]
-        assert not missing, f'swap(model, "gpu") raised ValueError({str(e)!r}): say which values are valid, {IMPLS}'
-    else:
-        raise AssertionError(f'swap(model, "gpu") should raise ValueError listing the valid impls {IMPLS}')
+        return "" if not missing else \
+            f'swap(model, "gpu") raised ValueError({str(e)!r}): say which values are valid, {IMPLS}'
+    return f'swap(model, "gpu") should raise ValueError listing the valid impls {IMPLS}'
+
+
+SWAP_RULES = [
+    Rule("returns_model", "", _returns_model), Rule("sets_device", "", _impl_is("device")),
+    Rule("sets_cpu_copy", "", _impl_is("cpu-copy")),
+    Rule("keeps_weights", "", lambda s: "" if all(
+        m.weight is w and m.weight.data_ptr() == ptr and torch.equal(m.weight, copy) for (w, ptr, copy), m in s.kept)
+        else "swap() must keep the weights: change .impl only, not the table"),
+    Rule("same_output", "", lambda s: "" if torch.equal(s.before, s.model(s.ids)) else
+         "both implementations must give the same output for the same ids"),
+    Rule("nested", "", _nested), Rule("refuses_unknown", "", _refuses)]
+
+
+def check_swap(swap_fn, model: torch.nn.Module) -> None:
+    """Check a learner's ``swap_fn(model, impl)`` on ``model`` and a nested model by
+    :data:`SWAP_RULES` (it returns the model, sets every table's ``impl``, keeps the weights and the
+    output, refuses an unknown impl by name). Leaves ``model`` on "device"."""
+    ids = torch.randint(0, model.embed.weight.shape[0], (4, 32), device=model.embed.weight.device)
+    tables = [m for m in model.modules() if isinstance(m, SwapEmbedding)]
+    s = types.SimpleNamespace(swap=swap_fn, model=model, ids=ids,
+                              kept=[((m.weight, m.weight.data_ptr(), m.weight.clone()), m) for m in tables])
+    try:
+        check(s, SWAP_RULES)
     finally:
         for m in model.modules():
             if isinstance(m, SwapEmbedding):
@@ -192,13 +210,9 @@ def _is_cpu_device(node) -> bool:
 
 
 def find_host_copies(fn) -> list:
-    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (a shallow static look).
-
-    Finds ``.cpu()``, ``.to("cpu")`` / ``.to(device="cpu")``, ``.item()``, ``.tolist()``,
-    ``.numpy()`` and ``.synchronize()`` calls, like grepping for ``to(cpu_device)`` in the
-    C++ before/after comparison. It does not follow calls into other functions: the
-    profiler (:func:`count_device_to_host_copies`) is the proof on a GPU.
-    """
+    """Lines of ``fn``'s own source that copy to the host or wait for the GPU (``.cpu()``,
+    ``.to("cpu")``, ``.item()``, ``.tolist()``, ``.numpy()``, ``.synchronize()``): a shallow look,
+    not into callees (the profiler, :func:`count_device_to_host_copies`, is the proof on a GPU)."""
     src = textwrap.dedent(inspect.getsource(fn))
     tree = ast.parse(src)
     lines = src.splitlines()
@@ -215,8 +229,8 @@ def find_host_copies(fn) -> list:
             if any(_is_cpu_device(t) for t in targets):
                 why = "copies to the host"
         if why:
-            found.append((node.lineno, f"line {first + node.lineno - 1}: {lines[node.lineno - 1].strip()}  "
-                                       f"<- {why}"))
+            found.append((node.lineno, f"line {first + node.lineno - 1}: "
+                                       f"{lines[node.lineno - 1].strip()}  <- {why}"))
     return [text for _, text in sorted(found)]
 
 
@@ -240,13 +254,9 @@ def count_device_to_host_copies(fn) -> int:
 # --------------------------------------------------------------------------- replay
 
 class ReplayStandIn:
-    """A CUDA graph on the simulator path (``course.graphs()``'s ``CUDAGraph``), for checking replay code there.
-
-    ``ReplayStandIn(fn)`` captures ``fn()`` as a GPU would: the ops are recorded, not run, and ``replay()`` runs
-    them again without running ``fn``'s Python. Like a real graph it reads the memory of the tensors it was
-    captured with (rebinding a Python name to a new tensor changes nothing; ``copy_`` into the static tensor
-    does) and writes the same output tensor at every replay. With ``static_out``, the capture also copies the
-    result into it (``static_out`` is then the graph's output). ``output`` is the output tensor.
+    """The simulator's graph (``course.graphs()``'s ``CUDAGraph``) for checking replay code:
+    captures ``fn()`` (with ``static_out``, its result copied there), and ``replay()`` reruns the
+    recorded ops on the captured tensors without ``fn``'s Python; ``output`` is the output tensor.
     """
 
     def __init__(self, fn, static_out: torch.Tensor | None = None, warmup: int = 3):
@@ -262,7 +272,8 @@ class ReplayStandIn:
         self.output = self.static_out = out if static_out is None else static_out
 
     def replay(self) -> None:
-        """Run the recorded work: the output now holds the result for the static inputs' current contents."""
+        """Run the recorded work: the output now holds the result for the static inputs' current
+        contents."""
         self.graph.replay()
 
 
@@ -270,8 +281,8 @@ def capture_for_replay(fn):
     """Capture ``fn()`` for replay: ``(graph, static_out, how)``.
 
     GPU: a real ``torch.cuda.CUDAGraph`` (via :func:`course.core.capture.try_capture`; a failed
-    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`, the simulator's
-    graph (a failed capture raises RuntimeError with the error a GPU gives).
+    capture raises RuntimeError with the root cause). Simulator: a :class:`ReplayStandIn`, the
+    simulator's graph (a failed capture raises RuntimeError with the error a GPU gives).
     """
     if not runtime().on_gpu:
         from course.core.capture import _root_cause
@@ -281,7 +292,8 @@ def capture_for_replay(fn):
             cause = _root_cause(e)
             from course.sim import cuda as simcuda
             simcuda.set_stream(simcuda.default_stream())
-            raise RuntimeError(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}") from None
+            raise RuntimeError(f"capture failed: {type(cause).__name__}: "
+                               f"{str(cause).splitlines()[0]}") from None
         return stand_in, stand_in.output, "simulator stand-in (records at capture, replays without running Python)"
     from course.core.capture import try_capture
     outcome = try_capture(fn)
@@ -291,7 +303,8 @@ def capture_for_replay(fn):
 
 
 def replay_with(graph, static_ids: torch.Tensor, static_out: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
-    """Write ``new_ids`` into the static input, replay, and return the static output (the reference answer)."""
+    """Write ``new_ids`` into the static input, replay, and return the static output (the reference
+    answer)."""
     static_ids.copy_(new_ids)
     graph.replay()
     return static_out

@@ -1,20 +1,10 @@
 """``python -m course verify-embedding --impl cpu-copy|device``: can this embedding be captured?
 
-The checks of InfiniCore's ``test_embedding_graph_recording.py``, done so that each one
-can fail for the right reason:
-
-1. input: the ids' shape, device and dtype;
-2. capture: ``torch.cuda.graph`` around one forward call (the exact error if it fails);
-3. replay: new ids written into the static input, ``graph.replay()``, compared with
-   ``F.embedding`` (a replay that runs is not yet a replay that is right);
-4. device-resident ids: ids created on the GPU work, and the profiler sees no
-   device-to-host copy during the call;
-5. asynchrony: the robust test of :mod:`course.core.blocking` (queue a long GPU sleep, call,
-   see whether the call returned before the GPU finished). InfiniCore's embedding test ("an event
-   recorded right after the call is already complete, so the call synchronized") is
-   printed too, and explained: it mistakes a slow launch for a sync;
-6. summary with ✓/✗. Exit code 0 only when every check passes; 1 when one fails; 2 on
-   the simulator, where capture cannot be tried (the report says why).
+InfiniCore's ``test_embedding_graph_recording.py`` checks, each able to fail for the right reason:
+the input; a capture of one forward; a replay on new ids against ``F.embedding``; device-resident
+ids with no device-to-host copy in the profiler; asynchrony by :mod:`course.core.blocking`
+(InfiniCore's event test printed and explained); a ✓/✗ summary. Exit 0 when all pass, 1 when one
+fails, 2 on the simulator.
 """
 from __future__ import annotations
 
@@ -25,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 LINE = "=" * 64
-TITLES = {"capture": "CUDA graph capture", "replay": "replay with new ids", "device_input": "device-resident ids",
+TITLES = {"capture": "CUDA graph capture", "replay": "replay with new "
+                                                     "ids", "device_input": "device-resident ids",
           "async": "asynchronous call"}
 
 
@@ -48,7 +39,8 @@ def _mark(ok) -> str:
 
 
 def run_checks(impl: str, *, log=print) -> list:
-    """Run checks 1-5 on the GPU for ``impl`` ("cpu-copy" or "device"), printing as it goes; returns the Checks."""
+    """Run checks 1-5 on the GPU for ``impl`` ("cpu-copy" or "device"), printing as it goes; returns
+    the Checks."""
     from course import embedding as E
     from course.core.blocking import event_complete_right_after, host_blocking
     from course.core.capture import require_gpu, try_capture
@@ -64,7 +56,8 @@ def run_checks(impl: str, *, log=print) -> list:
     checks = []
 
     log("1. Input")
-    log(f"   - shape: {list(static_ids.shape)}   device: {static_ids.device}   dtype: {static_ids.dtype}")
+    log(f"   - shape: {list(static_ids.shape)}   device: "
+        f"{static_ids.device}   dtype: {static_ids.dtype}")
     log(f"   - table: {list(emb.weight.shape)} {emb.weight.dtype}; impl: {impl}")
 
     log("2. CUDA graph capture (torch.cuda.graph around one forward call)")
@@ -76,8 +69,9 @@ def run_checks(impl: str, *, log=print) -> list:
     else:
         lines = [f"capture failed: {outcome.error_type}: {outcome.error}"]
         if impl == "cpu-copy":
-            lines.append("why: the forward copies the ids to the host (ids.to('cpu')); a device-to-host copy makes "
-                         "the host wait for the GPU, and a capture records GPU work without running it")
+            lines.append("why: the forward copies the ids to the host "
+                         "(ids.to('cpu')); a device-to-host copy makes the host "
+                         "wait for the GPU, and a capture records GPU work without running it")
     checks.append(Check("capture", outcome.ok, lines))
     for ln in lines:
         log(f"   {_mark(outcome.ok)} {ln}")
@@ -92,8 +86,8 @@ def run_checks(impl: str, *, log=print) -> list:
             torch.cuda.synchronize()
             same = torch.equal(outcome.output, F.embedding(new, emb.weight))
             ok &= same
-            lines.append(f"replay {trial + 1}: output {'matches' if same else 'DOES NOT match'} F.embedding "
-                         "for the new ids")
+            lines.append(f"replay {trial + 1}: output {'matches' if same else 'DOES NOT match'} "
+                         "F.embedding for the new ids")
         try:
             E.check_errors()
         except E.EmbeddingIndexError as e:
@@ -105,7 +99,8 @@ def run_checks(impl: str, *, log=print) -> list:
     for ln in lines:
         log(f"   {_mark(ok)} {ln}")
 
-    # Measured now, printed as check 5: before check 4 starts the profiler, so its state cannot affect them.
+    # Measured now, printed as check 5: before check 4 starts the profiler, so its state cannot
+    # affect them.
     rep = host_blocking(lambda: emb(static_ids), sleep_ms=50)
     complete = event_complete_right_after(lambda: emb(static_ids))
     launch = time_device(lambda: emb(static_ids), warmup=3, repeats=10, inner=10)
@@ -129,25 +124,30 @@ def run_checks(impl: str, *, log=print) -> list:
     lines = [f"input on {ids.device}, output on {out.device}, shape {list(out.shape)}, "
              f"{'matches' if right else 'DOES NOT match'} F.embedding", seen]
     if copies:
-        lines.append("the ids made a round trip through the host: the call cannot run ahead of the GPU")
+        lines.append("the ids made a round trip through the "
+                     "host: the call cannot run ahead of the GPU")
     checks.append(Check("device_input", ok, lines))
     marks = [right and out.device.type == "cuda", copies == 0] + [False] * (len(lines) - 2)
-    for ln, good in zip(lines, marks):  # each line marked by what it says (a match is a ✓ even when copies fail)
+    # each line marked by what it says (a match is a ✓ even when copies fail)
+    for ln, good in zip(lines, marks):
         log(f"   {_mark(good)} {ln}")
 
     log("5. Asynchrony")
     ok = rep.blocked is False
-    lines = [f"robust test: 50 ms of GPU work queued first; the call returned after {rep.host_return_ms:.2f} ms, "
-             f"the GPU finished after {rep.gpu_busy_ms:.2f} ms -> "
-             + ("the call did not wait for the GPU" if ok else "the call WAITED for the GPU (a sync)")]
+    lines = ["robust test: 50 ms of GPU work queued first; the call returned after "
+             f"{rep.host_return_ms:.2f} ms, the GPU finished after {rep.gpu_busy_ms:.2f} ms -> "
+             + ("the call did not wait for the "
+                "GPU" if ok else "the call WAITED for the GPU (a sync)")]
     checks.append(Check("async", ok, lines))
     log(f"   {_mark(ok)} {lines[0]}")
-    log(f"   (info) InfiniCore's test: an event recorded right after the call is already complete: {complete}.")
+    log("   (info) InfiniCore's test: an event recorded right "
+        f"after the call is already complete: {complete}.")
     work = (f"the GPU work itself takes {kernel_us:.1f} us per call (CUDA-graph replay of 20 calls)"
-            if kernel_us is not None else "the GPU work itself is a few small copies and one small kernel")
-    log(f"          Not evidence either way: back-to-back eager calls take {launch.us:.1f} us each (CUDA events), "
-        f"while {work}. When the host needs longer to launch than the GPU needs to run, the event is "
-        "complete right after the call whether or not the call synchronized.")
+            if kernel_us is not None else "the GPU work itself is a few "
+                                          "small copies and one small kernel")
+    log(f"          Not evidence either way: back-to-back eager calls take {launch.us:.1f} us each "
+        f"(CUDA events), while {work}. When the host needs longer to launch than the GPU needs to "
+        "run, the event is complete right after the call whether or not the call synchronized.")
     torch.cuda.synchronize()
     return checks
 
@@ -161,8 +161,8 @@ def summary(checks: list, *, log=print) -> int:
     failed = [c.title for c in checks if not c.passed]
     log(LINE)
     if failed:
-        log(f"✗ {len(failed)} check(s) failed ({', '.join(failed)}): this embedding does not fully support "
-            "CUDA graph capture.")
+        log(f"✗ {len(failed)} check(s) failed ({', '.join(failed)}): "
+            "this embedding does not fully support CUDA graph capture.")
     else:
         log("✓ all checks passed: this embedding can be captured and replayed.")
     log(LINE)
@@ -178,14 +178,14 @@ def _simulator_report(impl: str, log=print) -> int:
     emb = SwapEmbedding(11, 8, impl=impl, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(1))
     log("1. Input")
-    log(f"   - shape: {list(ids.shape)}   device: {ids.device}   dtype: {ids.dtype} (tiny: the simulator runs "
-        "every thread in Python)")
+    log(f"   - shape: {list(ids.shape)}   device: {ids.device}   dtype: "
+        f"{ids.dtype} (tiny: the simulator runs every thread in Python)")
     right = torch.equal(emb(ids), F.embedding(ids, emb.weight))
     E.check_errors()
     log(f"   {_mark(right)} the {impl} forward matches F.embedding on the Numba CUDA simulator")
     log(LINE)
-    log("✗ Checks 2-5 (capture, replay, device-resident ids, asynchrony) need a real GPU, and this machine runs "
-        f"the simulator: {rt.reason}")
+    log("✗ Checks 2-5 (capture, replay, device-resident ids, asynchrony) "
+        f"need a real GPU, and this machine runs the simulator: {rt.reason}")
     for fix in rt.fixes:
         log(f"  to use a GPU: {fix}")
     log("  The recorded GPU results are in the lab: solutions/lab2_embedding_swap.ipynb "
@@ -195,7 +195,8 @@ def _simulator_report(impl: str, log=print) -> int:
 
 
 def main(impl: str) -> int:
-    """The CLI: print the report for ``impl``; exit 0 only if all checks pass (2: needs a GPU, 3: could not run)."""
+    """The CLI: print the report for ``impl``; exit 0 only if all checks pass (2: needs a GPU, 3:
+    could not run)."""
     from course.core.runtime import runtime
 
     print(LINE)

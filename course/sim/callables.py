@@ -1,11 +1,13 @@
-"""``make_graphed_callables`` on the simulator: torch's algorithm, run on the stand-in graphs and streams.
+"""``make_graphed_callables`` on the simulator: torch's algorithm, run on the stand-in graphs and
+streams.
 
-Like ``torch.cuda.make_graphed_callables``: warm each callable up on a side stream, capture the forward passes in
-order and the backward passes in reverse into one shared pool, and return callables (or modules whose
-``forward`` is replaced) that copy their arguments into the static inputs and replay. Under autocast with its cast
-cache on, it refuses with torch's error (``cache_enabled=False`` is the fix). A module whose
-``training`` flag differs from the one it was graphed in runs its original forward. Gradients come from the
-captured backward graph when outputs require grad, as in torch.
+Like ``torch.cuda.make_graphed_callables``: warm each callable up on a side stream, capture the
+forward passes in order and the backward passes in reverse into one shared pool, and return
+callables (or modules whose ``forward`` is replaced) that copy their arguments into the static
+inputs and replay. Under autocast with its cast cache on, it refuses with torch's error
+(``cache_enabled=False`` is the fix). A module whose ``training`` flag differs from the one it was
+graphed in runs its original forward. Gradients come from the captured backward graph when outputs
+require grad, as in torch.
 """
 from __future__ import annotations
 
@@ -21,16 +23,17 @@ def _check(callables, sample_args):
     for c, args in zip(callables, sample_args):
         if isinstance(c, torch.nn.Module):
             if c._backward_hooks or c._forward_hooks or c._forward_pre_hooks:
-                raise AssertionError("Modules must not have hooks registered at the time they are passed. However, "
-                                     "registering hooks on modules after passing them through make_graphed_callables "
-                                     "is allowed.")
+                raise AssertionError("Modules must not have hooks registered at the time they "
+                                     "are passed. However, registering hooks on modules after "
+                                     "passing them through make_graphed_callables is allowed.")
             if not all(b.requires_grad is False for b in c.buffers()):
-                raise AssertionError("In any :class:`~torch.nn.Module` passed to :func:`~make_graphed_callables`, only "
-                                     "parameters may be trainable. All buffers must have ``requires_grad=False``.")
+                raise AssertionError("In any :class:`~torch.nn.Module` passed to "
+                                     ":func:`~make_graphed_callables`, only parameters may be "
+                                     "trainable. All buffers must have ``requires_grad=False``.")
         leaves = tuple(arg_tree_leaves(*args))
         if not all(isinstance(a, torch.Tensor) for a in leaves):
-            raise AssertionError("In the beta API, sample_args for each callable must contain only Tensors. Other "
-                                 "types are not allowed.")
+            raise AssertionError("In the beta API, sample_args for each callable must "
+                                 "contain only Tensors. Other types are not allowed.")
         flat.append(leaves)
     return flat
 
@@ -40,8 +43,8 @@ AUTOCAST_CACHE = ("make_graphed_callables does not support the autocast caching.
 
 
 def _autocast_caching() -> bool:
-    """True under autocast with its cast cache on, which torch's ``make_graphed_callables`` refuses (on the
-    simulator the CPU's autocast is the device's)."""
+    """True under autocast with its cast cache on, which torch's ``make_graphed_callables`` refuses
+    (on the simulator the CPU's autocast is the device's)."""
     import torch
 
     return torch.is_autocast_cache_enabled() and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
@@ -56,7 +59,8 @@ def _grads(outputs, surface, grad_outputs, allow_unused):
 
 def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3, allow_unused_input: bool = False,
                            pool=None):
-    """Graphed versions of ``callables`` (a function or module, or a tuple of them), as torch.cuda's."""
+    """Graphed versions of ``callables`` (a function or module, or a tuple of them), as
+    torch.cuda's."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_leaves
 
@@ -123,7 +127,8 @@ def _module_forward(module, training, graphed, original):
 
 
 def _graphed(fwd, bwd, params, n_user, spec, surface, outputs, grad_outputs, grad_inputs):
-    """The autograd function that replays ``fwd`` (and ``bwd`` for the gradients) for one callable."""
+    """The autograd function that replays ``fwd`` (and ``bwd`` for the gradients) for one callable.
+    """
     import torch
     from torch.utils._pytree import arg_tree_leaves, tree_unflatten
 

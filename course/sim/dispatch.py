@@ -1,18 +1,12 @@
-"""How a simulated capture routes aten ops: record them (:mod:`course.sim.record`), or refuse host reads.
+"""How a simulated capture routes aten ops: recorded (:mod:`course.sim.record`), or refused as host
+reads.
 
-:class:`Recorder` is a ``TorchDispatchMode``, pushed while any capture is under way. An op on a capturing
-stream is recorded by :func:`record_op`; an op on another stream runs at once, as on a GPU. An op that reads
-device memory on the host (``.item()`` reaches aten as ``_local_scalar_dense``; ``nonzero``, ``unique``,
-``masked_select`` and boolean-mask indexing size their output from device values) is refused with the GPU's
-error. Each op also runs on meta tensors first, so shapes, dtypes and the errors a bad shape raises are those of
-the real op, raised at capture as on a GPU.
-
-A collective (a ``c10d`` op: ``dist.all_reduce`` and the others reach aten as ``c10d.allreduce_``...) is recorded
-like any op and runs at every replay, really, over the process group (gloo on CPU processes), waited for before
-the next recorded op (:class:`Collective`): a replay that not every rank runs then waits in it, as on GPUs. Not
-modelled: NCCL's communicator, made lazily by a group's first collective (a GPU cannot make it inside a capture, so
-warm up first); the simulator captures a group's first collective without complaint. DTensor programs: a capture
-that meets a DTensor is refused with a message that says so (:func:`refuse_dtensor`); capture them on GPUs.
+:class:`Recorder` (a ``TorchDispatchMode``) records an op on a capturing stream and runs one on
+another stream at once; host reads (``_local_scalar_dense``, ``nonzero``, boolean masks...) are
+refused with the GPU's error. Each op runs on meta tensors first, so a bad shape raises at capture,
+as on a GPU. A collective is recorded and really runs at each replay over its group
+(:class:`Collective`); NCCL's lazy communicator is not modelled, and a DTensor capture is refused
+(:func:`refuse_dtensor`).
 """
 from __future__ import annotations
 
@@ -20,11 +14,14 @@ import course.sim.stream as ss
 
 # aten ops that read device memory on the host (their output size, or a value): a GPU waits for them
 _SIZED = "sizes its output from device values"
-HOST_READS = {"_local_scalar_dense": "reads a device value on the host (.item(), float(t), int(t), if t:)",
-              "nonzero": f"{_SIZED} (nonzero, torch.where(cond), argwhere)", "masked_select": _SIZED,
+HOST_READS = {"_local_scalar_dense": "reads a device value on the host "
+                                     "(.item(), float(t), int(t), if t:)",
+              "nonzero": f"{_SIZED} (nonzero, "
+                         "torch.where(cond), argwhere)", "masked_select": _SIZED,
               "unique_dim": _SIZED, "_unique": _SIZED, "_unique2": _SIZED, "unique_consecutive": _SIZED,
               "equal": "returns a Python bool computed on the device", "bincount": _SIZED}
-EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}  # memory only: nothing to run
+# memory only: nothing to run
+EMPTY = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 HOST_SIDE = {"resize_", "set_", "resize_as_"}  # metadata changes made on the host
 
 
@@ -42,8 +39,8 @@ NO_META = object()  # _meta's answer for an op with no meta kernel (None is what
 
 
 def _meta(func, args, kwargs):
-    """``func`` run on meta tensors: the outputs' shapes, dtypes and strides (:data:`NO_META` when it has no meta
-    kernel)."""
+    """``func`` run on meta tensors: the outputs' shapes, dtypes and strides (:data:`NO_META` when
+    it has no meta kernel)."""
     import torch
     from torch.utils._pytree import tree_map
 
@@ -72,7 +69,8 @@ def _real_error(func, args, kwargs):
 
 
 def _host_read(func, name: str, args, kwargs):
-    """Why ``func`` would read device memory on the host (so a GPU refuses it during capture), or None."""
+    """Why ``func`` would read device memory on the host (so a GPU refuses it during capture), or
+    None."""
     import torch
 
     if name in HOST_READS:
@@ -87,8 +85,9 @@ def _host_read(func, name: str, args, kwargs):
 
 
 class Collective:
-    """A recorded ``c10d`` op: at replay it runs over the process group and is waited for (a GPU stream orders the
-    collective's kernel before the next one; gloo returns a ``Work`` that must be waited on)."""
+    """A recorded ``c10d`` op: at replay it runs over the process group and is waited for (a GPU
+    stream orders the collective's kernel before the next one; gloo returns a ``Work`` that must be
+    waited on)."""
 
     def __init__(self, func):
         self.func = func
@@ -116,22 +115,26 @@ def _aliased(schema, args, kwargs, alias):
 
 
 def refuse_dtensor(args, kwargs) -> None:
-    """Raise NotImplementedError when an op's arguments hold a DTensor: the simulated capture does not record them."""
+    """Raise NotImplementedError when an op's arguments hold a DTensor: the simulated capture does
+    not record them."""
     import sys
 
-    mod = sys.modules.get("torch.distributed.tensor._api")  # only once DTensor is loaded: never import it here
+    # only once DTensor is loaded: never import it here
+    mod = sys.modules.get("torch.distributed.tensor._api")
     if mod is None or not hasattr(mod, "DTensor"):
         return
     from torch.utils._pytree import tree_leaves
 
     if any(isinstance(t, mod.DTensor) for t in tree_leaves((args, kwargs))):
-        raise NotImplementedError("the simulated capture does not record DTensor programs (a DTensor's op becomes "
-                                  "several ops on its local shards); run this capture on GPUs, or capture plain "
-                                  "tensors and explicit collectives (dist.all_reduce), which the simulator records")
+        raise NotImplementedError("the simulated capture does not record DTensor programs (a "
+                                  "DTensor's op becomes several ops on its local shards); run "
+                                  "this capture on GPUs, or capture plain tensors and explicit "
+                                  "collectives (dist.all_reduce), which the simulator records")
 
 
 def record_op(cap, func, args, kwargs):
-    """Record one aten op on capture ``cap`` and return what the op returns at capture (see the module doc)."""
+    """Record one aten op on capture ``cap`` and return what the op returns at capture (see the
+    module doc)."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -147,7 +150,8 @@ def record_op(cap, func, args, kwargs):
     if torch.Tag.nondeterministic_seeded in func.tags:
         gen = kwargs.get("generator") or next((a for a in args if isinstance(a, torch.Generator)), None)
         if gen is not None and not any(g._cdata == gen._cdata for g in cap.generators):
-            raise RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
+            raise RuntimeError("Attempt to increase offset for a "
+                               "CUDA generator not in capture mode.")
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     try:
         meta = _meta(func, args, kwargs)
@@ -155,9 +159,10 @@ def record_op(cap, func, args, kwargs):
         raise _real_error(func, args, kwargs) or e from None
     if meta is NO_META:
         if writes and not all(r.alias_info is not None for r in schema.returns):
-            raise NotImplementedError(f"the simulated capture cannot record {schema.name} (no meta kernel)")
-        # in place with nothing new to allocate (a fused optimizer's step, ``_fused_sgd_``): record it as it is;
-        # functional: safe to run for its shapes
+            raise NotImplementedError("the simulated capture cannot record "
+                                      f"{schema.name} (no meta kernel)")
+        # in place with nothing new to allocate (a fused optimizer's step, ``_fused_sgd_``): record
+        # it as it is; functional: safe to run for its shapes
         meta = None if writes else tree_map(_as_meta, func(*args, **kwargs))
     device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                   kwargs.get("device") or torch.device("cpu"))
@@ -184,11 +189,13 @@ def record_op(cap, func, args, kwargs):
 
 
 def _composite(func) -> bool:
-    """True for an op made of other aten ops (CompositeImplicitAutograd: ``linear``, ``to``, ``matmul``...).
+    """True for an op made of other aten ops (CompositeImplicitAutograd: ``linear``, ``to``,
+    ``matmul``...).
 
-    Outside ``inference_mode`` autograd splits such an op before a dispatch mode sees it; under it the mode gets the
-    op whole, and its returns' alias annotations ("may alias") cannot say whether it made a new tensor. The recorder
-    splits it the same way, so a capture records the same ops in both modes."""
+    Outside ``inference_mode`` autograd splits such an op before a dispatch mode sees it; under it
+    the mode gets the op whole, and its returns' alias annotations ("may alias") cannot say whether
+    it made a new tensor. The recorder splits it the same way, so a capture records the same ops in
+    both modes."""
     import torch
 
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
@@ -198,7 +205,8 @@ def _recorder_class():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recorder(TorchDispatchMode):
-        """Routes every aten op to the capture of the current stream (ops on other streams run at once)."""
+        """Routes every aten op to the capture of the current stream (ops on other streams run at
+        once)."""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -241,7 +249,8 @@ def end() -> None:
 
 
 def begin_watch() -> None:
-    """Refuse aten host reads even outside a capture (:func:`course.sim.patch.host_reads_refused`)."""
+    """Refuse aten host reads even outside a capture (:func:`course.sim.patch.host_reads_refused`).
+    """
     _watch[0] += 1
     begin()
 

@@ -1,56 +1,26 @@
-"""``CUDAGraph``, ``graph`` and ``graph_pool_handle`` for the simulator path, with torch.cuda's names and rules.
+"""``CUDAGraph``, ``graph`` and ``graph_pool_handle`` on the simulator path, as torch.cuda's.
 
-``course.graphs()`` returns ``torch.cuda`` on a GPU and :mod:`course.sim.cuda` (these names and the streams
-of :mod:`course.sim.stream`) on the simulator, so one program runs on both::
+``course.graphs()`` is ``torch.cuda`` on a GPU, :mod:`course.sim.cuda` here: one program for both::
 
-    cg = course.graphs()
     g = cg.CUDAGraph()
-    with cg.graph(g):            # records; computes nothing yet (new tensors hold NaN until the first replay)
+    with cg.graph(g):            # records; computes nothing (new tensors hold NaN until a replay)
         y = model(static_x)
     static_x.copy_(new_x)
-    g.replay()                   # runs what was recorded, without running Python: y now holds model(new_x)
+    g.replay()                   # runs what was recorded, not Python: y now holds model(new_x)
 
-What is modelled, as a GPU does it: a capture records aten ops and Numba launches and runs none of them
-(:mod:`course.sim.record`); in-place writes happen at replay only; Python values, branches and side effects
-are frozen at capture; a replay reads the tensors the capture saw (rebinding a name changes nothing) and writes the
-same output tensors (a kept output is overwritten by the next replay); host reads, host copies, ``synchronize()``,
-``torch.manual_seed`` to a new seed (its current seed passes, as torch's CUDA generator lets it, and reseeds
-nothing) and Numba allocations are refused with the GPU's error (:mod:`course.sim.patch`), and
-a CUDA error invalidates the capture (``capture_end`` then fails, and the pool it recorded into stays claimed, so
-the next capture into that pool fails with ``beginAllocateToPool: already recording to mempool_id``, as on a GPU);
-capture on the legacy default stream is refused; ``graph`` captures on a side stream and, as torch's, leaves the
-capture stream current when ``capture_end`` fails; streams fork into a capture and must be joined; random ops draw
-fresh numbers at every replay (as torch's graph-safe CUDA generators do); an explicit ``generator=`` must be
-registered with ``register_generator_state``; graphs sharing a pool reuse each other's freed memory; autograd's
-backward and a ``capturable=True`` optimizer's step are recorded like any other ops (:mod:`course.sim.optim`
-lets such optimizers run on the CPU and refuses a non-capturable one inside a capture, as torch does on a GPU);
-fused optimizers (``fused=True``) and ``GradScaler``'s unscale, step and update record the same way, so a whole
-scaled training step captures; a state read with ``torch.get_rng_state()`` inside a capture and set back (activation
-checkpointing) makes a replay draw the same numbers again (:mod:`course.sim.rng`); a capture that allocates past
-the device's memory raises torch's ``OutOfMemoryError`` ("CUDA out of memory", :mod:`course.sim.memory`, whose
-``LIMIT`` you may lower); ``Tensor.record_stream`` takes the simulated streams; ``make_graphed_callables`` refuses
-autocast with its cast cache on, as torch does; a
-capture under ``torch.inference_mode()`` records what one under ``no_grad()`` records (:mod:`course.sim.dispatch`
-splits composite ops such as ``to`` and ``linear`` as autograd does outside inference mode).
-
-A captured graph destroyed (freed, or ``reset()``) while a capture in "global" or "thread_local" mode is under way
-invalidates that capture, as its destructor's CUDA call does on a GPU (a graph in a dead reference cycle, freed by the
-garbage collector in the middle of another capture: ``course.core.capture.collector_paused``). Torch's sync debug
-mode (``set_sync_debug_mode``) reports the host reads and copies a capture refuses, outside captures too
-(:mod:`course.sim.patch`).
-
-Not modelled: timing (a replay costs what the ops cost on the CPU); ordering between streams outside a capture
-(every op runs at once, in program order, so a warm-up on a side stream that never waited for its data, the missing
-fork, or a capture begun before waiting for the warm-up, the missing join, races on a GPU and not here: the course's
-checks name both from the learner's calls to ``wait_stream``, ``wait_event`` and ``synchronize``, on both paths);
-lazy initialisation that a GPU cannot do inside a capture (cuBLAS handles, first kernel compiles); a host-to-device
-copy of a tensor the simulator cannot tell from a device tensor (``host_tensor.to(course.device())``, pinned host
-memory: for the sync debug mode too); ``Event`` timing inside captures; the generator left in capture mode after a failed capture; freeing a graph's static input (the graph
-keeps it alive, where a GPU would read freed memory); the allocator's block splitting (a freed block is reused
-whole); more than one thread; ``keep_graph``, ``debug_dump`` and the raw CUDA graph; ``torch.cuda`` functions
-other than the graph and stream API and the sync debug mode (memory statistics included); memory allocated outside
-captures (it is the laptop's, not counted against the device's limit); cuDNN. PyTorch's own graph tests that the
-course mirrors, and the ones it leaves out with the reason: ``tests/test_torch_graph_behaviours.py``.
+Modelled as on a GPU: a capture records aten ops and Numba launches (:mod:`course.sim.record`) and
+freezes Python; a replay reads the captured tensors and rewrites the same outputs; host reads and
+copies, ``synchronize()``, a new seed and Numba allocations are refused with the GPU's error
+(:mod:`course.sim.patch`), and an error invalidates the capture and claims its pool; streams fork
+into a capture and must be joined; random ops draw anew at every replay; pools are shared; backward,
+capturable and fused optimizers and ``GradScaler`` record (:mod:`course.sim.optim`); a generator
+state set back replays the same draws (:mod:`course.sim.rng`); a capture past the device's memory
+raises ``OutOfMemoryError`` (:mod:`course.sim.memory`); a graph freed during another capture breaks
+it. Not modelled: timing; ordering between streams outside a capture (the checks name a missing fork
+or join from the learner's calls, :mod:`course.core.stream_order`); lazy initialisation; host
+tensors the simulator cannot tell from device ones; block splitting; threads; memory statistics;
+cuDNN. PyTorch's own graph tests it mirrors, and those it leaves out:
+``tests/test_torch_graph_behaviours.py``.
 """
 from __future__ import annotations
 
@@ -63,19 +33,22 @@ import course.sim.record as sr
 import course.sim.stream as ss
 
 ALREADY = "This CUDAGraph instance already owns a captured graph. To capture a new graph, create a new instance."
-DEFAULT = ("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok to replay them "
-           "on the default stream.)")
+DEFAULT = ("CUDA graphs must be captured on a non-default stream. (However, "
+           "after capture, it's ok to replay them on the default stream.)")
 EMPTY = ("The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device "
          "or stream.")  # torch's words: said when work ran during the capture on a stream that was not capturing
-NOTHING = ("The CUDA Graph is empty: no GPU work ran between capture_begin and capture_end, so a replay does nothing "
-           "(the captured block launched no kernel: did a branch or an early return skip the work?)")
-# A capture ended by an error (``with cg.graph(g):`` left by an exception) gives no empty-graph warning here: the
-# error says what happened. torch warns there too, and the course's helpers drop warnings of a failed capture.
+NOTHING = ("The CUDA Graph is empty: no GPU work ran between capture_begin "
+           "and capture_end, so a replay does nothing (the captured block "
+           "launched no kernel: did a branch or an early return skip the work?)")
+# A capture ended by an error (``with cg.graph(g):`` left by an exception) gives no empty-graph
+# warning here: the error says what happened. torch warns there too, and the course's helpers drop
+# warnings of a failed capture.
 _ENDED_BY_ERROR = [False]
 
 
 def _destroyed(held) -> None:
-    """A captured graph is gone (freed, or reset): its memory is released, and a strict capture under way breaks."""
+    """A captured graph is gone (freed, or reset): its memory is released, and a strict capture
+    under way breaks."""
     sr.release(held)
     ss.graph_freed()
 
@@ -86,7 +59,8 @@ def graph_pool_handle():
 
 
 class CUDAGraph:
-    """A recorded capture on the simulator: ``capture_begin`` / ``capture_end``, then ``replay()``."""
+    """A recorded capture on the simulator: ``capture_begin`` / ``capture_end``, then ``replay()``.
+    """
 
     def __init__(self, keep_graph: bool = False):
         self._capture = self._steps = self._handle = self._pool = self._release = None
@@ -97,8 +71,8 @@ class CUDAGraph:
         if self._steps is not None or self._capture is not None:
             raise RuntimeError(ALREADY)
         if capture_error_mode not in ss.MODES:
-            raise RuntimeError(f"Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got "
-                               f"{capture_error_mode}")
+            raise RuntimeError("Unknown capture error mode. Expected `global`, "
+                               f"`thread_local`, or `relaxed`, got {capture_error_mode}")
         stream = ss.current_stream()
         if stream is ss.default_stream():
             raise RuntimeError(DEFAULT)
@@ -107,8 +81,9 @@ class CUDAGraph:
         handle = pool if pool is not None else sr.new_handle(user=False)
         mem = sr.pool_for(handle)
         if mem.recording:
-            raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {handle} (a failed capture "
-                               "into this pool never ended its recording; use a new pool)")
+            raise RuntimeError("beginAllocateToPool: already recording to "
+                               f"mempool_id {handle} (a failed capture into this "
+                               "pool never ended its recording; use a new pool)")
         mem.recording = True
         cap = ss.Capture(stream, capture_error_mode, sr.Program(mem), mem)
         cap.generators = self._generators
@@ -120,7 +95,8 @@ class CUDAGraph:
         self._outside = ss.OUTSIDE[0]
 
     def capture_end(self) -> None:
-        """End the capture; raise what CUDA raises if it was invalidated or left a forked stream unjoined."""
+        """End the capture; raise what CUDA raises if it was invalidated or left a forked stream
+        unjoined."""
         cap = self._capture
         if cap is None:
             raise ss._accelerator_error("CUDA error: capture was not initiated in this stream")
@@ -168,25 +144,29 @@ class CUDAGraph:
         return self._handle
 
     def register_generator_state(self, generator) -> None:
-        """Let the capture draw from ``generator`` (torch registers only the default generator itself)."""
+        """Let the capture draw from ``generator`` (torch registers only the default generator
+        itself)."""
         if ss.capturing() is not None:
-            raise RuntimeError("Cannot register the state during capturing stage. during CUDA graph capture. If you "
-                               "need this call to be captured, please file an issue. Current cudaStreamCaptureStatus:"
-                               " cudaStreamCaptureStatusActive")
+            raise RuntimeError("Cannot register the state during capturing stage. "
+                               "during CUDA graph capture. If you need this call "
+                               "to be captured, please file an issue. Current "
+                               "cudaStreamCaptureStatus: cudaStreamCaptureStatusActive")
         self._generators.append(generator)
 
     def enable_debug_mode(self) -> None:
         """Accepted for compatibility; see :meth:`recorded_ops` for what the simulator recorded."""
 
     def recorded_ops(self) -> list:
-        """Names of the recorded steps in replay order (simulator only: a GPU graph has kernels, not aten ops)."""
+        """Names of the recorded steps in replay order (simulator only: a GPU graph has kernels, not
+        aten ops)."""
         if self._steps is None:
             return []
         return [s[1].__name__ if s[0] == "kernel" and hasattr(s[1], "__name__") else str(s[1]) for s in self._steps]
 
 
 class graph:
-    """``with graph(g):`` captures the block into ``g`` on a side stream (torch.cuda.graph's rules)."""
+    """``with graph(g):`` captures the block into ``g`` on a side stream (torch.cuda.graph's rules).
+    """
 
     default_capture_stream = None
 
@@ -200,22 +180,24 @@ class graph:
         self.capture_error_mode = capture_error_mode
 
     def __enter__(self) -> None:
-        ss.synchronize()  # what torch.cuda.graph does first: inside another capture, the error a GPU gives
+        # what torch.cuda.graph does first: inside another capture, the error a GPU gives
+        ss.synchronize()
         self.stream_ctx.__enter__()
         self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
 
     def __exit__(self, *exc) -> None:
         _ENDED_BY_ERROR[0] = exc[0] is not None  # an error ended the capture: it, not "empty", says why
         try:
-            self.cuda_graph.capture_end()  # as torch: if this raises, the capture stream stays current
+            # as torch: if this raises, the capture stream stays current
+            self.cuda_graph.capture_end()
         finally:
             _ENDED_BY_ERROR[0] = False
         self.stream_ctx.__exit__(*exc)
 
 
 def end_all_captures() -> None:
-    """End every capture under way, keeping nothing (after a test, or a cell stopped between capture_begin and
-    capture_end); the current stream becomes the default stream again."""
+    """End every capture under way, keeping nothing (after a test, or a cell stopped between
+    capture_begin and capture_end); the current stream becomes the default stream again."""
     for cap in list(ss._ACTIVE):
         ss._ACTIVE.remove(cap)
         cap.pool.recording = False

@@ -1,16 +1,9 @@
-"""The device's memory as the simulator models it: a limit on what captures allocate, and ``record_stream``.
+"""The device's memory as the simulator models it: a limit on what captures allocate, and
+``record_stream``.
 
-A GPU has a fixed amount of memory; an allocation that does not fit raises ``torch.OutOfMemoryError`` ("CUDA out
-of memory. Tried to allocate ..."), inside a capture as outside. On the simulator a capture's new tensors come from
-its graph pool (:mod:`course.sim.record`), and :func:`check` refuses a pool allocation that would take the pools
-past :data:`LIMIT` bytes (an H100's 80 GiB unless you change it; ``memory.LIMIT = 2 << 30`` stands for a smaller
-card), with the GPU's exception and the first words of its message. Tensors made outside a capture are the
-laptop's own memory and are not counted (a laptop runs out of memory with its own error there).
-
-``Tensor.record_stream(s)`` tells the caching allocator that ``s`` uses the tensor, so its memory is not reused
-before the work ``s`` has queued so far is done. The simulator runs every stream's work in order, at once, so there
-is nothing to wait for: :func:`install` makes ``record_stream`` accept the simulator's streams (torch's own raises
-"unknown parameter type" for them), inside a capture and outside, and leaves torch's own for any other stream.
+:func:`check` refuses a capture's pool allocation past :data:`LIMIT` bytes (an H100's 80 GiB; lower
+it for a smaller card) with torch's ``OutOfMemoryError``; memory allocated outside captures is the
+laptop's. :func:`install` makes ``Tensor.record_stream`` accept the simulator's streams.
 """
 from __future__ import annotations
 
@@ -19,7 +12,8 @@ _installed = [False]
 
 
 def format_size(nbytes: int) -> str:
-    """A byte count the way CUDA's caching allocator writes it in its messages (``20.00 MiB``, ``4096.00 GiB``)."""
+    """A byte count the way CUDA's caching allocator writes it in its messages (``20.00 MiB``,
+    ``4096.00 GiB``)."""
     for unit, size in (("bytes", 1 << 10), ("KiB", 1 << 20), ("MiB", 1 << 30)):
         if nbytes <= size:
             return f"{nbytes} bytes" if unit == "bytes" else f"{nbytes / (size >> 10):.2f} {unit}"
@@ -27,20 +21,22 @@ def format_size(nbytes: int) -> str:
 
 
 def check(nbytes: int, in_use: int) -> None:
-    """Raise torch's out-of-memory error when ``nbytes`` more would take the pools (``in_use`` bytes) past LIMIT."""
+    """Raise torch's out-of-memory error when ``nbytes`` more would take the pools (``in_use``
+    bytes) past LIMIT."""
     if nbytes + in_use <= LIMIT:
         return
     import torch
 
     error = getattr(torch, "OutOfMemoryError", RuntimeError)
-    raise error(f"CUDA out of memory. Tried to allocate {format_size(nbytes)}. GPU 0 has a total capacity of "
-                f"{format_size(LIMIT)} of which {format_size(max(LIMIT - in_use, 0))} is free (the simulator's "
-                "device: course.sim.memory.LIMIT; graph pools hold "
-                f"{format_size(in_use)}).")
+    raise error(f"CUDA out of memory. Tried to allocate {format_size(nbytes)}. GPU "
+                f"0 has a total capacity of {format_size(LIMIT)} of which "
+                f"{format_size(max(LIMIT - in_use, 0))} is free (the simulator's "
+                f"device: course.sim.memory.LIMIT; graph pools hold {format_size(in_use)}).")
 
 
 def install() -> None:
-    """Let ``Tensor.record_stream`` take the simulator's streams (once per process; see the module doc)."""
+    """Let ``Tensor.record_stream`` take the simulator's streams (once per process; see the module
+    doc)."""
     if _installed[0]:
         return
     import torch

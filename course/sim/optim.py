@@ -1,31 +1,25 @@
 """Capturable optimizers on the simulator path, where CPU tensors stand for device tensors.
 
-torch lets ``capturable=True`` optimizers (Adam, AdamW, and the others that take the flag) run only on an
-accelerator: on the CPU they assert "params and state_steps must be on supported devices". On the simulator path
-the CPU *is* the course's device, so :func:`install` (run when :mod:`course.sim.cuda` is imported, that is
-on the simulator path only) adds ``"cpu"`` to the devices those optimizers accept, and gives their capture health
-check what it does on a GPU: ``step()`` inside a capture, with a param group that is not capturable, raises
-torch's error (``Attempting CUDA graph capture of step() for an instance of Adam but param_groups' capturable is
-False.``): a non-capturable Adam keeps its step count on the host, so a graph would freeze it. (Torch's check can
-also warn about a capturable optimizer stepping outside a capture, but every optimizer starts with that warning
-marked as given, so it never shows; the simulator leaves it out.)
-
-A capturable optimizer then computes the same update on the CPU as on a GPU (its step count and bias
-corrections as tensors, no host reads), so a capture records its update and every replay applies it again.
+:func:`install` lets ``capturable=True`` optimizers run on the CPU (torch allows them on
+accelerators only) and keeps torch's capture health check: ``step()`` of a non-capturable param
+group inside a capture raises torch's error. A capturable step then records its update, and every
+replay applies it.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-NOT_CAPTURABLE = ("Attempting CUDA graph capture of step() for an instance of {} but param_groups' capturable is "
-                  "False.")
-HEALTH = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")  # torch 2.13, older names
+NOT_CAPTURABLE = ("Attempting CUDA graph capture of step() for an "
+                  "instance of {} but param_groups' capturable is False.")
+# torch 2.13, older names
+HEALTH = ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
 _installed = [False]
 
 
 def _optimizer_modules() -> list:
-    """torch.optim's modules that read the capturable devices list (each imported it under its own name)."""
+    """torch.optim's modules that read the capturable devices list (each imported it under its own
+    name)."""
     import torch.optim as optim
 
     mods = []
@@ -37,7 +31,8 @@ def _optimizer_modules() -> list:
 
 
 def health_check(optimizer) -> None:
-    """What torch checks on a GPU before a capturable-aware ``step()``, with the simulator's capture state."""
+    """What torch checks on a GPU before a capturable-aware ``step()``, with the simulator's capture
+    state."""
     import torch
 
     import course.sim.stream as ss
@@ -49,7 +44,8 @@ def health_check(optimizer) -> None:
 
 
 def install() -> None:
-    """Let capturable optimizers take CPU tensors and check captures as on a GPU (once per process)."""
+    """Let capturable optimizers take CPU tensors and check captures as on a GPU (once per process).
+    """
     if _installed[0]:
         return
     import torch.optim.optimizer as om

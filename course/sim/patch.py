@@ -1,21 +1,10 @@
-"""The calls a simulated capture intercepts outside aten: host reads that never dispatch, and Numba's launches.
+"""The calls a simulated capture intercepts outside aten: host reads that never dispatch, and Numba.
 
-On the CPU, ``.cpu()``, ``.tolist()`` or ``print(t)`` need no aten op, so the recorder cannot see them; these
-patches, in force only while a capture is under way (:func:`install` / :func:`uninstall`), refuse them on a
-capturing stream with the GPU's error (:mod:`course.sim.stream`). They also route a Numba simulator launch
-``kernel[grid, block, stream](...)`` on a capturing stream into the capture instead of running it, and refuse
-Numba's allocations and ``torch.manual_seed`` to a new seed as CUDA and torch do (the generator's current seed
-passes, as torch's CUDA generator lets it: nothing is reseeded). :func:`host_reads_refused` is the same
-refusal outside any capture (the graph cache's ``host_read_watch``).
-
-The simulator cannot tell a host tensor from a device tensor (both are CPU tensors), so: ``.to("cpu")`` written
-as a string is a copy to the host, ``.to(device)`` with a ``torch.device`` equal to the tensor's is a no-op (as
-``t.to(x.device)`` is on a GPU), and ``torch.tensor(data, device=...)`` is a host-to-device copy.
-
-:func:`set_sync_debug_mode` is torch.cuda's: while it is "warn" or "error", the same patches (and the aten host
-reads of :mod:`course.sim.dispatch`) report every synchronizing call outside a capture too
-(:func:`course.sim.stream.on_sync`). In a capture, a host read is reported first and then refused (torch checks
-the mode before it calls CUDA); a copy is refused first (torch refuses it before it copies).
+While a capture runs (:func:`install`), ``.cpu()``, ``.tolist()``, ``print(t)``, Numba's allocations
+and a new seed are refused on a capturing stream with the GPU's error, and a Numba launch there is
+recorded, not run. A string ``"cpu"`` target is a copy to the host; ``torch.tensor(data,
+device=...)`` a copy to the device. :func:`host_reads_refused` refuses host reads outside a capture;
+:func:`set_sync_debug_mode` reports synchronizing calls outside captures too, as torch.cuda's does.
 """
 from __future__ import annotations
 
@@ -77,9 +66,9 @@ def _tensor_patches(torch):
     def numpy(self, *a, **k):
         caller = sys._getframe(1).f_code
         if _on() and not (caller.co_name == "as_numba" and caller.co_filename.endswith("runtime.py")):
-            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
-                            "to host memory first. (on the simulator: refused during capture; use course.as_numba "
-                            "for a kernel argument)")
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to "
+                            "copy the tensor to host memory first. (on the simulator: refused "
+                            "during capture; use course.as_numba for a kernel argument)")
         return orig["numpy"](self, *a, **k)
 
     host = "reads a device value on the host"
@@ -88,9 +77,11 @@ def _tensor_patches(torch):
             (T, "__int__", reader("__int__", f"int(tensor) {host}")),
             (T, "__index__", reader("__index__", f"using a tensor as a Python int {host}")),
             (T, "__repr__", reader("__repr__", "printing a tensor reads its values on the host")),
-            (T, "__format__", reader("__format__", "formatting a tensor reads its values on the host")),
+            (T, "__format__", reader("__format__", "formatting a tensor reads "
+                                                   "its values on the host")),
             (T, "tolist", copier("tolist", ".tolist() copies the tensor to the host")),
-            (T, "cpu", copier("cpu", ".cpu() copies the tensor to the host")), (T, "to", to), (T, "numpy", numpy)]
+            (T, "cpu", copier("cpu", ".cpu() copies the "
+                                     "tensor to the host")), (T, "to", to), (T, "numpy", numpy)]
 
 
 def _torch_patches(torch):
@@ -154,14 +145,15 @@ def _numba_patches():
             (nc, "device_array", refused(nc.device_array, "cuMemAlloc", f"cuda.device_array: {alloc}")),
             (nc, "device_array_like", refused(nc.device_array_like, "cuMemAlloc", f"cuda.device_array_like: {alloc}")),
             (nc, "to_device", refused(nc.to_device, "cuMemAlloc", f"cuda.to_device: {alloc}")),
-            (nc, "synchronize", refused(nc.synchronize, "cuCtxSynchronize", "cuda.synchronize() waits for the "
-                                        "device", relaxed_ok=False))]
+            (nc, "synchronize", refused(nc.synchronize, "cuCtxSynchronize", "cuda.synchronize() "
+                                        "waits for the device", relaxed_ok=False))]
 
 
 def launch_kernel(kernel, config, args) -> None:
     """Run a recorded Numba launch now (a replay), with the configuration it was captured with.
 
-    A replay inside another capture records the launch into that capture instead (like any replayed op).
+    A replay inside another capture records the launch into that capture instead (like any replayed
+    op).
     """
     km = sys.modules["numba.cuda.simulator.kernel"]
     call = next((o for owner, name, _, o in _saved if owner is km.FakeCUDAKernel and name == "__call__"),
@@ -190,7 +182,8 @@ def _restore() -> None:
 
 
 def install() -> None:
-    """Put the patches in force (nested: the first install patches, the matching last uninstall restores)."""
+    """Put the patches in force (nested: the first install patches, the matching last uninstall
+    restores)."""
     import torch
 
     _depth[0] += 1
@@ -209,13 +202,15 @@ _MODES = {"default": 0, "warn": 1, "error": 2}
 
 
 def set_sync_debug_mode(debug_mode) -> None:
-    """torch.cuda.set_sync_debug_mode on the simulator: "default"/0 off, "warn"/1 warn, "error"/2 raise at every
-    synchronizing call (the calls a capture refuses as host reads or copies, and ``Stream.synchronize()``)."""
+    """torch.cuda.set_sync_debug_mode on the simulator: "default"/0 off, "warn"/1 warn, "error"/2
+    raise at every synchronizing call (the calls a capture refuses as host reads or copies, and
+    ``Stream.synchronize()``)."""
     from course.sim import dispatch as simdispatch
 
     mode = _MODES.get(debug_mode, debug_mode) if isinstance(debug_mode, str) else debug_mode
     if isinstance(debug_mode, str) and debug_mode not in _MODES:
-        raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
+        raise RuntimeError("invalid value of debug_mode, expected "
+                           "one of `default`, `warn`, `error`")
     mode = min(max(int(mode), 0), 2)  # as torch: below 0 is off, above 2 is "error"
     was = ss.sync_debug_mode()
     ss.set_sync_debug_level(mode)
@@ -234,7 +229,8 @@ def get_sync_debug_mode() -> int:
 
 @contextlib.contextmanager
 def host_reads_refused():
-    """Refuse host reads and copies in the block, as a capturing stream would, even with no capture under way."""
+    """Refuse host reads and copies in the block, as a capturing stream would, even with no capture
+    under way."""
     from course.sim import dispatch as simdispatch
 
     install()

@@ -1,21 +1,12 @@
-"""What a simulated capture records, where its tensors live, and how a replay runs it without Python.
+"""What a simulated capture records, where its tensors live, and how a replay runs it without
+Python.
 
-While a stream captures, every aten op goes through :mod:`course.sim.dispatch` (a ``TorchDispatchMode``)
-and every Numba simulator launch through :mod:`course.sim.patch`, into a :class:`Program`. Nothing runs on the
-data at capture, as on a GPU:
-
-- an op that makes a new tensor gets one of the right shape, dtype and strides from the graph's memory pool,
-  filled with poison (NaN, or the largest integer, or True), because the capture computed nothing yet; it is
-  the *same* tensor that every replay writes into;
-- an op that writes into existing tensors (in place, ``out=``) is only recorded: it takes effect at replay;
-- a view aliases memory and a metadata change (``unsqueeze_``) is host-side: both run at once, unrecorded;
-- Python scalars are recorded by value, tensors by address: replay reads the memory the capture saw, never a
-  tensor made later.
-
-A replay runs the recorded ops in order into the recorded outputs. Pool memory is shared the way the CUDA caching
-allocator shares it: a block whose tensors are all gone (the graphs' own records do not count) is free, and the
-next capture allocation into the same pool on the same stream may get it (best fit, blocks up to 1 MiB and larger
-ones kept apart), so graphs sharing a pool can overwrite each other's freed memory where a GPU can.
+Every aten op (:mod:`course.sim.dispatch`) and Numba launch (:mod:`course.sim.patch`) on a capturing
+stream goes into a :class:`Program`, as on a GPU: a new tensor comes from the graph's pool, filled
+with poison, and is the one every replay writes; an in-place write takes effect at replay; views run
+at once; Python scalars are kept by value, tensors by address. Pool memory is shared as the caching
+allocator shares it (a freed block may go to the next capture into the pool), so graphs sharing a
+pool can overwrite each other's freed memory where a GPU can.
 """
 from __future__ import annotations
 
@@ -31,7 +22,8 @@ _POOLS = weakref.WeakValueDictionary()  # pool handle -> Pool
 _ids = itertools.count(1)
 
 def new_handle(user: bool = True) -> tuple:
-    """A fresh pool id: ``(0, n)`` from graph_pool_handle(), ``(n, 0)`` for a graph's private pool (as torch)."""
+    """A fresh pool id: ``(0, n)`` from graph_pool_handle(), ``(n, 0)`` for a graph's private pool
+    (as torch)."""
     n = next(_ids)
     return (0, n) if user else (n, 0)
 
@@ -43,7 +35,8 @@ class Block:
         import torch
 
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.storage, self.device = buf.untyped_storage(), buf.device  # cuda -> cuda:0, as tensors say
+        # cuda -> cuda:0, as tensors say
+        self.storage, self.device = buf.untyped_storage(), buf.device
         self.nbytes, self.stream, self.pool = nbytes, stream, pool
         self.internal = 0  # references held by graphs' own records
         _BLOCKS[(self.device, self.storage.data_ptr())] = self
@@ -62,7 +55,8 @@ class Pool:
         self.handle, self.blocks, self.recording = handle, [], False
 
     def alloc(self, nbytes: int, stream, device="cpu") -> Block:
-        """A block of ``nbytes`` or more for ``stream`` on ``device``: the smallest free one that fits, or a new one."""
+        """A block of ``nbytes`` or more for ``stream`` on ``device``: the smallest free one that
+        fits, or a new one."""
         import torch
 
         size, device = max(ROUND, -(-nbytes // ROUND) * ROUND), torch.device(device)
@@ -122,14 +116,16 @@ class Program:
 
     # ------------------------------------------------------------------ recording
     def ref(self, x):
-        """``x`` as a record keeps it: pool tensors by address, other tensors as views of their memory."""
+        """``x`` as a record keeps it: pool tensors by address, other tensors as views of their
+        memory."""
         import numpy as np
         import torch
 
         if isinstance(x, torch.Tensor):
             block = _BLOCKS.get((x.device, x.untyped_storage().data_ptr()))
             if block is None:
-                return x.data  # its memory, with its own version counter: a replay is invisible to autograd
+                # its memory, with its own version counter: a replay is invisible to autograd
+                return x.data
             return _Desc(block, x.dtype, x.storage_offset(), tuple(x.shape), tuple(x.stride()))
         if isinstance(x, np.ndarray) and x.ndim:
             base = x
@@ -167,7 +163,8 @@ class Program:
 
     # ------------------------------------------------------------------ ending
     def finish(self):
-        """The replayable steps, with pool addresses turned into the graph's own views; and the blocks held."""
+        """The replayable steps, with pool addresses turned into the graph's own views; and the
+        blocks held."""
         import numpy as np
         import torch
         from torch.utils._pytree import tree_map
@@ -208,7 +205,8 @@ def release(held) -> None:
 
 
 def run(steps, launch) -> None:
-    """Replay: every recorded op into its recorded outputs, every launch with ``launch(kernel, config, args)``."""
+    """Replay: every recorded op into its recorded outputs, every launch with ``launch(kernel,
+    config, args)``."""
     import torch
     from torch.utils._pytree import tree_leaves
 

@@ -1,16 +1,9 @@
-"""The random generator's state saved and restored inside a simulated capture, as torch's graph-safe generators do.
+"""The random generator's state read and set back inside a simulated capture, as torch's graph-safe
+generators do (activation checkpointing recomputes the mask its forward drew).
 
-On a GPU, reading the generator's state inside a capture (``torch.get_rng_state()``, which activation
-checkpointing and ``torch.random.fork_rng`` call) gives a state that stands for *this point of every replay*, and
-setting it back makes the ops after it draw again the numbers drawn after that point, in the same replay. That is
-how a checkpointed block with dropout recomputes, in the captured backward, exactly the mask its captured forward
-drew, while every replay still draws fresh numbers.
-
-On the simulator the CPU generator is the device's generator and a replay draws from it again
-(:mod:`course.sim.record`). So, while a capture is under way, :func:`patches` make ``get_rng_state`` return a state
-tensor and record a step that refreshes it from the generator at every replay, and make ``set_rng_state`` record a
-step that puts that state back at replay (nothing changes at capture: the capture draws nothing). Outside a capture
-both are torch's own.
+While a capture runs, :func:`patches` make ``get_rng_state`` record a step that reads the generator
+at each replay and ``set_rng_state`` one that puts that state back; outside a capture both are
+torch's.
 """
 from __future__ import annotations
 
@@ -35,7 +28,8 @@ def _record(cap, step, state) -> None:
 
 
 def patches(torch) -> list:
-    """``(owner, name, replacement)`` for ``get_rng_state`` / ``set_rng_state`` (applied by :mod:`course.sim.patch`)."""
+    """``(owner, name, replacement)`` for ``get_rng_state`` / ``set_rng_state`` (applied by
+    :mod:`course.sim.patch`)."""
     get, put = torch.random.get_rng_state, torch.random.set_rng_state
 
     def get_rng_state():

@@ -1,21 +1,10 @@
-"""Streams, events and capture state for the simulator's CUDA-graph stand-in, under torch.cuda's names.
+"""Streams, events and capture state for the simulator's graphs, under torch.cuda's names.
 
-:mod:`course.sim.graph` records a capture; this module knows *which* stream is capturing and says no,
-with the error text a GPU gives, to what a capturing stream cannot do:
-
-- a host read or wait (``.item()``, ``if tensor:``, printing, ``nonzero``, ``synchronize()``...):
-  ``CUDA error: operation not permitted when stream is capturing`` (``torch.AcceleratorError``); it also
-  invalidates the capture, so ``capture_end`` then fails with ``operation failed due to a previous error
-  during capture``, as CUDA does;
-- a copy between host and device (``.cpu()``, ``.to("cpu")``, ``.tolist()``, ``torch.tensor(data,
-  device=...)``): ``Cannot copy between CPU and CUDA tensors during CUDA graph capture ...``, raised by
-  torch before any CUDA call (the capture stays valid);
-- a Numba allocation (``cuda.device_array``, ``cuda.to_device``) in "global" or "thread_local" mode;
-  reseeding the generator (``torch.manual_seed`` to a seed other than its current one; the same seed passes).
-
-Streams: the legacy default stream cannot capture; ``s.wait_stream(capturing)`` forks ``s`` into the capture,
-and the capturing stream must wait on ``s`` again (join) before the capture ends, or it fails with
-``capturing stream has unjoined work``. Work on streams outside the capture runs at once, as on a GPU.
+A capturing stream refuses, with the GPU's text: a host read or wait (``operation not permitted when
+stream is capturing``, which also invalidates the capture), a host-device copy (``Cannot copy
+between CPU and CUDA tensors during CUDA graph capture``), Numba allocations and a new seed. The
+legacy default stream cannot capture; a stream that waits on a capturing one joins the capture and
+must be joined back (``capturing stream has unjoined work``). Work outside captures runs at once.
 """
 from __future__ import annotations
 
@@ -29,28 +18,32 @@ import warnings
 SYNC = "CUDA error: operation not permitted when stream is capturing"
 INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
 UNJOINED = "CUDA error: capturing stream has unjoined work"
-COPY = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned. "
-        "Please use tensor.pin_memory() or allocate the tensor with pin_memory=True.")
+COPY = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor "
+        "is pinned. Please use tensor.pin_memory() or allocate the tensor with pin_memory=True.")
 # torch 2.11 on the H100, for torch.manual_seed inside a capture:
-SEED = ("CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed is the same as "
-        "the original seed.")
+SEED = ("CUDAGeneratorImpl::set_current_seed can be called during stream "
+        "capture only if new seed is the same as the original seed.")
 NUMBA_ALLOC = ("[<CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: 900>] Call to {} results in "
                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
 MODES = ("global", "thread_local", "relaxed")
 SYNC_DEBUG = "called a synchronizing CUDA operation"
-FREED = ("a CUDAGraph was freed during the capture: its destructor calls CUDA, which a capturing stream does not "
-         "permit")
+FREED = ("a CUDAGraph was freed during the capture: its destructor "
+         "calls CUDA, which a capturing stream does not permit")
 
 
 class Capture:
-    """One capture under way: its stream, mode, the streams forked into it and whether CUDA gave up on it."""
+    """One capture under way: its stream, mode, the streams forked into it and whether CUDA gave up
+    on it."""
 
     def __init__(self, origin, mode: str, program, pool):
         self.origin, self.mode, self.program, self.pool = origin, mode, program, pool
         self.invalid = None  # why CUDA invalidated it (a refused call), or None
-        self.work = {origin: 0}  # stream -> how much it has queued in this capture (a fork counts as 1)
-        self.seen = {origin: {}}  # stream -> {other stream: how much of its work this stream waited for}
-        self.generators: list = []  # generators registered with the graph (register_generator_state)
+        # stream -> how much it has queued in this capture (a fork counts as 1)
+        self.work = {origin: 0}
+        # stream -> {other stream: how much of its work this stream waited for}
+        self.seen = {origin: {}}
+        # generators registered with the graph (register_generator_state)
+        self.generators: list = []
 
     def note_work(self, stream) -> None:
         """``stream`` queued one more operation in this capture."""
@@ -67,7 +60,8 @@ OUTSIDE = [0]  # work run at once on a stream that was not capturing while a cap
 
 
 class Stream:
-    """A stand-in for ``torch.cuda.Stream``: a queue of work, which may be capturing or forked into a capture."""
+    """A stand-in for ``torch.cuda.Stream``: a queue of work, which may be capturing or forked into
+    a capture."""
 
     _handles = itertools.count(1)
 
@@ -91,13 +85,15 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        """True: the simulator has finished everything it was given (refused on a capturing stream)."""
+        """True: the simulator has finished everything it was given (refused on a capturing stream).
+        """
         if self.capture is not None:
             refuse_sync("Stream.query() on a capturing stream", self.capture)
         return True
 
     def synchronize(self) -> None:
-        """Wait for this stream (refused while it captures; reported by the sync debug mode, as torch does)."""
+        """Wait for this stream (refused while it captures; reported by the sync debug mode, as
+        torch does)."""
         on_sync("Stream.synchronize() waits for the stream")
         if self.capture is not None:
             refuse_sync("Stream.synchronize() waits for a capturing stream", self.capture)
@@ -112,7 +108,8 @@ _current = [_DEFAULT]
 
 
 class Event:
-    """A stand-in for ``torch.cuda.Event``: marks a point in a stream's work (and the host time, for timing)."""
+    """A stand-in for ``torch.cuda.Event``: marks a point in a stream's work (and the host time, for
+    timing)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **kwargs):
         self.enable_timing = enable_timing
@@ -144,10 +141,11 @@ class Event:
                 seen[s] = max(seen.get(s, 0), n)
 
     def query(self) -> bool:
-        """True once the work before the event has run (refused for an event recorded in a capture)."""
+        """True once the work before the event has run (refused for an event recorded in a capture).
+        """
         if self._capture is not None:
-            raise _accelerator_error("CUDA error: operation not permitted on an event last recorded in a "
-                                     "capturing stream")
+            raise _accelerator_error("CUDA error: operation not permitted on an "
+                                     "event last recorded in a capturing stream")
         return True
 
     def synchronize(self) -> None:
@@ -157,11 +155,13 @@ class Event:
     def elapsed_time(self, end) -> float:
         """Host milliseconds between this event and ``end`` (both recorded outside a capture)."""
         if self._time is None or end._time is None:
-            raise RuntimeError("Both events must be recorded (outside a capture) before calling elapsed_time().")
+            raise RuntimeError("Both events must be recorded (outside a "
+                               "capture) before calling elapsed_time().")
         return (end._time - self._time) * 1e3
 
 
-# --------------------------------------------------------------------------- torch.cuda's stream functions
+# --------------------------------------------------------------------------- torch.cuda's stream
+# functions
 
 def current_stream(device=None):
     """The stream work goes to now (``torch.cuda.current_stream``)."""
@@ -195,12 +195,14 @@ class StreamContext:
 
 
 def stream(s) -> StreamContext:
-    """``with stream(s):`` runs the block with ``s`` current (``torch.cuda.stream``; ``None`` changes nothing)."""
+    """``with stream(s):`` runs the block with ``s`` current (``torch.cuda.stream``; ``None``
+    changes nothing)."""
     return StreamContext(s)
 
 
 def is_current_stream_capturing() -> bool:
-    """True while the current stream records into a capture (``torch.cuda.is_current_stream_capturing``)."""
+    """True while the current stream records into a capture
+    (``torch.cuda.is_current_stream_capturing``)."""
     return capturing() is not None
 
 
@@ -216,9 +218,11 @@ def synchronize(device=None) -> None:
         refuse_sync("synchronize() waits for the whole device", *_ACTIVE)
 
 
-# --------------------------------------------------------------------------- torch's sync debug mode
+# --------------------------------------------------------------------------- torch's sync debug
+# mode
 
-_sync_debug = [0, 0]  # [mode: 0 default, 1 warn, 2 error; depth of calls inside a sync already reported]
+# [mode: 0 default, 1 warn, 2 error; depth of calls inside a sync already reported]
+_sync_debug = [0, 0]
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -228,7 +232,8 @@ def sync_debug_mode() -> int:
 
 
 def set_sync_debug_level(mode: int) -> None:
-    """Put sync debug mode ``mode`` (0, 1 or 2) in force (:func:`course.sim.patch.set_sync_debug_mode`)."""
+    """Put sync debug mode ``mode`` (0, 1 or 2) in force
+    (:func:`course.sim.patch.set_sync_debug_mode`)."""
     _sync_debug[0] = mode
 
 
@@ -243,9 +248,11 @@ def _user_stacklevel() -> int:
 
 
 def on_sync(what: str) -> None:
-    """A synchronizing call: under the sync debug mode, torch's warning ("warn") or RuntimeError ("error").
+    """A synchronizing call: under the sync debug mode, torch's warning ("warn") or RuntimeError
+    ("error").
 
-    Once per call: what the call does inside (``repr`` reads values with ``.item()``) is not reported again.
+    Once per call: what the call does inside (``repr`` reads values with ``.item()``) is not
+    reported again.
     """
     mode = _sync_debug[0]
     if not mode or _sync_debug[1]:
@@ -281,19 +288,22 @@ def refuse_sync(what: str, *captures) -> None:
 
 
 def graph_freed() -> None:
-    """A captured graph was destroyed: a capture under way in "global" or "thread_local" mode is invalidated."""
+    """A captured graph was destroyed: a capture under way in "global" or "thread_local" mode is
+    invalidated."""
     cap = strict_capture()
     if cap is not None:
         cap.invalid = cap.invalid or FREED
 
 
 def refuse_copy(what: str) -> None:
-    """Raise torch's error for a copy between host and device during capture (the capture stays valid)."""
+    """Raise torch's error for a copy between host and device during capture (the capture stays
+    valid)."""
     raise RuntimeError(f"{COPY} ({what})")
 
 
 def refuse_numba(call: str, what: str) -> None:
-    """Raise Numba's CudaAPIError for a driver call CUDA refuses during capture, and invalidate the captures."""
+    """Raise Numba's CudaAPIError for a driver call CUDA refuses during capture, and invalidate the
+    captures."""
     for cap in _ACTIVE:
         if cap.mode != "relaxed":
             cap.invalid = cap.invalid or what
@@ -302,7 +312,8 @@ def refuse_numba(call: str, what: str) -> None:
 
 
 def strict_capture():
-    """The capture under way in "global" or "thread_local" mode (the ones that refuse allocations), or None."""
+    """The capture under way in "global" or "thread_local" mode (the ones that refuse allocations),
+    or None."""
     return next((c for c in _ACTIVE if c.mode != "relaxed"), None)
 
 
@@ -312,16 +323,19 @@ _NUMBA: dict = {}  # id(stand-in stream) -> (stand-in stream, numba.cuda module,
 
 
 def numba_stream_for(stream, nc):
-    """The Numba simulator stream that stands for ``stream`` (made once per stream by the ``nc`` module)."""
+    """The Numba simulator stream that stands for ``stream`` (made once per stream by the ``nc``
+    module)."""
     entry = _NUMBA.get(id(stream))
     if entry is None or entry[0] is not stream or entry[1] is not nc:
-        make = nc.default_stream if hasattr(nc, "default_stream") else nc.stream  # plain numba: stream() only
+        # plain numba: stream() only
+        make = nc.default_stream if hasattr(nc, "default_stream") else nc.stream
         entry = _NUMBA[id(stream)] = (stream, nc, make())
     return entry[2]
 
 
 def stream_of_numba(numba_stream):
-    """The stand-in stream a Numba stream stands for (None: Numba's own default stream, never captured)."""
+    """The stand-in stream a Numba stream stands for (None: Numba's own default stream, never
+    captured)."""
     for s, _, ns in _NUMBA.values():
         if ns is numba_stream:
             return s

@@ -1,8 +1,10 @@
-"""The course map: every notebook, lab and solution, in teaching order, and the modules that hold its experiments.
+"""The course map: every notebook, lab and solution, in teaching order, and the modules that hold
+its experiments.
 
-Each lesson or lab entry names the modules whose ``@experiment`` functions it shows first (``experiments``);
-:func:`experiment_modules` lists them all, and :func:`course.core.reference.load_all` imports exactly those,
-failing loudly on one that no longer exists.
+Each lesson or lab entry names the modules whose ``@experiment`` functions it shows first
+(``experiments``); :func:`experiment_modules` lists them all, and
+:func:`course.core.reference.load_all` imports exactly those, failing loudly on one that no longer
+exists.
 """
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ class Entry:
     kind: str  # "lesson", "lab" or "solution"
     summary: str
     experiments: tuple = ()  # modules that register the experiments this notebook shows first
-    experiment_cells: bool = False  # its answer version has cells tagged "experiment" (course.core.cells)
+    # its answer version has cells tagged "experiment" (course.core.cells)
+    experiment_cells: bool = False
 
     @property
     def answer_version(self) -> str:
-        """The answer version this notebook is generated from (itself, for an entry in solutions/)."""
+        """The answer version this notebook is generated from (itself, for an entry in solutions/).
+        """
         return f"solutions/{Path(self.path).name}"
 
 
@@ -36,14 +40,15 @@ CATALOG = (
           "why small kernels make the GPU wait for the CPU: measured, swept, profiled",
           (), experiment_cells=True),
     Entry("notebooks/02_capture_and_replay.ipynb", "Capture and replay", "lesson",
-          "CUDA graphs by hand: warm-up, static inputs, replay, what freezes, shared pools; your own captures",
+          "CUDA graphs by hand: warm-up, static inputs, replay, "
+          "what freezes, shared pools; your own captures",
           (), experiment_cells=True),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
           "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder",
           ("course.lessons.what_breaks.recovery",), experiment_cells=True),
     Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
-          "InfiniLM's fused inference engine, as a graph cache for a tiny decoder: keys, buckets, fallbacks, its FAQ, "
-          "vs reduce-overhead",
+          "InfiniLM's fused inference engine, as a graph cache for a tiny "
+          "decoder: keys, buckets, fallbacks, its FAQ, vs reduce-overhead",
           ("course.lessons.graph_cache.experiments",), experiment_cells=True),
     Entry("labs/lab1_embedding_kernel.ipynb", "Lab 1: an embedding kernel in Numba CUDA", "lab",
           "write the lookup kernel, then a faster one; checked against F.embedding",
@@ -51,52 +56,46 @@ CATALOG = (
     Entry("labs/lab2_embedding_swap.ipynb", "Lab 2: swap, capture, replay", "lab",
           "the CPU-copy embedding cannot be captured; the device kernel can"),
     Entry("labs/lab3_graph_cache.ipynb", "Lab 3: build a graph cache", "lab",
-          "key, capture on miss, replay on hit, stats, buckets and padding, fallback, enable/clear"),
+          "key, capture on miss, replay on hit, stats, "
+          "buckets and padding, fallback, enable/clear"),
     Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
-          "PyTorch's DTensor sharded-embedding test, vocab-parallel with the Numba kernel, capture on 2 GPUs, "
-          "data-parallel ranks must agree on the graph",
+          "PyTorch's DTensor sharded-embedding test, vocab-parallel with the Numba "
+          "kernel, capture on 2 GPUs, data-parallel ranks must agree on the graph",
           ("course.lessons.sharding.experiments",), experiment_cells=True),
     Entry("notebooks/06_real_model.ipynb", "A real model's decode step", "lesson",
-          "transformers' Llama in TinyLlama's shape: the finder, the fixes, graph cache and fusion, correctness, "
-          "the roofline, a batch sweep",
+          "transformers' Llama in TinyLlama's shape: the finder, the fixes, "
+          "graph cache and fusion, correctness, the roofline, a batch sweep",
           ("course.lessons.real_model.experiments", "course.lessons.real_model.reduce_bench"), experiment_cells=True),
     Entry("labs/lab4_real_model.ipynb", "Lab 4: capture a real model's decode step", "lab",
-          "make the step capturable, wrap it in the graph cache, predict tokens/s, explain the gap per kernel"),
+          "make the step capturable, wrap it in the graph "
+          "cache, predict tokens/s, explain the gap per kernel"),
     Entry("notebooks/07_last_mile.ipynb", "The last mile to the floor", "lesson",
-          "five fused Triton kernels per layer, PDL in the CUDA graph, the waterfall from eager to the floor",
+          "five fused Triton kernels per layer, PDL in the "
+          "CUDA graph, the waterfall from eager to the floor",
           ("course.lessons.last_mile.waterfall", "course.lessons.last_mile.sweeps",
            "course.lessons.last_mile.bench"), experiment_cells=True),
     Entry("notebooks/08_tensor_parallel.ipynb", "Tensor parallel, captured", "lesson",
-          "lesson 06's model split over 2 and 4 GPUs (parallelize_module, and by hand), all-reduces counted, one "
-          "graph per rank with NCCL inside, the floor per rank; you write the per-rank capture; lesson 07's fused "
-          "step on every rank (NCCL or symmetric-memory all-reduces), you place the residual and the all-reduces, "
-          "when splitting pays (TinyLlama vs Llama-3.1-8B's shape)",
+          "lesson 06's model split over 2 and 4 GPUs (parallelize_module, and by "
+          "hand), all-reduces counted, one graph per rank with NCCL inside, the floor "
+          "per rank; you write the per-rank capture; lesson 07's fused step on every "
+          "rank (NCCL or symmetric-memory all-reduces), you place the residual and the "
+          "all-reduces, when splitting pays (TinyLlama vs Llama-3.1-8B's shape)",
           (), experiment_cells=True),
-    Entry("solutions/01_launch_overhead.ipynb", "Lesson 01 with answers", "solution",
-          "lesson 01 with its exercise answered; generates notebooks/01_launch_overhead.ipynb"),
-    Entry("solutions/02_capture_and_replay.ipynb", "Lesson 02 with answers", "solution",
-          "lesson 02 with its exercises answered; generates notebooks/02_capture_and_replay.ipynb"),
-    Entry("solutions/03_what_breaks_capture.ipynb", "Lesson 03 with answers", "solution",
-          "lesson 03 with its exercises answered; generates notebooks/03_what_breaks_capture.ipynb"),
-    Entry("solutions/04_graph_cache.ipynb", "Lesson 04 with answers", "solution",
-          "lesson 04 with its exercises answered; generates notebooks/04_graph_cache.ipynb"),
-    Entry("solutions/05_sharded_embedding.ipynb", "Lesson 05 with answers", "solution",
-          "lesson 05 with its exercise answered; generates notebooks/05_sharded_embedding.ipynb"),
-    Entry("solutions/06_real_model.ipynb", "Lesson 06 with answers", "solution",
-          "lesson 06 with its exercises answered; generates notebooks/06_real_model.ipynb"),
-    Entry("solutions/07_last_mile.ipynb", "Lesson 07 with answers", "solution",
-          "lesson 07 with its exercises answered; generates notebooks/07_last_mile.ipynb"),
-    Entry("solutions/08_tensor_parallel.ipynb", "Lesson 08 with answers", "solution",
-          "lesson 08 with its exercise answered; generates notebooks/08_tensor_parallel.ipynb"),
-    Entry("solutions/lab1_embedding_kernel.ipynb", "Lab 1 solution", "solution",
-          "the reference answers for lab 1"),
-    Entry("solutions/lab2_embedding_swap.ipynb", "Lab 2 solution", "solution",
-          "the reference answers for lab 2"),
-    Entry("solutions/lab3_graph_cache.ipynb", "Lab 3 solution", "solution",
-          "the reference answers for lab 3"),
-    Entry("solutions/lab4_real_model.ipynb", "Lab 4 solution", "solution",
-          "the reference answers for lab 4"),
 )
+
+
+def _answer_version(e: Entry) -> Entry:
+    """The catalog entry of ``e``'s answer version (solutions/, generating ``e``)."""
+    n = Path(e.path).stem.split("_")[0].removeprefix("lab")
+    if e.kind == "lab":
+        return Entry(e.answer_version, f"Lab {n} solution", "solution",
+                     f"the reference answers for lab {n}")
+    return Entry(e.answer_version, f"Lesson {n} with answers", "solution",
+                 f"lesson {n} with its exercises answered; generates {e.path}")
+
+
+CATALOG += tuple(sorted((_answer_version(e) for e in CATALOG if e.path != CATALOG[0].path),
+                        key=lambda e: ("lab" in e.path, e.path)))  # every one but "Start here"
 
 
 def entries(kind: str | None = None) -> list:
@@ -118,7 +117,8 @@ def experiment_modules() -> tuple:
 
 
 def experiment_notebooks(root: Path = ROOT) -> tuple:
-    """The answer versions whose cells define experiments (entries with ``experiment_cells``), in teaching order."""
+    """The answer versions whose cells define experiments (entries with ``experiment_cells``), in
+    teaching order."""
     return tuple(dict.fromkeys(root / e.answer_version for e in CATALOG if e.experiment_cells))
 
 

@@ -1,10 +1,12 @@
-"""Time every cell of a notebook, live: ``python -m course.tools.cell_times NOTEBOOK [--json FILE] [--root DIR]``.
+"""Time every cell of a notebook, live: ``python -m course.tools.cell_times NOTEBOOK [--json FILE]
+[--root DIR]``.
 
-Runs the notebook in a fresh kernel (nbclient; this checkout first on the kernel's ``PYTHONPATH``) and prints
-one line per cell as it finishes: its index, seconds, and its first line, with the long experiments' own
-progress lines (stdout) shown under the cell that printed them. Then the total and the slowest cells. Use it
-before and after a change to see where a notebook's live time goes (``COURSE_FULL=1`` in the environment runs the
-heavy experiments too). Nothing is written to the notebook.
+Runs the notebook in a fresh kernel (nbclient; this checkout first on the kernel's ``PYTHONPATH``)
+and prints one line per cell as it finishes: its index, seconds, and its first line, with the long
+experiments' own progress lines (stdout) shown under the cell that printed them. Then the total and
+the slowest cells. Use it before and after a change to see where a notebook's live time goes
+(``COURSE_FULL=1`` in the environment runs the heavy experiments too). Nothing is written to the
+notebook.
 """
 from __future__ import annotations
 
@@ -26,13 +28,9 @@ def _first_line(src: str) -> str:
 
 
 def time_cells(path, timeout: float = 600.0, log=print, show_output: bool = True, root=None) -> list:
-    """Execute the notebook at ``path`` and return ``[{"cell", "seconds", "first_line"}]`` for its code cells.
-
-    ``root``: the checkout the kernel imports ``course`` from (first on its ``PYTHONPATH``; default: this one).
-    Give an older checkout (``git worktree add /tmp/before COMMIT``) to time the notebook as it was.
-    ``log`` gets a line per cell when it finishes (and, with ``show_output``, the lines it printed that look
-    like progress: ``[i/n]`` counters and ``done in``). Raises the cell's error when one fails, after logging it.
-    """
+    """Execute the notebook at ``path``: ``[{"cell", "seconds", "first_line"}]`` per code cell.
+    ``root``: the checkout the kernel imports (an older one times the notebook as it was); ``log``
+    gets a line per cell; a failing cell's error is raised after it is logged."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -66,7 +64,8 @@ def time_cells(path, timeout: float = 600.0, log=print, show_output: bool = True
         if not env_path:
             del os.environ["PYTHONPATH"]
     total = time.perf_counter() - t0
-    log(f"total {total:.1f} s over {len(rows)} code cells (kernel start-up included in the total only)")
+    log(f"total {total:.1f} s over {len(rows)} code cells "
+        "(kernel start-up included in the total only)")
     for r in sorted(rows, key=lambda r: -r["seconds"])[:5]:
         log(f"  slowest: cell {r['cell']:3d} {r['seconds']:7.1f} s  {r['first_line']}")
     return rows

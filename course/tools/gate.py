@@ -1,22 +1,10 @@
-"""The test suite's gate: a notebook whose exercises say ✗ fails the run (nbval alone passes it).
+"""The test suite's gate (a pytest plugin, registered by ``conftest.py``): a notebook whose
+exercises say ✗ fails the run, which nbval alone would pass.
 
-``nbval --nbval-lax`` fails a notebook only on a cell that raises, and an exercise's ✗ is printed,
-not raised, so an answer version that fails its own checks used to pass. This pytest plugin
-(registered by the project's ``conftest.py``, so ``make test`` and ``make gpu-test`` use it with no
-extra flags) reuses nbval's own run of each notebook, by its folder:
-
-- ``solutions/*.ipynb`` (answer versions): every exercise the notebook declares
-  (:func:`course.tools.grade.exercise_names`) must pass, or be skipped with a reason (a GPU-only
-  exercise on the simulator);
-- ``notebooks/*.ipynb`` and ``labs/*.ipynb`` (learner versions): an exercise may be "not done
-  yet" or skipped, never ✗ (failed or crashed).
-
-Two parts, both cheap: the kernel nbval starts for a notebook gets ``COURSE_GATE`` (``answers`` or
-``learner``: :func:`course.core.checks.exercise` then raises on a ✗, and for answers on "not done
-yet", so nbval fails that very cell) and ``COURSE_CHECK_LOG`` (every outcome, as JSON lines); and
-one more test item after the notebook's last cell, ``<notebook>::exercises``, reads that log and
-fails on what no cell could raise: an exercise of an answer version that never reported (its cell
-did not run, or its check sits in a branch that did not run).
+It reuses nbval's run: the kernel gets ``COURSE_GATE`` (``answers`` in ``solutions/``: every ✗ and
+"not done yet" raises; ``learner`` in ``notebooks/`` and ``labs/``: every ✗ raises) and
+``COURSE_CHECK_LOG``; one more item after the last cell, ``<notebook>::exercises``, reads the log
+and fails an answer version whose declared exercise never reported.
 """
 from __future__ import annotations
 
@@ -37,13 +25,15 @@ ITEM_NAME = "exercises"
 
 
 def mode_for(path) -> str | None:
-    """The gate for a notebook at ``path``: "answers" in solutions/, "learner" in notebooks/ and labs/, else None."""
+    """The gate for a notebook at ``path``: "answers" in solutions/, "learner" in notebooks/ and
+    labs/, else None."""
     p = Path(str(path))
     return MODES.get(p.parent.name) if p.suffix == ".ipynb" else None
 
 
 def read_log(path) -> list:
-    """The outcomes a check log holds (one dict per ``record``), in order; [] when there is no log."""
+    """The outcomes a check log holds (one dict per ``record``), in order; [] when there is no log.
+    """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError:
@@ -52,10 +42,12 @@ def read_log(path) -> list:
 
 
 def problems(entries: list, declared: list, mode: str) -> list:
-    """What fails the gate, one line each: every ✗ the log holds; for "answers" also what did not pass.
+    """What fails the gate, one line each: every ✗ the log holds; for "answers" also what did not
+    pass.
 
-    ``entries`` are the logged outcomes (the last one of an exercise counts, but a ✗ anywhere fails);
-    ``declared`` the exercise names the notebook declares (an answer version must report each one).
+    ``entries`` are the logged outcomes (the last one of an exercise counts, but a ✗ anywhere
+    fails); ``declared`` the exercise names the notebook declares (an answer version must report
+    each one).
     """
     from course.tools.grade import judge
 
@@ -72,18 +64,21 @@ def problems(entries: list, declared: list, mode: str) -> list:
             e = last.get(name)
             rows.append({"name": name, "status": e["status"], "message": e.get("message", "")} if e else
                         {"name": name, "status": "not reached",
-                         "message": "its check never reported (its cell did not run, raised before the check, or "
-                                    "the check is in a branch that did not run: on the simulator, a GPU-only "
-                                    "exercise must call checks.skip(name, why))"})
+                         "message": "its check never reported (its cell did not run, "
+                                    "raised before the check, or the check is in a "
+                                    "branch that did not run: on the simulator, a "
+                                    "GPU-only exercise must call checks.skip(name, why))"})
     return judge(rows, answers=mode == "answers")
 
 
 class GateFailed(Exception):
-    """A notebook's exercises failed the gate; the message lists each, and what to run to see more."""
+    """A notebook's exercises failed the gate; the message lists each, and what to run to see more.
+    """
 
 
 class ExercisesItem(pytest.Item):
-    """The test item after a notebook's last cell: its exercises, judged from the check log of nbval's run."""
+    """The test item after a notebook's last cell: its exercises, judged from the check log of
+    nbval's run."""
 
     def runtest(self):
         """Fail with every problem :func:`problems` finds in the notebook's check log."""
@@ -91,12 +86,14 @@ class ExercisesItem(pytest.Item):
         gate = self.parent._course_gate
         bad = problems(read_log(gate["log"]), gate["declared"], gate["mode"])
         if bad:
-            rule = ("an answer version must pass every exercise (or skip it with a reason)" if gate["mode"] == "answers"
+            rule = ("an answer version must pass every "
+                    "exercise (or skip it with a reason)" if gate["mode"] == "answers"
                     else "a learner version may say 'not done yet', never ✗")
             flag = " --answers" if gate["mode"] == "answers" else ""
-            raise GateFailed(f"{self.parent.path.name}: {rule}; here:\n" + "\n".join(f"  {b}" for b in bad)
-                             + f"\nSee the failing cells above, or run: python -m course check{flag} "
-                               f"{self.parent.path}")
+            raise GateFailed(f"{self.parent.path.name}: "
+                             f"{rule}; here:\n" + "\n".join(f"  {b}" for b in bad)
+                             + "\nSee the failing cells above, or run: python "
+                               f"-m course check{flag} {self.parent.path}")
 
     def repr_failure(self, excinfo, style=None):
         """The gate's own message, without a traceback of this plugin."""
@@ -110,10 +107,11 @@ class ExercisesItem(pytest.Item):
 
 
 def keep_outputs(notebook_item) -> Path | None:
-    """With ``COURSE_KEEP_OUTPUTS=DIR``, write the notebook as nbval just ran it (outputs included) into DIR.
+    """With ``COURSE_KEEP_OUTPUTS=DIR``, write the notebook as nbval just ran it (outputs included)
+    into DIR.
 
-    The GPU lane's executed copies, for reading what each cell printed on that machine; nothing is written
-    otherwise. Returns the file written, or None.
+    The GPU lane's executed copies, for reading what each cell printed on that machine; nothing is
+    written otherwise. Returns the file written, or None.
     """
     folder = os.environ.get(ENV_KEEP)
     if not folder:
@@ -166,7 +164,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    """Start a gated notebook's kernel with ``COURSE_GATE`` and ``COURSE_CHECK_LOG`` set (only that kernel)."""
+    """Start a gated notebook's kernel with ``COURSE_GATE`` and ``COURSE_CHECK_LOG`` set (only that
+    kernel)."""
     gate = getattr(item.parent, "_course_gate", None)
     if gate is None or getattr(item.parent, "kernel", None) is not None:
         yield

@@ -1,28 +1,13 @@
-"""Run learners' notebooks and report every exercise: ``course check NOTEBOOK`` and ``course grade DIR``.
+"""``course check NOTEBOOK`` and ``course grade DIR``: run learners' notebooks and report every
+exercise.
 
-A notebook runs in a fresh kernel with ``COURSE_CHECK_LOG`` set (see :mod:`course.core.checks`);
-every cell runs, whatever the cells before it did, each under a time limit, and the whole
-notebook under a total limit. Each exercise the notebook contains ends in one status:
-
-- ``pass``, ``fail`` (a wrong answer), ``crash`` (the learner's code raised), ``todo`` (not done
-  yet), ``skip`` (cannot run here, e.g. needs a GPU; worth 0 of 0 points): what its check recorded
-  (the last time it ran);
-- ``timed out``: its cell was interrupted at the time limit (an endless loop);
-- ``not reached``: its check never ran, with the reason (its cell raised before the check, the
-  kernel died, or the notebook's time ran out).
-
-``course grade DIR`` does this for every ``*.ipynb`` under DIR (the student is the file's name,
-or its folder's name for ``DIR/STUDENT/lab.ipynb``) and writes ``grades.csv`` (student, notebook,
-exercise, status, points, max_points, message) and one ``feedback/STUDENT.html`` per student.
-Points come from the nbgrader metadata of the exercise's cell (``points``), else 1.
-
-``course check`` shows what the notebook shows: the message, the learner's line, the crash's
-"why:" and the hint. Staged hints advance from one ``course check`` to the next: the count of
-✗ per exercise is kept in ``.course_hints.json`` beside the notebook (git-ignored; reset when
-the exercise passes) and handed to the kernel in ``COURSE_HINT_STAGES``. ``--answers`` and
-``course grade`` neither read nor write it. The hints teach; an exercise's answer is printed only
-for the exercises named with ``--show-answer`` (``COURSE_SHOW_ANSWER``, see :mod:`course.core.answers`),
-and never when ``COURSE_ANSWERS=off``.
+A notebook runs in a fresh kernel (each cell under a time limit, the whole under a total one) with
+``COURSE_CHECK_LOG`` set; each exercise ends ``pass``, ``fail``, ``crash``, ``todo``, ``skip``
+(worth 0 of 0), ``timed out`` or ``not reached`` (with why). ``course grade`` writes ``grades.csv``
+and one ``feedback/STUDENT.html`` per student (points from nbgrader's metadata, else 1). ``course
+check`` shows what the notebook shows; staged hints advance from one run to the next
+(``.course_hints.json``, not with ``--answers``); an answer is printed only for ``--show-answer
+NAME``, never with ``COURSE_ANSWERS=off``.
 """
 from __future__ import annotations
 
@@ -61,14 +46,10 @@ def _points(cell) -> float:
 
 def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, stages: dict | None = None,
                show=()) -> dict:
-    """Run the notebook at ``path`` in a fresh kernel; return its exercises, stray cell errors and timings.
-
-    Result: ``{"exercises": [{"name", "status", "message", "hint", "where", "why", "failures", "points",
-    "max_points"}], "stray": [(cell, ename, evalue)], "error": None or a reason, "seconds": float}``.
-    ``stages`` (exercise -> ✗ in earlier runs) makes staged hints start where the last run left them;
-    ``show`` names the exercises whose answer this run prints (in their row's ``answer``).
-    Raises ``OSError``/``ValueError`` if the file cannot be read as a notebook.
-    """
+    """Run the notebook at ``path`` in a fresh kernel: ``{"exercises": [rows], "stray": [(cell,
+    ename, evalue)], "error", "seconds"}``. ``stages``: ✗ per exercise so far (where staged hints
+    start); ``show``: exercises whose answer this run prints. Raises OSError/ValueError for an
+    unreadable file."""
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
@@ -81,7 +62,8 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
     cells = exercise_cells(nb)
     fd, log_path = tempfile.mkstemp(prefix="course-check-", suffix=".jsonl")
     os.close(fd)
-    # the kernel inherits these: this run's log, and only this run's stages and answers asked for (never stale ones)
+    # the kernel inherits these: this run's log, and only this run's stages and answers asked for
+    # (never stale ones)
     env = env_set({ENV_LOG: log_path, ENV_STAGES: json.dumps(stages) if stages else None,
                    ENV_SHOW: json.dumps(list(show)) if show else None})
     expose_course_to_kernels()  # the kernel imports this checkout's course, installed or not
@@ -128,17 +110,20 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
         e = outcome.get(name)
         err = _error(nb.cells[i]) if i is not None else None
         if err and err[0] == "KeyboardInterrupt":
-            row = {"status": "timed out", "message": f"cell {i} was interrupted after its time limit "
+            row = {"status": "timed "
+                             "out", "message": f"cell {i} was interrupted after its time limit "
                                                      f"({client.timeout} s): an endless loop?"}
         elif e is not None:
             row = {k: e.get(k, "") for k in ("status", "message", "hint", "where", "why", "answer")}
             row["failures"] = e.get("failures", 0)
         elif err:
-            row = {"status": "not reached", "message": f"cell {i} raised {err[0]}: {err[1]} before the check ran"}
+            row = {"status": "not reached", "message": f"cell {i} raised {err[0]}: {err[1]} before "
+                                                       "the check ran"}
         elif i is not None and i not in ran:
             row = {"status": "not reached", "message": stopped or f"cell {i} did not run"}
         else:
-            row = {"status": "not reached", "message": "its cell ran but the check did not (inside an if?)"}
+            row = {"status": "not reached", "message": "its cell ran but the check "
+                                                       "did not (inside an if?)"}
         row = {"name": name, "hint": "", "where": "", "why": "", "answer": "", **row, "max_points": maxp}
         row.setdefault("failures", (stages or {}).get(name, 0))
         if row["status"] == "skip":
@@ -146,7 +131,8 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
         row["max_points"] = maxp
         row["points"] = maxp if row["status"] == PASS else 0.0
         exercises.append(row)
-    failed = {x["name"] for x in exercises if x["status"] not in (PASS, "skip")}  # a check that re-raised its ✗
+    # a check that re-raised its ✗
+    failed = {x["name"] for x in exercises if x["status"] not in (PASS, "skip")}
     stray = []
     for i, cell in enumerate(nb.cells):
         err = _error(cell)
@@ -157,10 +143,12 @@ def run_checks(path, cell_timeout: int = 600, total_timeout: int | None = None, 
 
 
 def judge(exercises, answers: bool = False) -> list:
-    """The exercises (dicts with name, status, message) that fail the verdict, each as one line of why.
+    """The exercises (dicts with name, status, message) that fail the verdict, each as one line of
+    why.
 
-    Failed, crashed, timed out and not reached always fail; with ``answers=True`` (an answer version) so
-    do "not done yet" and a skip that gives no reason. Passed and skipped with a reason never do.
+    Failed, crashed, timed out and not reached always fail; with ``answers=True`` (an answer
+    version) so do "not done yet" and a skip that gives no reason. Passed and skipped with a reason
+    never do.
     """
     bad = {"fail", "crash", "timed out", "not reached"} | ({"todo"} if answers else set())
     out = []
@@ -169,39 +157,37 @@ def judge(exercises, answers: bool = False) -> list:
             out.append(f"{_MARK[x['status']]} {x['name']}: {_WORDS[x['status']]}"
                        + (f": {x['message']}" if x.get("message") else ""))
         elif answers and x["status"] == "skip" and not (x.get("message") or "").strip():
-            out.append(f"- {x['name']}: skipped without a reason (checks.skip(name, why) must say why)")
+            out.append(f"- {x['name']}: skipped without a reason "
+                       "(checks.skip(name, why) must say why)")
     return out
 
 
 def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, answers: bool = False,
                    show_answer=()) -> int:
-    """Run the notebook at ``path`` in a fresh kernel and print each exercise's status.
-
-    Prints what the notebook prints: ✓ / ✗ failed (with its hint) / ✗ crashed (with the learner's line,
-    why and the hint) / "not done yet" / "timed out" / "not reached" (with why) per exercise, cells that
-    raised outside any check, and a verdict line. Staged hints go on from the last ``course check`` of
-    this notebook (:mod:`course.tools.hints`), except with ``answers``. ``show_answer`` names exercises (each
-    its name or the start of it) whose answer to print as well; unless answers are off (``COURSE_ANSWERS=off``).
-    Returns 1 if an exercise failed, crashed, timed out or was not reached, or a cell raised; with
-    ``answers=True`` (judging an answer version) also if one is not done yet. 0 otherwise; 2 if the
-    file cannot be read, or ``show_answer`` names no exercise of it (or answers are off).
-    """
+    """Run the notebook at ``path`` in a fresh kernel and print each exercise's status, stray cell
+    errors and a verdict (staged hints go on from the last run, except with ``answers``).
+    ``show_answer``: the exercises (names or their start) whose answer to print too. Returns 1 on a
+    ✗, a time-out, an exercise not reached or a cell error (with ``answers`` also "not done yet"), 0
+    otherwise, 2 when the file cannot be read or ``show_answer`` names no exercise of it."""
     from course.core.answers import answers_off, match
 
     path = Path(path)
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # noqa: BLE001 - OSError, bad JSON, schema errors: all "cannot read"
-        print(f"check: cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        print(f"check: cannot read {path}: {type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}")
         return 2
     show = []
     if show_answer and answers_off():
-        print("check: answers are turned off for this course (COURSE_ANSWERS=off): the hints are all there is.")
+        print("check: answers are turned off for this course (COURSE_ANSWERS=off): the hints are "
+              "all there is.")
         return 2
     for query in show_answer:
         found = match(query, exercise_names(nb))
         if len(found) != 1:
-            print(f"check: --show-answer {query!r} names {'more than one' if found else 'no'} exercise of {path}; "
+            print(f"check: --show-answer {query!r} names {'more than one' if found else 'no'} "
+                  f"exercise of {path}; "
                   f"choose one of: {', '.join(found or exercise_names(nb)) or '(it has none)'}")
             return 2
         show += found
@@ -233,17 +219,20 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         print(f"  (the hints cannot advance: {unsaved})")
     total = len(rep["exercises"])
     print()
-    print(f"check: {counts['pass']}/{total} passed, {counts['fail']} failed, {counts['crash']} crashed, "
-          f"{counts['todo']} not done yet"
-          + "".join(f", {counts[s]} {_WORDS[s]}" for s in ("skip", "timed out", "not reached") if counts[s])
+    print(f"check: {counts['pass']}/{total} passed, {counts['fail']} "
+          f"failed, {counts['crash']} crashed, {counts['todo']} not done yet"
+          + "".join(f", {counts[s]} "
+                    f"{_WORDS[s]}" for s in ("skip", "timed out", "not reached") if counts[s])
           + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else ""))
     if total == 0:
         print("check: this notebook has no exercise checks.")
         return 0 if not rep["stray"] and not rep["error"] else 1
     bad = judge(rep["exercises"], answers=answers)
     if bad or rep["stray"]:
-        print(f"check: FAIL ({len(bad)} exercise(s)" + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else "")
-              + (")" if answers else "; 'not done yet' is allowed here: add --answers to require every exercise)"))
+        print(f"check: FAIL ({len(bad)} "
+              "exercise(s)" + (f", {len(rep['stray'])} cell error(s)" if rep["stray"] else "")
+              + (")" if answers else "; 'not done yet' is allowed here: add --answers to require "
+                                     "every exercise)"))
         return 1
     if counts["todo"]:
         print(f"check: OK, with {counts['todo']} not done yet (exit 0; --answers fails on them)")
@@ -253,7 +242,8 @@ def check_notebook(path, timeout: int = 600, total_timeout: int | None = None, a
         print(f"check: all {counts['pass']} exercise(s) that run on this machine passed "
               f"({counts['skip']} skipped here, see why above).")
     else:
-        print(f"check: all {total} exercises passed." if total > 1 else "check: the exercise passed.")
+        print(f"check: all {total} exercises "
+              "passed." if total > 1 else "check: the exercise passed.")
     return 0
 
 
@@ -266,7 +256,8 @@ def feedback_html(student: str, reports: list) -> str:
     """One student's feedback page: per notebook, each exercise's status, message, line and hint."""
     e = html.escape
     parts = [f"<!doctype html><meta charset='utf-8'><title>Feedback: {e(student)}</title>",
-             "<style>body{font-family:sans-serif;max-width:60em}td,th{padding:.3em .6em;border-bottom:1px solid #ddd;"
+             "<style>body{font-family:sans-serif;max-width:60em}td,th{padding:.3em "
+             ".6em;border-bottom:1px solid #ddd;"
              "vertical-align:top;text-align:left}.pass{color:#070}.fail,.crash,.timed{color:#b00}</style>",
              f"<h1>Feedback for {e(student)}</h1>"]
     for nb_name, rep in reports:
@@ -275,7 +266,8 @@ def feedback_html(student: str, reports: list) -> str:
         parts.append(f"<h2>{e(nb_name)}: {got:g} / {top:g} points</h2>")
         if rep["error"]:
             parts.append(f"<p><b>Note:</b> {e(rep['error'])}</p>")
-        parts.append("<table><tr><th></th><th>exercise</th><th>status</th><th>points</th><th>what the check said</th></tr>")
+        parts.append("<table><tr><th></th><th>exercise</th><th>status</th><th>points</th><th>what "
+                     "the check said</th></tr>")
         for x in rep["exercises"]:
             detail = e(x["message"] or "")
             if x.get("where"):
@@ -294,7 +286,8 @@ def feedback_html(student: str, reports: list) -> str:
 
 
 def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600) -> int:
-    """Run every notebook under ``folder``; write ``grades.csv`` and ``feedback/STUDENT.html`` into ``out``.
+    """Run every notebook under ``folder``; write ``grades.csv`` and ``feedback/STUDENT.html`` into
+    ``out``.
 
     ``out`` defaults to ``folder/graded``. Each notebook gets ``cell_timeout`` seconds per cell
     and ``total_timeout`` seconds in all. Returns 0, or 2 when there is nothing to grade.
@@ -314,7 +307,8 @@ def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600
         try:
             rep = run_checks(p, cell_timeout=cell_timeout, total_timeout=total_timeout)
         except Exception as e:  # noqa: BLE001 - an unreadable submission is graded, not fatal
-            rep = {"exercises": [], "stray": [], "error": f"cannot read: {type(e).__name__}: {e}", "seconds": 0.0}
+            rep = {"exercises": [], "stray": [], "error": f"cannot read: {type(e).__name__}: "
+                                                          f"{e}", "seconds": 0.0}
         by_student.setdefault(student, []).append((p.name, rep))
         for x in rep["exercises"]:
             rows.append({"student": student, "notebook": p.name, "exercise": x["name"], "status": x["status"],
@@ -322,7 +316,8 @@ def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600
         if rep["error"] and not rep["exercises"]:
             rows.append({"student": student, "notebook": p.name, "exercise": "", "status": "not reached",
                          "points": 0, "max_points": 0, "message": rep["error"]})
-        print(f"grade: {student}: " + ", ".join(f"{x['name']} {x['status']}" for x in rep["exercises"])
+        print("grade: "
+              f"{student}: " + ", ".join(f"{x['name']} {x['status']}" for x in rep["exercises"])
               + f" ({rep['seconds']:.0f} s)")
     with open(out / "grades.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=["student", "notebook", "exercise", "status", "points", "max_points",
@@ -331,5 +326,6 @@ def grade(folder, *, out=None, cell_timeout: int = 120, total_timeout: int = 600
         w.writerows(rows)
     for student, reports in by_student.items():
         (out / "feedback" / f"{student}.html").write_text(feedback_html(student, reports), encoding="utf-8")
-    print(f"grade: wrote {out / 'grades.csv'} and {len(by_student)} feedback page(s) in {out / 'feedback'}")
+    print(f"grade: wrote {out / 'grades.csv'} and {len(by_student)} feedback page(s) in "
+          f"{out / 'feedback'}")
     return 0

@@ -15,25 +15,30 @@ HINT_STATE = ".course_hints.json"  # beside the learner's notebook: {notebook fi
 
 
 def hint_state_path(notebook) -> Path:
-    """Where ``course check`` keeps the staged-hint progress of ``notebook``: a file in the notebook's folder."""
+    """Where ``course check`` keeps the staged-hint progress of ``notebook``: a file in the
+    notebook's folder."""
     return Path(notebook).resolve().parent / HINT_STATE
 
 
 def load_hint_state(notebook) -> dict:
-    """Exercise name -> ✗ so far for ``notebook`` (from :func:`hint_state_path`); {} when there is none."""
+    """Exercise name -> ✗ so far for ``notebook`` (from :func:`hint_state_path`); {} when there is
+    none."""
     try:
         data = json.loads(hint_state_path(notebook).read_text(encoding="utf-8"))
         mine = data.get(Path(notebook).name, {})
         return {k: v for k, v in mine.items() if isinstance(k, str) and isinstance(v, int) and v > 0}
-    except (OSError, ValueError, AttributeError):  # none yet, or unreadable: start at the first stage
+    # none yet, or unreadable: start at the first stage
+    except (OSError, ValueError, AttributeError):
         return {}
 
 
 def save_hint_state(notebook, exercises) -> str | None:
-    """Store each exercise's ✗ so far for ``notebook``; a passed exercise starts again at the first stage.
+    """Store each exercise's ✗ so far for ``notebook``; a passed exercise starts again at the first
+    stage.
 
-    ``exercises`` are :func:`course.tools.grade.run_checks` rows (``failures`` is the count after this run). Returns None,
-    or why the file could not be written (the hints then do not advance; the check itself is unaffected).
+    ``exercises`` are :func:`course.tools.grade.run_checks` rows (``failures`` is the count after
+    this run). Returns None, or why the file could not be written (the hints then do not advance;
+    the check itself is unaffected).
     """
     path = hint_state_path(notebook)
     try:

@@ -1,23 +1,12 @@
-"""The learner versions: ``labs/`` and the lessons' exercise versions in ``notebooks/``, built from ``solutions/``.
+"""``course build-labs``: the learner versions (``labs/``, the lessons in ``notebooks/``) built from
+``solutions/``, the answer versions and the source.
 
-``solutions/*.ipynb`` are the answer versions and the source: ``solutions/labN_*.ipynb`` generates
-``labs/labN_*.ipynb``, ``solutions/NN_*.ipynb`` (a lesson with its answers) generates ``notebooks/NN_*.ipynb`` (the
-lesson with its exercises and checks, without the answers). Every learner version says in its first cell which
-answer version it comes from, and that changes to the notebook go there (:func:`source_note`). In code cells, the regions between
-``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's markers) are the answers;
-:func:`strip_solutions` replaces each with ``# YOUR CODE HERE`` and a
-``raise NotImplementedError(...)`` at the same indentation. In Markdown cells,
-``<!-- BEGIN SOLUTION -->`` ... ``<!-- END SOLUTION -->`` becomes "*Your answer here.*".
-Cells tagged ``solution-only`` are left out of the lab. ``python -m course build-labs``
-writes ``labs/``; ``--check`` only compares and names the files that are out of sync.
-
-Code cells that carry a solution region get nbgrader metadata in both versions (``solution``
-cells), and a cell with an ``exercise("...")`` check becomes an nbgrader ``grade`` cell (1 point,
-locked), so a teacher who uses nbgrader can release and autograde the generated notebooks.
-
-``python -m course check NOTEBOOK`` (:func:`course.tools.grade.check_notebook`) runs a notebook
-in a fresh kernel and prints, for every exercise, whether its check passed, failed, crashed,
-is not done yet or was not reached.
+In code cells each ``### BEGIN SOLUTION`` ... ``### END SOLUTION`` region becomes ``# YOUR CODE
+HERE`` and a ``raise NotImplementedError(...)`` (:func:`strip_solutions`); in Markdown ``<!-- BEGIN
+SOLUTION -->`` ... ``<!-- END SOLUTION -->`` becomes "*Your answer here.*"; cells tagged
+``solution-only`` are left out; the first cell names the answer version (:func:`source_note`).
+Solution and check cells get nbgrader metadata, so a teacher can release and autograde them.
+``--check`` names files out of sync.
 """
 from __future__ import annotations
 
@@ -84,7 +73,8 @@ def strip_solutions(source: str) -> str:
 
 
 def strip_markdown(source: str) -> str:
-    """Replace ``<!-- BEGIN SOLUTION -->`` ... ``<!-- END SOLUTION -->`` in Markdown with a placeholder."""
+    """Replace ``<!-- BEGIN SOLUTION -->`` ... ``<!-- END SOLUTION -->`` in Markdown with a
+    placeholder."""
     pattern = re.compile(re.escape(MD_BEGIN) + r".*?" + re.escape(MD_END), re.S)
     text = pattern.sub(MD_PLACEHOLDER, source)
     if MD_BEGIN in text or MD_END in text:
@@ -100,7 +90,8 @@ def _grade_id(cell, i: int) -> str:
 
 
 def is_check_cell(cell) -> bool:
-    """True for a code cell that runs a check: a top-level ``with exercise(...)``, or tagged ``check``."""
+    """True for a code cell that runs a check: a top-level ``with exercise(...)``, or tagged
+    ``check``."""
     if cell.cell_type != "code":
         return False
     if CHECK_TAG in cell.get("metadata", {}).get("tags", []):
@@ -131,17 +122,20 @@ def with_nbgrader(nb):
 
 
 def source_note(source: str) -> str:
-    """The line a learner version's first cell ends with: the answer version it comes from, and where edits go."""
-    return (f"*This is the learner version of `{source}` (the answer version), generated from it by `python -m "
-            f"course build-labs`: a change to this notebook goes into `{source}`, then regenerate. Your own work "
-            "goes into your copy in `work/` (`make lab`).*")
+    """The line a learner version's first cell ends with: the answer version it comes from, and
+    where edits go."""
+    return (f"*This is the learner version of `{source}` (the answer version), generated from it "
+            f"by `python -m course build-labs`: a change to this notebook goes into `{source}`, "
+            "then regenerate. Your own work goes into your copy in `work/` (`make lab`).*")
 
 
 def make_lab(nb, source: str | None = None):
-    """The lab version of a solution notebook (a new notebook; outputs cleared; nbgrader metadata kept).
+    """The lab version of a solution notebook (a new notebook; outputs cleared; nbgrader metadata
+    kept).
 
-    With ``source`` (the solution's path, e.g. ``solutions/lab1_embedding_kernel.ipynb``) the first cell ends with
-    :func:`source_note` (a Markdown cell is added first when the notebook starts with code).
+    With ``source`` (the solution's path, e.g. ``solutions/lab1_embedding_kernel.ipynb``) the first
+    cell ends with :func:`source_note` (a Markdown cell is added first when the notebook starts with
+    code).
     """
     lab = with_nbgrader(nb)
     cells = []
@@ -163,7 +157,8 @@ def make_lab(nb, source: str | None = None):
             cells[0].source = cells[0].source.rstrip("\n") + "\n\n" + note
         else:
             first = nbformat.v4.new_markdown_cell(note)
-            first["id"] = "learner-version"  # fixed: a rebuilt notebook must be byte-for-byte the same
+            # fixed: a rebuilt notebook must be byte-for-byte the same
+            first["id"] = "learner-version"
             cells.insert(0, first)
     lab.cells = cells
     return lab
@@ -174,7 +169,8 @@ def _render(nb) -> str:
 
 
 def target(root, src) -> Path:
-    """Where a solution notebook's learner version goes: labs/ for ``lab*``, notebooks/ for a lesson."""
+    """Where a solution notebook's learner version goes: labs/ for ``lab*``, notebooks/ for a
+    lesson."""
     return Path(root) / ("labs" if Path(src).name.startswith("lab") else "notebooks") / Path(src).name
 
 
@@ -220,8 +216,10 @@ def build_labs(check: bool = False, *, root=None) -> int:
                 print(f"build-labs: wrote {dest.relative_to(root)}")
     orphans = sorted(p for p in lab_dir.glob("*.ipynb") if not (sol_dir / p.name).exists())
     for p in orphans:
-        print(f"build-labs: {p.relative_to(root)} has no source in solutions/ (delete it or add its solution)")
+        print(f"build-labs: {p.relative_to(root)} has no source in "
+              "solutions/ (delete it or add its solution)")
     if check and (stale or orphans):
-        print("build-labs: run `python -m course build-labs` to regenerate labs/ and lessons from solutions/.")
+        print("build-labs: run `python -m course build-labs` "
+              "to regenerate labs/ and lessons from solutions/.")
         return 1
     return 0

@@ -1,10 +1,11 @@
-"""The notebooks' relative links resolve wherever the learner reads them: in ``work/`` and in ``build/``.
+"""The notebooks' relative links resolve wherever the learner reads them: in ``work/`` and in
+``build/``.
 
 Every lesson links ``../CAPTURE_RULES.md``, a path relative to the notebook. JupyterLab started by
-``make lab`` serves ``work/``, so the file must be there too (else ``/files/CAPTURE_RULES.md`` is a 404);
-the same holds for ``build/executed/`` and ``build/html/`` written by ``python -m course run``.
-:func:`copy_linked` puts every file the notebooks link to beside the copies; in an HTML folder it
-rewrites the copied Markdown's links to notebooks into links to their ``.html`` pages.
+``make lab`` serves ``work/``, so the file must be there too (else ``/files/CAPTURE_RULES.md`` is a
+404); the same holds for ``build/executed/`` and ``build/html/`` written by ``python -m course
+run``. :func:`copy_linked` puts every file the notebooks link to beside the copies; in an HTML
+folder it rewrites the copied Markdown's links to notebooks into links to their ``.html`` pages.
 :func:`broken_links` lists what still does not resolve (the tests run it on both places).
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ _HTML = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""")
 
 
 def relative_target(link: str) -> str | None:
-    """The file part of a relative link (``../X.md#a`` -> ``../X.md``); None for a URL, an anchor or ``mailto:``."""
+    """The file part of a relative link (``../X.md#a`` -> ``../X.md``); None for a URL, an anchor or
+    ``mailto:``."""
     link = link.strip()
     if not link or link.startswith(("#", "/", "data:")) or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", link):
         return None
@@ -29,14 +31,16 @@ def relative_target(link: str) -> str | None:
 
 
 def links_in_text(text: str, html: bool = False) -> list:
-    """The relative link targets in Markdown (or, with ``html``, HTML) ``text``, in order, each once."""
+    """The relative link targets in Markdown (or, with ``html``, HTML) ``text``, in order, each
+    once."""
     found = [m.group(1) for m in _HTML.finditer(text)] if html else \
         [m.group(1) or m.group(2) for m in _MD.finditer(text)] + [m.group(1) for m in _HTML.finditer(text)]
     return list(dict.fromkeys(t for t in map(relative_target, found) if t))
 
 
 def file_links(path) -> list:
-    """The relative link targets of one file: a notebook's Markdown cells, a ``.md`` or an ``.html`` file."""
+    """The relative link targets of one file: a notebook's Markdown cells, a ``.md`` or an ``.html``
+    file."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".ipynb":
@@ -46,8 +50,9 @@ def file_links(path) -> list:
 
 
 def linked_files(root, rels) -> list:
-    """The files (relative to ``root``) that the notebooks ``rels`` (relative to ``root``) link to, notebooks
-    left out (they are copied as notebooks), each once; a link that leaves ``root`` is skipped."""
+    """The files (relative to ``root``) that the notebooks ``rels`` (relative to ``root``) link to,
+    notebooks left out (they are copied as notebooks), each once; a link that leaves ``root`` is
+    skipped."""
     root = Path(root).resolve()
     out = []
     for rel in rels:
@@ -60,7 +65,8 @@ def linked_files(root, rels) -> list:
 
 
 def as_html_links(text: str) -> str:
-    """Markdown ``text`` with its relative links to ``.ipynb`` notebooks pointed at their ``.html`` pages."""
+    """Markdown ``text`` with its relative links to ``.ipynb`` notebooks pointed at their ``.html``
+    pages."""
     def fix(m):
         whole, target = m.group(0), m.group(1) or m.group(2)
         if relative_target(target) and relative_target(target).endswith(".ipynb"):
@@ -70,11 +76,12 @@ def as_html_links(text: str) -> str:
 
 
 def copy_linked(root, rels, dest, html: bool = False) -> list:
-    """Copy into ``dest`` every file the notebooks ``rels`` link to, at the same place relative to them.
+    """Copy into ``dest`` every file the notebooks ``rels`` link to, at the same place relative to
+    them.
 
-    With ``html`` (a folder of ``.html`` pages), a copied Markdown file's links to notebooks point at their
-    pages. Returns the copied paths (relative to ``dest``). The files are the course's, not the learner's:
-    they are refreshed on every call.
+    With ``html`` (a folder of ``.html`` pages), a copied Markdown file's links to notebooks point
+    at their pages. Returns the copied paths (relative to ``dest``). The files are the course's, not
+    the learner's: they are refreshed on every call.
     """
     root, dest = Path(root), Path(dest)
     copied = []
@@ -89,8 +96,9 @@ def copy_linked(root, rels, dest, html: bool = False) -> list:
 
 
 def broken_links(folder, suffixes=(".ipynb", ".md", ".html")) -> list:
-    """Every relative link under ``folder`` (in files with these suffixes) whose target does not exist there,
-    as ``(file relative to folder, link target)``; checkpoints and hidden folders are skipped."""
+    """Every relative link under ``folder`` (in files with these suffixes) whose target does not
+    exist there, as ``(file relative to folder, link target)``; checkpoints and hidden folders are
+    skipped."""
     folder = Path(folder)
     bad = []
     for path in sorted(folder.rglob("*")):

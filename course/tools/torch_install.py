@@ -1,20 +1,11 @@
-"""Install the torch build that fits this machine (``make setup`` runs ``python -m course.tools.torch_install``).
+"""``python -m course.tools.torch_install`` (``make setup``): the torch build that fits this
+machine.
 
-Standard library only: it runs in a fresh venv before anything else is installed.
-
-- torch already imports: left alone.
-- ``TORCH_INDEX=URL`` set: ``pip install TORCH --index-url URL`` (with PyPI as an extra index), no questions.
-- Linux (x86_64 or aarch64) without an NVIDIA driver: the CPU build from PyTorch's CPU wheel index
-  (``https://download.pytorch.org/whl/cpu``, ~200 MB instead of ~3.5 GB of CUDA packages), when that
-  index answers within a few seconds; otherwise pip's own configuration (which may serve a local
-  CPU wheel), with a warning that says how to pick the index.
-- Anything else (an NVIDIA driver, macOS, Windows): PyPI's default build (CUDA on Linux, CPU or MPS elsewhere).
-
-Which version: ``TORCH`` sets the requirement. Unset, a machine with an NVIDIA driver gets :data:`GPU_TORCH`, the
-version every GPU recording and live GPU run of the course used (the recordings' provenance in
-``course/reference/*.json`` names it; a test keeps the two equal), and every other machine :data:`LAPTOP_TORCH`, the
-version CI runs the simulator path with. ``python -m course doctor`` names both and warns when the running torch is
-not the one its path was tested with. Pip runs without ``-q`` so the download shows its progress.
+Standard library only (it runs in a fresh venv first). A torch that imports is left alone;
+``TORCH_INDEX=URL`` installs from that index; Linux without an NVIDIA driver gets the CPU build from
+PyTorch's CPU index when it answers (else pip's own configuration, with a warning); anything else
+PyPI's default build. ``TORCH`` sets the requirement; unset: :data:`GPU_TORCH` with an NVIDIA driver
+(the version the GPU recordings name), else :data:`LAPTOP_TORCH` (the version CI tests).
 """
 from __future__ import annotations
 
@@ -46,7 +37,8 @@ def pinned_version(requirement: str) -> str | None:
 
 
 def has_nvidia_driver() -> bool:
-    """True when an NVIDIA kernel driver is loaded (Linux: /proc/driver/nvidia) or ``nvidia-smi -L`` lists a GPU."""
+    """True when an NVIDIA kernel driver is loaded (Linux: /proc/driver/nvidia) or ``nvidia-smi -L``
+    lists a GPU."""
     if Path("/proc/driver/nvidia/version").exists():
         return True
     try:
@@ -69,8 +61,9 @@ def plan(requirement: str, *, system: str, machine: str, driver: bool, index_env
          cpu_index_ok) -> tuple[list, str]:
     """The pip arguments to install ``requirement`` and one sentence saying why.
 
-    ``requirement`` None or empty (``TORCH`` unset): :func:`default_requirement` for ``driver``. ``cpu_index_ok`` is a
-    callable, asked only when the CPU index matters (so no probe on machines that do not need it).
+    ``requirement`` None or empty (``TORCH`` unset): :func:`default_requirement` for ``driver``.
+    ``cpu_index_ok`` is a callable, asked only when the CPU index matters (so no probe on machines
+    that do not need it).
     """
     chosen = not (requirement or "").strip()
     if chosen:
@@ -82,28 +75,33 @@ def plan(requirement: str, *, system: str, machine: str, driver: bool, index_env
         if cpu_index_ok():
             return (req + ["--index-url", CPU_INDEX, "--extra-index-url", PYPI],
                     f"no NVIDIA driver: the CPU build from {CPU_INDEX}")
-        return (req, f"no NVIDIA driver, but {CPU_INDEX} did not answer: pip's configured indexes. If this "
-                     "downloads nvidia-* packages, stop it and run again with TORCH_INDEX=<a CPU wheel index>")
+        return (req, f"no NVIDIA driver, but {CPU_INDEX} did not answer: pip's "
+                     "configured indexes. If this downloads nvidia-* packages, "
+                     "stop it and run again with TORCH_INDEX=<a CPU wheel index>")
     if driver:
         if chosen:
-            return req, (f"NVIDIA driver found: the CUDA build from PyPI of {requirement}, the version the course's "
-                         f"GPU path was measured with (TORCH=... picks another)")
+            return req, ("NVIDIA driver found: the CUDA build from PyPI "
+                         f"of {requirement}, the version the course's GPU "
+                         "path was measured with (TORCH=... picks another)")
         return req, "NVIDIA driver found: the CUDA build from PyPI"
     return req, f"{system} {machine}: PyPI's build"
 
 
 def torch_imports(python: str = sys.executable) -> str | None:
     """The torch version importable by ``python``, or None."""
-    out = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    out = subprocess.run([python, "-c", "import torch; "
+                                        "print(torch.__version__)"], capture_output=True, text=True)
     return out.stdout.strip() if out.returncode == 0 else None
 
 
 def main(argv=None) -> int:
-    """Install torch into this interpreter's environment unless it already imports; returns pip's exit code."""
+    """Install torch into this interpreter's environment unless it already imports; returns pip's
+    exit code."""
     requirement = os.environ.get("TORCH") or None
     have = torch_imports()
     if have:
-        print(f"torch {have} is already installed here; leaving it (remove it to let setup choose a build).")
+        print(f"torch {have} is already installed here; leaving it "
+              "(remove it to let setup choose a build).")
         return 0
     args, why = plan(requirement, system=platform.system(), machine=platform.machine(),
                      driver=has_nvidia_driver(), index_env=os.environ.get("TORCH_INDEX") or None,

@@ -1,33 +1,13 @@
-"""The learner's workspace: ``python -m course workspace`` (``make workspace``; ``make lab`` opens it).
+"""The learner's workspace: ``python -m course workspace`` (``make workspace``; ``make lab`` opens
+it).
 
-Learners never edit the shipped notebooks. The workspace is a git-ignored folder
-(``work/`` at the repository root) holding copies of the lessons and labs:
-``work/notebooks/*.ipynb`` and ``work/labs/*.ipynb``. JupyterLab opens there, so
-autosave, outputs and answers land in the copies, and ``make test`` (which tests
-only the shipped ``notebooks/``, ``labs/`` and ``solutions/``) keeps passing.
-
-Running the command again adds notebooks that are new in the course and never
-overwrites a copy (``--reset NAME`` replaces one copy with a fresh one).
-``python -m course check work/labs/lab1_embedding_kernel.ipynb`` checks a copy.
-
-``--lab`` then starts JupyterLab on the workspace: headless (``--no-browser``,
-the URL with its token is printed), on 127.0.0.1, ``--allow-root`` when run as
-root (containers). On a remote machine, forward the port first:
-``ssh -L 8888:localhost:8888 USER@HOST``, then open the printed URL locally.
-
-The learner's JupyterLab shows the course, not the teacher's tools: nbgrader (installed for
-``course grade`` and the tests) would add a Validate button that prints raw tracebacks for "not
-done yet", a Create Assignment sidebar and "No nbgrader_config.py" warnings. Its server
-extensions are switched off on the command line (:func:`lab_command`) and its JupyterLab
-extension in a config folder inside the workspace (:func:`learner_config_dir`, put first on
-``JUPYTER_CONFIG_PATH`` by :func:`lab_env`). ``python -m course check`` is the learner's validate.
-The same config turns off JupyterLab's announcements (its "get notified about official Jupyter
-news?" pop-up and update check) and the server's news feed.
-
-Each copy's first cell tells the learner what to do with it (:func:`your_copy_note`), not how the
-course's contributors regenerate the shipped file; the files the notebooks link to
-(``CAPTURE_RULES.md``) are copied beside them (:mod:`course.tools.links`). ``--lab`` forwards
-SIGTERM and SIGINT to JupyterLab and waits for it (:func:`serve`): nothing is left running.
+``work/`` (git-ignored) holds the learner's copies of the lessons and labs; JupyterLab opens there,
+so the shipped notebooks that ``make test`` tests stay clean. Running it again adds new notebooks
+and never overwrites a copy (``--reset NAME`` does). ``--lab`` starts JupyterLab headless on
+127.0.0.1 (the URL with its token is printed; ``--allow-root`` as root), with nbgrader's extensions
+and JupyterLab's announcements switched off (:func:`lab_command`, :func:`learner_config_dir`,
+:func:`lab_env`), and forwards SIGTERM and SIGINT to it (:func:`serve`). Each copy's first cell says
+what to do with it (:func:`your_copy_note`); the files the notebooks link to are copied beside them.
 """
 from __future__ import annotations
 
@@ -53,7 +33,8 @@ CONFIG = ".course-jupyter"  # the learner's JupyterLab config, inside the worksp
 NBGRADER_SERVER = ("nbgrader.server_extensions.formgrader", "nbgrader.server_extensions.validate_assignment",
                    "nbgrader.server_extensions.assignment_list", "nbgrader.server_extensions.course_list")
 NBGRADER_LAB = ("@jupyter/nbgrader",)
-# JupyterLab 4's news prompt and update check live in this plugin (it asks while the setting fetchNews is "none")
+# JupyterLab 4's news prompt and update check live in this plugin (it asks while the setting
+# fetchNews is "none")
 ANNOUNCEMENTS = "@jupyterlab/apputils-extension:announcements"
 
 
@@ -63,15 +44,16 @@ def workspace_dir(root: Path = ROOT) -> Path:
 
 
 def shipped(root: Path = ROOT) -> list:
-    """The shipped notebooks a workspace holds copies of (lessons and labs), relative to ``root``."""
+    """The shipped notebooks a workspace holds copies of (lessons and labs), relative to ``root``.
+    """
     return [e.path for kind in KINDS for e in entries(kind) if (Path(root) / e.path).exists()]
 
 
 def create(root: Path = ROOT, dest: Path | None = None, reset=(), quiet: bool = False) -> Path:
     """Copy the lessons and labs into the workspace; keep every existing copy.
 
-    ``reset`` names copies (file names or paths) to replace with a fresh copy of the shipped notebook.
-    Returns the workspace folder.
+    ``reset`` names copies (file names or paths) to replace with a fresh copy of the shipped
+    notebook. Returns the workspace folder.
     """
     root = Path(root)
     dest = Path(dest) if dest is not None else workspace_dir(root)
@@ -98,16 +80,18 @@ def create(root: Path = ROOT, dest: Path | None = None, reset=(), quiet: bool = 
 
 
 def your_copy_note(rel: str) -> str:
-    """The line that ends the first cell of the learner's copy of ``rel``: it is theirs, and how to check it."""
+    """The line that ends the first cell of the learner's copy of ``rel``: it is theirs, and how to
+    check it."""
     name = Path(rel).name
-    return (f"*This is your copy of the course's `{rel}`: edit it, run it, and check your answers with "
-            f"`python -m course check {Path(WORKDIR) / rel}`. It is never overwritten; "
-            f"`python -m course workspace --reset {name}` gives you a fresh one.*")
+    return (f"*This is your copy of the course's `{rel}`: edit it, run it, and check your "
+            f"answers with `python -m course check {Path(WORKDIR) / rel}`. It is never "
+            f"overwritten; `python -m course workspace --reset {name}` gives you a fresh one.*")
 
 
 def make_yours(copy: Path, rel: str) -> None:
-    """Rewrite the first cell of the copy at ``copy`` (of the shipped ``rel``) for the learner: the contributors'
-    note ("a change goes into solutions/..., then regenerate") becomes :func:`your_copy_note`."""
+    """Rewrite the first cell of the copy at ``copy`` (of the shipped ``rel``) for the learner: the
+    contributors' note ("a change goes into solutions/..., then regenerate") becomes
+    :func:`your_copy_note`."""
     nb = nbformat.read(copy, as_version=4)
     note, mine = source_note(f"solutions/{Path(rel).name}"), your_copy_note(rel)
     first = nb.cells[0] if nb.cells else None
@@ -128,7 +112,8 @@ def is_root() -> bool:
 
 
 def teacher_extensions() -> tuple:
-    """(server extensions, JupyterLab extensions) of nbgrader: the known ones and any installed one named nbgrader."""
+    """(server extensions, JupyterLab extensions) of nbgrader: the known ones and any installed one
+    named nbgrader."""
     from jupyter_core.paths import jupyter_config_path, jupyter_path
 
     server, lab = set(NBGRADER_SERVER), set(NBGRADER_LAB)
@@ -151,12 +136,8 @@ def teacher_extensions() -> tuple:
 
 
 def learner_config_dir(dest: Path) -> Path:
-    """Write the learner's JupyterLab config into ``dest/.course-jupyter``: nbgrader's extensions off; return it.
-
-    ``labconfig/page_config.json`` disables nbgrader's JupyterLab extension (Validate button, Create
-    Assignment sidebar, the nbgrader menu) and JupyterLab's announcements (the news pop-up);
-    ``jupyter_server_config.json`` nbgrader's server extensions and the news feed (``LabApp.news_url``).
-    """
+    """Write the learner's JupyterLab config into ``dest/.course-jupyter`` (nbgrader's extensions,
+    JupyterLab's announcements and the server's news feed off); return it."""
     server, lab = teacher_extensions()
     cfg = Path(dest) / CONFIG
     (cfg / "labconfig").mkdir(parents=True, exist_ok=True)
@@ -171,8 +152,9 @@ def learner_config_dir(dest: Path) -> Path:
 
 
 def lab_env(dest: Path, base: dict | None = None) -> dict:
-    """The environment for the learner's JupyterLab: ``base`` (default: this one) with :func:`learner_config_dir`
-    first on ``JUPYTER_CONFIG_PATH`` (the highest-priority config folder)."""
+    """The environment for the learner's JupyterLab: ``base`` (default: this one) with
+    :func:`learner_config_dir` first on ``JUPYTER_CONFIG_PATH`` (the highest-priority config
+    folder)."""
     env = dict(os.environ if base is None else base)
     rest = [p for p in env.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep) if p]
     env["JUPYTER_CONFIG_PATH"] = os.pathsep.join([str(learner_config_dir(dest))] + rest)
@@ -180,7 +162,8 @@ def lab_env(dest: Path, base: dict | None = None) -> dict:
 
 
 def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str | None = None) -> list:
-    """The JupyterLab command line serving the workspace ``dest`` headless, nbgrader's server extensions off.
+    """The JupyterLab command line serving the workspace ``dest`` headless, nbgrader's server
+    extensions off.
 
     Run it with :func:`lab_env`'s environment, which also turns off nbgrader's JupyterLab extension.
     """
@@ -195,13 +178,9 @@ def lab_command(dest: Path, port: int = 8888, ip: str = "127.0.0.1", token: str 
 
 
 def serve(cmd: list, env: dict | None = None, timeout: float = 30.0) -> int:
-    """Run ``cmd`` (JupyterLab) until it exits; on SIGTERM or SIGINT (Ctrl-C) sent to this process, stop it too.
-
-    Either signal is passed on as SIGTERM, JupyterLab's "shut down now" (a SIGINT alone makes it ask for
-    confirmation, and a background process may ignore SIGINT). Then this process waits for it (``timeout``
-    seconds, then kills it), so stopping ``python -m course workspace --lab`` never leaves a ``jupyter-lab``
-    running. Returns its exit code (0 when stopped by a signal).
-    """
+    """Run ``cmd`` (JupyterLab) until it exits; a SIGTERM or SIGINT sent here is passed on as
+    SIGTERM and waited for (``timeout`` s, then a kill), so nothing is left running. Its exit code
+    (0 when signalled)."""
     child = subprocess.Popen(cmd, env=env)
     stopped = []
 
@@ -213,7 +192,8 @@ def serve(cmd: list, env: dict | None = None, timeout: float = 30.0) -> int:
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while child.poll() is None:
-            if stopped and time.monotonic() - stopped[0] > timeout:  # asked to stop, still running: kill
+            # asked to stop, still running: kill
+            if stopped and time.monotonic() - stopped[0] > timeout:
                 child.kill()
             try:
                 child.wait(timeout=0.2)  # short waits: a handler runs between them
@@ -231,14 +211,15 @@ def serve(cmd: list, env: dict | None = None, timeout: float = 30.0) -> int:
 
 
 def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1", dest=None) -> int:
-    """Create or update the workspace (``dest``, default ``work/``); with ``lab``, start JupyterLab there
-    (until Ctrl-C or SIGTERM, both passed on to it)."""
+    """Create or update the workspace (``dest``, default ``work/``); with ``lab``, start JupyterLab
+    there (until Ctrl-C or SIGTERM, both passed on to it)."""
     try:
         dest = create(dest=dest, reset=reset)
     except ValueError as e:
         print(f"course workspace: {e}")
         return 2
-    print(f"\nYour workspace is {dest}/ (git-ignored: your answers and outputs stay out of the shipped course).")
+    print(f"\nYour workspace is {dest}/ (git-ignored: your "
+          "answers and outputs stay out of the shipped course).")
     print(f"Start with {dest / 'notebooks' / '00_start_here.ipynb'}; check a lab with "
           f"python -m course check {Path(dest) / 'labs' / 'lab1_embedding_kernel.ipynb'}")
     if not lab:
@@ -250,8 +231,10 @@ def main(lab: bool = False, reset=(), port: int = 8888, ip: str = "127.0.0.1", d
         print("course workspace: JupyterLab is not installed here: pip install 'jupyterlab>=4' "
               "(make lab installs it), then run again.")
         return 2
-    print(f"\nStarting JupyterLab on {dest}/ (headless: open the http://127.0.0.1:{port}/lab?token=... URL it prints,"
-          " then notebooks/00_start_here.ipynb in its file browser).")
-    print(f"On a remote machine: ssh -L {port}:localhost:{port} USER@HOST, then open that URL on your computer.\n",
+    print(f"\nStarting JupyterLab on {dest}/ (headless: open the "
+          f"http://127.0.0.1:{port}/lab?token=... URL it prints, "
+          "then notebooks/00_start_here.ipynb in its file browser).")
+    print(f"On a remote machine: ssh -L {port}:localhost:{port} "
+          "USER@HOST, then open that URL on your computer.\n",
           flush=True)
     return serve(lab_command(dest, port=port, ip=ip), env=lab_env(dest))

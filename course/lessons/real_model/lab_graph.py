@@ -33,7 +33,7 @@ import torch
 
 from course.core.capture import collector_paused
 from course.core.checks import exercise
-from course.sim.parity_tools import phrase
+from course.parity.tools import phrase
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.generate import greedy
 from course.lessons.real_model.lab import lab_model

@@ -1,5 +1,5 @@
 """Parity programs about streams, shared pools, Numba launches and ``make_graphed_callables`` (see
-:mod:`course.sim.parity`, which lists them with the verdicts a GPU gives).
+:mod:`course.parity.programs`, which lists them with the verdicts a GPU gives).
 """
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from course.sim.parity_tools import capture, capture_error, close, x8
+from course.parity.tools import capture, capture_error, close, x8
 
 
 def fork_join(cg, dev, join: bool = True):
@@ -70,7 +70,8 @@ def _affine():
 
 
 def numba_kernel(cg, dev, on_torch_stream: bool = True):
-    """A Numba kernel launched on course.numba_stream(): captured, and each replay runs it on the current input."""
+    """A Numba kernel launched on course.numba_stream(): captured, and each replay runs it on the
+    current input."""
     from course.core.runtime import as_numba, numba_stream
 
     kernel, x = _affine(), torch.ones(32, device=dev)
@@ -93,7 +94,8 @@ def numba_kernel(cg, dev, on_torch_stream: bool = True):
 
 
 def numba_default_stream(cg, dev):
-    """A Numba kernel on Numba's own default stream: it runs at capture, the graph is empty, replays miss it."""
+    """A Numba kernel on Numba's own default stream: it runs at capture, the graph is empty, replays
+    miss it."""
     return numba_kernel(cg, dev, on_torch_stream=False)
 
 

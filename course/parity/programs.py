@@ -1,11 +1,13 @@
-"""Small capture programs, each written once against ``cg = course.graphs()``, with the verdict a GPU gives.
+"""Small capture programs, each written once against ``cg = course.graphs()``, with the verdict a
+GPU gives.
 
-The simulator's graphs (:mod:`course.sim.graph`) must give every program the verdict torch.cuda gives on a
-GPU: a laptop ✓ then means a GPU ✓. ``tests/test_simgraph.py`` runs them on the path the machine has (the
-simulator in CI; torch.cuda on a GPU). :func:`run` runs one and returns its verdict; :data:`PROGRAMS` lists them
-(these: what a replay reads and writes, and what a capture refuses; :mod:`course.sim.parity_streams`: streams,
-pools, Numba launches and ``make_graphed_callables``; :mod:`course.sim.parity_sync`: torch's sync debug mode and
-a graph freed during a capture; :mod:`course.sim.parity_modes`: inference mode and the seed in a capture).
+The simulator's graphs (:mod:`course.sim.graph`) must give every program the verdict torch.cuda
+gives on a GPU: a laptop ✓ then means a GPU ✓. ``tests/test_simgraph.py`` runs them on the path the
+machine has (the simulator in CI; torch.cuda on a GPU). :func:`run` runs one and returns its
+verdict; :data:`PROGRAMS` lists them (these: what a replay reads and writes, and what a capture
+refuses; :mod:`course.parity.streams`: streams, pools, Numba launches and
+``make_graphed_callables``; :mod:`course.parity.sync`: torch's sync debug mode and a graph freed
+during a capture; :mod:`course.parity.modes`: inference mode and the seed in a capture).
 """
 from __future__ import annotations
 
@@ -13,22 +15,24 @@ import dataclasses
 
 import torch
 
-import course.sim.parity_modes as modes
-import course.sim.parity_streams as streams
-import course.sim.parity_sync as sync
-from course.sim.parity_tools import PHRASES, capture, capture_error, clean_up, close, phrase, x8
+import course.parity.modes as modes
+import course.parity.streams as streams
+import course.parity.sync as sync
+from course.parity.tools import PHRASES, capture, capture_error, clean_up, close, phrase, x8
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One program: ``fn(cg, device)`` returns a verdict; ``expected`` is the verdict a GPU gives."""
+    """One program: ``fn(cg, device)`` returns a verdict; ``expected`` is the verdict a GPU gives.
+    """
 
     name: str
     fn: object
     expected: str
 
 
-# --------------------------------------------------------------------------- what a replay reads and writes
+# --------------------------------------------------------------------------- what a replay reads
+# and writes
 
 def copy_in(cg, dev):
     """copy_ new data into the static input, replay: the output follows the new data."""
@@ -41,10 +45,12 @@ def copy_in(cg, dev):
 
 
 def rebound_input(cg, dev):
-    """Rebind the input's Python name to a new tensor, replay: the graph still reads the captured tensor."""
+    """Rebind the input's Python name to a new tensor, replay: the graph still reads the captured
+    tensor."""
     x = torch.randn(8, device=dev)
     g, y = capture(cg, lambda sx=x: sx * 2)
-    old, x = x, torch.randn(8, device=dev)  # rebinding the name: the graph never sees the new tensor
+    # rebinding the name: the graph never sees the new tensor
+    old, x = x, torch.randn(8, device=dev)
     g.replay()
     return "reads the captured tensor" if close(y, old * 2) and not close(y, x * 2) else "reads the new tensor"
 
@@ -68,7 +74,8 @@ def frozen_scalar(cg, dev):
 
 
 def frozen_branch(cg, dev):
-    """A Python if on a host flag, flipped after capture: the replay runs the branch taken at capture."""
+    """A Python if on a host flag, flipped after capture: the replay runs the branch taken at
+    capture."""
     x, flag = torch.randn(8, device=dev), {"relu": True}
     g, y = capture(cg, lambda: torch.relu(x) if flag["relu"] else torch.tanh(x))
     flag["relu"] = False
@@ -77,7 +84,8 @@ def frozen_branch(cg, dev):
 
 
 def python_side_effects(cg, dev):
-    """A Python counter in the function: replays run no Python, so it counts warm-ups and capture only."""
+    """A Python counter in the function: replays run no Python, so it counts warm-ups and capture
+    only."""
     x, calls = torch.ones(4, device=dev), [0]
 
     def counted():
@@ -90,7 +98,8 @@ def python_side_effects(cg, dev):
 
 
 def kept_output(cg, dev):
-    """Hold the output tensor (no clone) and replay with new input: the held tensor is overwritten."""
+    """Hold the output tensor (no clone) and replay with new input: the held tensor is overwritten.
+    """
     x = torch.randn(8, device=dev)
     g, y = capture(cg, lambda: x * 2)
     g.replay()
@@ -162,7 +171,8 @@ def tolist(cg, dev):
 
 
 def tensor_ctor(cg, dev):
-    """torch.tensor(data, device=...) inside the capture: refused by torch (a host-to-device copy)."""
+    """torch.tensor(data, device=...) inside the capture: refused by torch (a host-to-device copy).
+    """
     x = x8(dev)
     return capture_error(cg, lambda: x + torch.tensor([1.0], device=dev))
 
@@ -181,7 +191,8 @@ def manual_seed(cg, dev):
 
 
 def manual_seed_same(cg, dev):
-    """torch.manual_seed to the generator's current seed inside the capture: accepted (torch's rule)."""
+    """torch.manual_seed to the generator's current seed inside the capture: accepted (torch's
+    rule)."""
     x = x8(dev)
     torch.manual_seed(29)
     return capture_error(cg, lambda: (x * 2, torch.manual_seed(29)))
@@ -222,13 +233,15 @@ def capture_twice(cg, dev):
         with cg.graph(g):
             x * 2
     except RuntimeError as e:
-        cg.set_stream(before)  # graph() made its capture stream current before capture_begin refused
+        # graph() made its capture stream current before capture_begin refused
+        cg.set_stream(before)
         return phrase(e)
     return "captured again"
 
 
 def failed_capture_claims_pool(cg, dev):
-    """A capture that fails with a CUDA error leaves its pool claimed: the next capture into it fails."""
+    """A capture that fails with a CUDA error leaves its pool claimed: the next capture into it
+    fails."""
     x, pool, before = x8(dev), cg.graph_pool_handle(), cg.current_stream()
     try:
         with cg.graph(cg.CUDAGraph(), pool=pool):
@@ -265,22 +278,27 @@ PROGRAMS = tuple(Program(*p) for p in (
     ("capture_twice", capture_twice, PHRASES[8]), ("failed_capture_claims_pool", failed_capture_claims_pool,
                                                    PHRASES[6]),
     ("fork_join", streams.fork_join, "captured"), ("unjoined", streams.unjoined, PHRASES[2]),
-    ("pool_shared_outputs", streams.pool_shared_outputs, "pool shared True, kept outputs intact True"),
+    ("pool_shared_outputs", streams.pool_shared_outputs, "pool shared True, kept "
+                                                         "outputs intact True"),
     ("pool_freed_memory_reused", streams.pool_freed_memory_reused, "B right True, then overwritten by A's replay True"),
-    ("numba_kernel", streams.numba_kernel, "replay follows the input True, empty-graph warning False"),
-    ("numba_default_stream", streams.numba_default_stream, "replay follows the input False, empty-graph warning True"),
+    ("numba_kernel", streams.numba_kernel, "replay follows the input True, "
+                                           "empty-graph warning False"),
+    ("numba_default_stream", streams.numba_default_stream, "replay follows the input "
+                                                           "False, empty-graph warning True"),
     ("numba_alloc", streams.numba_alloc, PHRASES[4]),
     ("graphed_module", streams.graphed_module, "forward matches eager True, gradients match True"),
-    ("inference_mode_replay", modes.inference_mode_replay, "replay follows the input: no_grad True, "
-                                                           "inference_mode True"),
+    ("inference_mode_replay", modes.inference_mode_replay, "replay follows the input: "
+                                                           "no_grad True, inference_mode True"),
     ("sync_debug_warns", sync.sync_debug_warns, SYNC_WARNS),
-    ("sync_debug_error", sync.sync_debug_error, "called a synchronizing CUDA operation; mode after 'default': 0"),
+    ("sync_debug_error", sync.sync_debug_error, "called a synchronizing CUDA "
+                                                "operation; mode after 'default': 0"),
     ("graph_freed_during_capture", sync.graph_freed_during_capture, PHRASES[10]),
 ))
 
 
 def run(name: str, cg=None, device=None) -> str:
-    """The verdict of program ``name`` on ``cg`` (default ``course.graphs()``) and ``device`` (``course.device()``)."""
+    """The verdict of program ``name`` on ``cg`` (default ``course.graphs()``) and ``device``
+    (``course.device()``)."""
     from course.core.runtime import graphs, torch_device
 
     prog = next((p for p in PROGRAMS if p.name == name), None)

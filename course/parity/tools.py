@@ -1,8 +1,9 @@
-"""Tools for the parity programs (:mod:`course.sim.parity`): capture on either path, and name an error.
+"""Tools for the parity programs (:mod:`course.parity.programs`): capture on either path, and name
+an error.
 
-:func:`capture` warms a function up on a side stream and captures it, :func:`capture_error` returns the key phrase
-of the error a capture fails with (and leaves CUDA usable on a GPU), :func:`phrase` finds the key phrase of an
-error among :data:`PHRASES`, the errors a GPU gives.
+:func:`capture` warms a function up on a side stream and captures it, :func:`capture_error` returns
+the key phrase of the error a capture fails with (and leaves CUDA usable on a GPU), :func:`phrase`
+finds the key phrase of an error among :data:`PHRASES`, the errors a GPU gives.
 """
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import warnings
 
 import torch
 
-# key phrases of the errors a GPU gives (torch 2.11+, H100): a verdict names the phrase, not the whole message
+# key phrases of the errors a GPU gives (torch 2.11+, H100): a verdict names the phrase, not the
+# whole message
 PHRASES = ("operation not permitted when stream is capturing",
            "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
-           "capturing stream has unjoined work", "CUDA graphs must be captured on a non-default stream",
-           "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed is the same as the original seed",
+           "capturing stream has unjoined "
+           "work", "CUDA graphs must be captured on a non-default stream",
+           "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CUDAGeneratorImpl::set_current_seed can "
+                                                    "be called during stream capture only if "
+                                                    "new seed is the same as the original seed",
            "beginAllocateToPool: already recording to mempool_id",
            "Called CUDAGraph::replay without a preceding successful capture",
            "This CUDAGraph instance already owns a captured graph",
@@ -32,14 +37,16 @@ def phrase(e: BaseException) -> str:
     """The key phrase of ``e``'s root cause (the first error raised), or its type and first line."""
     cause = _root(e)
     text = str(cause)
-    return next((p for p in PHRASES if p in text), f"{type(cause).__name__}: {(text.splitlines() or [''])[0]}")
+    return next((p for p in PHRASES if p in text), f"{type(cause).__name__}: "
+                                                   f"{(text.splitlines() or [''])[0]}")
 
 
 def clean_up(cg, before, pool, graph=None) -> None:
-    """After a failed capture: the previous stream current again and, on a GPU, CUDA usable (course.core.capture).
+    """After a failed capture: the previous stream current again and, on a GPU, CUDA usable
+    (course.core.capture).
 
-    On a GPU, ``pool`` is released unless ``graph`` ended its capture (it then owns the pool and releases it
-    itself when it is freed: releasing it twice would break the allocator's count).
+    On a GPU, ``pool`` is released unless ``graph`` ended its capture (it then owns the pool and
+    releases it itself when it is freed: releasing it twice would break the allocator's count).
     """
     cg.set_stream(before)
     if cg is torch.cuda:
@@ -54,7 +61,8 @@ def clean_up(cg, before, pool, graph=None) -> None:
 
 
 def capture_error(cg, body) -> str:
-    """Capture ``body()`` into a fresh graph and pool: the key phrase of the error it fails with, or 'captured'."""
+    """Capture ``body()`` into a fresh graph and pool: the key phrase of the error it fails with, or
+    'captured'."""
     before, pool = cg.current_stream(), cg.graph_pool_handle()
     g = cg.CUDAGraph()
     try:

@@ -1,20 +1,20 @@
-"""Parity programs about grad modes and the generator's seed inside a capture (see :mod:`course.sim.parity`, which
-lists them with the verdicts a GPU gives).
+"""Parity programs about grad modes and the generator's seed inside a capture (see
+:mod:`course.parity.programs`, which lists them with the verdicts a GPU gives).
 
-Under ``torch.inference_mode()`` autograd no longer splits composite ops (``to``, ``linear``, ``matmul``...) before
-a dispatch mode sees them; the simulator's recorder splits them itself (:mod:`course.sim.dispatch`), so a capture
-under inference mode replays what a GPU replays.
+Under ``torch.inference_mode()`` autograd no longer splits composite ops (``to``, ``linear``,
+``matmul``...) before a dispatch mode sees them; the simulator's recorder splits them itself
+(:mod:`course.sim.dispatch`), so a capture under inference mode replays what a GPU replays.
 """
 from __future__ import annotations
 
 import torch
 
-from course.sim.parity_tools import capture, close
+from course.parity.tools import capture, close
 
 
 def inference_mode_replay(cg, dev):
-    """A forward with a dtype cast (``.to``), a linear layer and a matmul, warmed up and captured under
-    ``inference_mode``: a replay follows the data copied in, as under ``no_grad``."""
+    """A forward with a dtype cast (``.to``), a linear layer and a matmul, warmed up and captured
+    under ``inference_mode``: a replay follows the data copied in, as under ``no_grad``."""
     x, w = torch.randn(2, 8, device=dev), torch.randn(8, 8, device=dev)
 
     def forward():

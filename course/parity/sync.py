@@ -1,9 +1,10 @@
-"""Parity programs about torch's sync debug mode and a graph freed during a capture (see :mod:`course.sim.parity`,
-which lists them with the verdicts a GPU gives).
+"""Parity programs about torch's sync debug mode and a graph freed during a capture (see
+:mod:`course.parity.programs`, which lists them with the verdicts a GPU gives).
 
 The sync debug verdicts follow what torch 2.11 reported on an H100 for the course's hazard zoo
-(``course/reference/hazards_finder.json``, column ``sync_debug_lines``): host reads, copies to the host, a tensor built
-from host data and ``Stream.synchronize()`` warn; a device-wide ``synchronize()`` and device-only work do not.
+(``course/reference/hazards_finder.json``, column ``sync_debug_lines``): host reads, copies to the
+host, a tensor built from host data and ``Stream.synchronize()`` warn; a device-wide
+``synchronize()`` and device-only work do not.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from course.sim.parity_tools import capture, clean_up, phrase, x8
+from course.parity.tools import capture, capture_error, phrase, x8
 
 
 def _calls(cg, dev):
@@ -21,14 +22,17 @@ def _calls(cg, dev):
     return (("item", lambda: x.sum().item()), ("if", lambda: bool(x.sum() > 0)), ("mask", lambda: x[x > 0]),
             ("cpu", lambda: x.cpu()), ("tolist", lambda: x.tolist()),
             ("tensor(device=)", lambda: torch.tensor([1.0], device=dev)),
-            ("stream sync", lambda: cg.current_stream().synchronize()), ("synchronize", cg.synchronize),
+            ("stream "
+             "sync", lambda: cg.current_stream().synchronize()), ("synchronize", cg.synchronize),
             ("embedding", lambda: F.embedding(ids, table)), ("matmul", lambda: table @ table.T))
 
 
 def sync_debug_warns(cg, dev):
-    """Under set_sync_debug_mode("warn"): which calls warn "called a synchronizing CUDA operation"."""
+    """Under set_sync_debug_mode("warn"): which calls warn "called a synchronizing CUDA operation".
+    """
     calls = _calls(cg, dev)
-    for _, call in calls:  # lazy initialisation (cuBLAS, allocations) is not what this program asks about
+    # lazy initialisation (cuBLAS, allocations) is not what this program asks about
+    for _, call in calls:
         call()
     warned = []
     prev = cg.get_sync_debug_mode()
@@ -64,23 +68,16 @@ def sync_debug_error(cg, dev):
 
 
 def graph_freed_during_capture(cg, dev):
-    """A captured graph left in a dead reference cycle, collected in the middle of another capture: that capture
-    fails (the graph's destructor calls CUDA)."""
+    """A captured graph left in a dead reference cycle, collected in the middle of another capture:
+    that capture fails (the graph's destructor calls CUDA)."""
     x = x8(dev)
     g, _ = capture(cg, lambda: x + 1)
     cycle = {"graph": g}
     cycle["self"] = cycle  # only the garbage collector can free it now
     del g, cycle
-    before, pool = cg.current_stream(), cg.graph_pool_handle()
-    g2 = cg.CUDAGraph()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with cg.graph(g2, pool=pool):
-                y = x * 2
-                gc.collect()  # what the collector does when it comes due: never in a capture
-                y + 1
-    except Exception as e:  # noqa: BLE001 - the verdict is the error
-        clean_up(cg, before, pool, g2)
-        return phrase(e)
-    return "captured"
+
+    def body():
+        y = x * 2
+        gc.collect()  # what the collector does when it comes due: never in a capture
+        y + 1
+    return capture_error(cg, body)

@@ -1,9 +1,10 @@
-"""Capture programs whose capture fails, from the behaviours PyTorch's own graph tests check, with the GPU's verdict.
+"""Capture programs whose capture fails, from the behaviours PyTorch's own graph tests check, with
+the GPU's verdict.
 
-``tests/test_torch_graph_behaviours.py`` and ``tests/test_torch_graph_optims.py`` run them on the simulator in CI
-and, on a GPU, each in a fresh process (:func:`course.core.isolate.run_isolated`): a failed capture may leave CUDA
-state behind there. :func:`run` runs one by name and returns its verdict; :data:`EXPECTED` gives the verdict a GPU
-gives (torch 2.11, H100).
+``tests/test_torch_graph_behaviours.py`` and ``tests/test_torch_graph_optims.py`` run them on the
+simulator in CI and, on a GPU, each in a fresh process (:func:`course.core.isolate.run_isolated`): a
+failed capture may leave CUDA state behind there. :func:`run` runs one by name and returns its
+verdict; :data:`EXPECTED` gives the verdict a GPU gives (torch 2.11, H100).
 """
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import warnings
 
 import torch
 
-from course.sim.parity_tools import PHRASES, capture_error, clean_up
+from course.parity.tools import PHRASES, capture_error, clean_up
 
 
 def capture_oom(cg, dev):
-    """A 4 TiB tensor made inside a capture (PyTorch's test_graph_capture_oom): torch's out-of-memory error."""
+    """A 4 TiB tensor made inside a capture (PyTorch's test_graph_capture_oom): torch's
+    out-of-memory error."""
     before, pool = cg.current_stream(), cg.graph_pool_handle()
     g = cg.CUDAGraph()
     try:
@@ -36,7 +38,8 @@ def _model(dev):
 
 
 def warm_up(cg, fn, n: int = 3) -> None:
-    """Run ``fn`` ``n`` times on a side stream, joined back (what a capture of backward or an optimizer needs)."""
+    """Run ``fn`` ``n`` times on a side stream, joined back (what a capture of backward or an
+    optimizer needs)."""
     side = cg.Stream()
     side.wait_stream(cg.current_stream())
     with cg.stream(side):
@@ -47,9 +50,9 @@ def warm_up(cg, fn, n: int = 3) -> None:
 
 
 def scaler_step_not_fused(cg, dev):
-    """GradScaler.step with a (capturable, not fused) Adam inside a capture: the scaler reads found_inf with
-    .item() to decide whether to step, which a capturing stream refuses (PyTorch's grad-scaling graph tests step a
-    non-fused optimizer outside the capture)."""
+    """GradScaler.step with a (capturable, not fused) Adam inside a capture: the scaler reads
+    found_inf with .item() to decide whether to step, which a capturing stream refuses (PyTorch's
+    grad-scaling graph tests step a non-fused optimizer outside the capture)."""
     model, x = _model(dev)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True, foreach=True)
     scaler = torch.amp.GradScaler(dev.type, init_scale=4.0)
@@ -64,8 +67,9 @@ def scaler_step_not_fused(cg, dev):
 
 
 def non_capturable_group(cg, dev):
-    """An optimizer whose second param group says capturable=False, stepped inside a capture (PyTorch's
-    test_graph_optims_with_explicitly_capturable_param_groups): refused before any update is recorded."""
+    """An optimizer whose second param group says capturable=False, stepped inside a capture
+    (PyTorch's test_graph_optims_with_explicitly_capturable_param_groups): refused before any update
+    is recorded."""
     model, x = _model(dev)
     opt = torch.optim.Adam([{"params": [model.weight], "capturable": True},
                             {"params": [model.bias], "capturable": False}], lr=1e-2)
@@ -82,8 +86,8 @@ PROGRAMS = {"capture_oom": capture_oom, "scaler_step_not_fused": scaler_step_not
             "non_capturable_group": non_capturable_group}
 EXPECTED = {"capture_oom": "OutOfMemoryError True, says 'out of memory' True",
             "scaler_step_not_fused": PHRASES[0],
-            "non_capturable_group": "RuntimeError: Attempting CUDA graph capture of step() for an instance of Adam "
-                                    "but param_groups' capturable is False."}
+            "non_capturable_group": "RuntimeError: Attempting CUDA graph capture of step() for "
+                                    "an instance of Adam but param_groups' capturable is False."}
 
 
 def run(name: str) -> str:
