@@ -1,21 +1,9 @@
-"""Lesson 07's fused Triton step on one rank's share of every layer, the all-reduces between its kernels.
+"""Lesson 07's fused Triton step on one rank's share, an all-reduce after each partial sum (exercise 08.2).
 
-A rank keeps the split of :mod:`.shard` (its query heads and the KV heads they read, replicated when ranks outnumber
-KV heads; its rows of gate/up and columns of down; the embedding, norms and LM head whole) and runs lesson 07's
-five kernels per layer on it, unchanged: :func:`rank_model` gives :class:`~course.lessons.last_mile.decoder.
-TritonDecoder` a model whose config has this rank's head counts and MLP width (``head_dim`` set explicitly, since
-``hidden / heads`` no longer gives it). Two kernels change what they write:
-
-- ``o_proj`` and ``down_proj`` produce this rank's **partial sum** of the layer's output. The residual must be added
-  **once**: rank 0's kernel adds it (``x = x + partial``), every other rank's writes its partial alone
-  (``x = partial``, the kernel's ``RESIDUAL=False``);
-- one **all-reduce** of ``x`` right after each of them sums the partials (and rank 0's residual) on every rank, so
-  the next kernel (``norm_gate_up``, or the next layer's ``norm_qkv_rope``) reads the whole residual stream.
-
-:func:`fused_layer` is that layer, written against the decoder's methods (the answer of exercise 08.2, where the
-learner places the residual and the all-reduces). :class:`FusedShardDecoder` runs it in its ``step``; captured
-(:func:`~course.lessons.last_mile.decoder.graphed`), one CUDA graph per rank holds its kernels and its all-reduces
-(:mod:`.allreduce`: NCCL's or symmetric memory's), PDL edges between kernels where no all-reduce stands between.
+A rank keeps :mod:`.tp`'s split and runs lesson 07's five kernels per layer on it. ``o_proj`` and ``down_proj``
+write this rank's partial sum: one rank's kernel adds the residual (``x = x + partial``), the others' write the
+partial alone (``RESIDUAL=False``), and one all-reduce of ``x`` (:mod:`.allreduce`) sums them before the next
+kernel reads ``x`` whole. Captured, one CUDA graph per rank holds the kernels and the all-reduces.
 """
 from __future__ import annotations
 
@@ -25,7 +13,8 @@ import types
 import torch
 
 from course.lessons.last_mile.decoder import TritonDecoder
-from course.lessons.tensor_parallel.shard import head_plan, mlp_rows
+from course.lessons.tensor_parallel.allreduce import MODES, make_all_reduce, residual_buffer
+from course.lessons.tensor_parallel.tp import head_plan, mlp_rows
 
 
 def fused_layer(k, layer: int, position) -> None:
@@ -40,11 +29,8 @@ def fused_layer(k, layer: int, position) -> None:
 
 
 def rank_model(model, rank: int, world: int):
-    """What :class:`TritonDecoder` reads of a model, for ``rank``'s share of ``model`` (a transformers Llama).
-
-    The layers' weights are copies of this rank's rows and columns (the model can be freed afterwards); the
-    embedding, final norm, LM head and rotary embedding are the model's own (whole on every rank).
-    """
+    """What :class:`TritonDecoder` reads of ``model``, for ``rank``'s share: copies of its rows and columns; the
+    embedding, final norm, LM head and rotary embedding are the model's own (whole on every rank)."""
     c = model.config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     plan = head_plan(c.num_attention_heads, c.num_key_value_heads, world, rank)
@@ -74,16 +60,12 @@ def rank_model(model, rank: int, world: int):
 class FusedShardDecoder(TritonDecoder):
     """Lesson 07's step on ``rank``'s share of ``model`` among ``world`` ranks (see the module doc).
 
-    ``all_reduce``: ``"nccl"``, ``"symm_one_shot"``, ``"symm_two_shot"`` (:mod:`.allreduce`), or ``"none"`` on one
-    rank (no collective at all: lesson 07's step). ``layer``: the function that runs one layer (default
-    :func:`fused_layer`), called as ``layer(decoder, layer_index, position)``. Every rank must construct it (the
-    symmetric-memory modes allocate their buffers collectively).
+    ``all_reduce``: one of :data:`~.allreduce.MODES`, or ``"none"`` on one rank; ``layer(decoder, index,
+    position)`` runs one layer (default :func:`fused_layer`). Every rank constructs it (symm modes rendezvous).
     """
 
     def __init__(self, model, rank: int = 0, world: int = 1, group=None, all_reduce: str = "nccl",
                  max_len: int = 256, pdl: bool = False, config=None, layer=None):
-        from course.lessons.tensor_parallel.allreduce import MODES, make_all_reduce, residual_buffer
-
         if all_reduce not in MODES + ("none",):
             raise ValueError(f"all_reduce must be one of {MODES + ('none',)}, got {all_reduce!r}")
         if all_reduce == "none" and world > 1:
@@ -116,15 +98,13 @@ class FusedShardDecoder(TritonDecoder):
                  RESIDUAL=bool(residual))
 
     def all_reduce(self) -> None:
-        """Sum x over the ranks, in place (the chosen all-reduce; on one rank with ``"none"``, nothing, and not
-        counted)."""
+        """Sum x over the ranks in place (with ``"none"``: nothing, not counted)."""
         if self.mode != "none":
             self.all_reduces_issued += 1
             self._reduce()
 
     def step(self, ids, position):
-        """Logits ``[1, vocab]`` (float32, the decoder's buffer), the same on every rank; ``ids`` ``[1, 1]``,
-        ``position`` ``[1]`` (device tensors)."""
+        """Logits ``[1, vocab]`` (float32, the decoder's buffer), the same on every rank."""
         if ids.dim() != 2 or ids.shape != (1, 1) or position.shape != (1,):
             raise ValueError(f"the split Triton step decodes one sequence: ids [1, 1] and position [1] (device "
                              f"tensors), got ids {tuple(ids.shape)} and position {tuple(position.shape)}")
@@ -135,22 +115,21 @@ class FusedShardDecoder(TritonDecoder):
         return self.logits
 
     def all_reduces_per_step(self, ids, position) -> int:
-        """All-reduces one eager step issues (counted as issued: the same calls a capture records; 0 with "none")."""
+        """All-reduces one eager step issues (the calls a capture records; 0 with "none")."""
         before = self.all_reduces_issued
         self.step(ids, position)
         return self.all_reduces_issued - before
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one step reads on this rank (its shares, the norms, the LM head, one embedding row)."""
+        """Bytes of weights one step reads on this rank (its shares, norms, LM head, one embedding row)."""
         n = self.emb.shape[1] * self.emb.element_size() + sum(t.numel() * t.element_size() for t in
                                                                 (self.final_norm, self.lm))
         return n + sum(t.numel() * t.element_size() for ws in self.layers for t in {id(t): t for t in ws}.values())
 
 
 def emulate(decoders: list, ids, position):
-    """The split step of every rank in one process, the all-reduce done by hand (a sum of the ranks' x): what the
-    ranks compute, without processes or collectives. ``decoders``: every rank's decoder, from :func:`emulated`.
-    Returns each rank's logits (copies)."""
+    """Every rank's split step in one process, the all-reduce a sum of the ranks' x (``decoders``: :func:`emulated`'s);
+    each rank's logits (copies)."""
     xs = [d.x for d in decoders]
     for d in decoders:
         d.embed(ids)
@@ -175,8 +154,7 @@ def emulate(decoders: list, ids, position):
 
 
 def emulated(model, world: int, max_len: int = 64, config=None) -> list:
-    """Every rank's :class:`FusedShardDecoder` of ``model`` in this process, for :func:`emulate` (no process group:
-    their own all-reduce is never called)."""
+    """Every rank's :class:`FusedShardDecoder` of ``model`` in this process, for :func:`emulate` (no group)."""
     decs = []
     for r in range(world):
         d = FusedShardDecoder.__new__(FusedShardDecoder)
