@@ -1,24 +1,104 @@
-"""Notebook 05's helpers: run the eager part in worker processes, the bucket demo, and read the GPU figures.
+"""Notebook 05's helpers: the eager part and the bucket demo run on every rank, the figures and sentences.
 
-- :func:`run_lesson`: one launch that runs :func:`~course.lessons.sharding.workers.lesson_worker` on every
-  rank (the DTensor test's cases included) and returns each rank's findings.
-- :func:`bucket_demo`: the rule every data-parallel engine lives by, shown safely on CPU processes: ranks with
-  different batches that agree on the bucket finish; ranks that do not are stopped by the time limit.
-- :func:`load_or_explain`: a registered experiment's result, or ``None`` with a printed reason when it
-  needs more GPUs than this machine has and nobody recorded it yet.
-- :func:`capture_summary`, :func:`same_step`, :func:`timing_method`, :func:`plot_world_sizes`, :func:`plot_cost`,
-  :func:`plot_ownership`: sentences and figures computed from the results (never typed).
+- :func:`lesson_worker` (every rank, one launch by :func:`run_lesson`): who holds what, DTensor's row-wise lookup
+  against the hand-written one (Numba and ``F.embedding``), bad inputs refused on every rank, the DTensor test.
+- :func:`bucket_worker`, :func:`bucket_demo`: data-parallel ranks that agree on a bucket finish; ranks that do not
+  are stopped by the launcher's time limit.
+- :func:`recorded`: a multi-GPU experiment's result, or None and how to record it; sentences and plots computed
+  from the results (never typed).
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from matplotlib.patches import Patch
+from torch.distributed.tensor import DTensor, Replicate
+
 import course.core.plots as plots
-from course.core.reference import get, run
+from course.core.launch import WorkerError, WorkerTimeout, device_mesh, launch, plan
+from course.core.reference import available, get, heavy, reference_path, run
 from course.core.timing import eager_versus
-import course.lessons.sharding.workers as W
-from course.lessons.sharding.experiments import dtensor_result
-from course.core.launch import WorkerError, WorkerTimeout, launch, plan
+from course.lessons.sharding.bench import dtensor_result, dtensor_worker, full_table, same_ids
+from course.lessons.sharding.layouts import chunk_bounds, shard_embedding
+from course.lessons.sharding.vocab_parallel import (IMPLS, agree_bucket, bucket_step, local_rows, masked_lookup,
+                                                    pick_bucket, vocab_parallel_embedding)
+
+
+def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_shape=(2, 5),
+                  dtensor: bool = True) -> dict:
+    """Notebook 05's eager part on this rank (tiny sizes: the Numba kernel runs on the simulator on CPUs).
+
+    ``dtensor=True`` also runs :func:`dtensor_worker` (the DTensor test's cases) in the same processes.
+    """
+    dev = ctx.torch_device
+    mesh = device_mesh(ctx)
+    weight = full_table(num_embeddings, embedding_dim, dev)
+    ids = same_ids(ids_shape, num_embeddings, dev)
+    expected = torch.nn.functional.embedding(ids, weight)
+    res = {"rank": ctx.rank, "ids": ids.cpu().tolist()}
+    # DTensor row-wise, and what this rank holds before the all-reduce
+    emb = torch.nn.Embedding(num_embeddings, embedding_dim, device=dev)
+    emb.weight = torch.nn.Parameter(weight.clone())
+    row = shard_embedding(emb, mesh, 0)
+    part = row(DTensor.from_local(ids, mesh, [Replicate()], run_check=False))
+    local_part = part.to_local()
+    res["dtensor_local_nonzero_rows"] = int((local_part != 0).any(-1).sum())
+    dt_full = part.full_tensor()
+    res["dtensor_equal_local"] = bool(torch.equal(dt_full, expected))
+    # the hand-written vocab-parallel lookup, with the course's Numba kernel and with F.embedding
+    shard, start = local_rows(weight, ctx.rank, ctx.world_size)
+    res["shard_rows"] = (start, start + shard.shape[0])
+    partial = masked_lookup(ids, shard, start, "numba")
+    res["masked_positions"] = int((partial == 0).all(-1).sum())
+    for impl in IMPLS:
+        got = vocab_parallel_embedding(ids, shard, start, num_embeddings=num_embeddings, impl=impl)
+        res[f"{impl}_equal_dtensor"] = bool(torch.equal(got, dt_full))
+    # bad inputs: every rank gets the same clear error naming the rank at fault, and nobody hangs
+    errors = {}
+    bad_ids = ids.clone()
+    if ctx.rank == ctx.world_size - 1:
+        bad_ids[0, 0] = num_embeddings + 3
+    try:
+        vocab_parallel_embedding(bad_ids, shard, start, num_embeddings=num_embeddings)
+    except ValueError as e:
+        errors["out_of_range"] = str(e)
+    try:
+        local_rows(full_table(num_embeddings + 1, embedding_dim, dev), ctx.rank, ctx.world_size)
+    except ValueError as e:
+        errors["rows_not_divisible"] = str(e)
+    mixed = shard.double() if ctx.rank == 0 else shard
+    try:
+        vocab_parallel_embedding(ids, mixed, start, num_embeddings=num_embeddings, impl="torch")
+    except ValueError as e:
+        errors["mismatched_dtypes"] = str(e)
+    res["errors"] = errors
+    if dtensor:
+        res["dtensor"] = dtensor_worker(ctx, mesh=mesh)
+    dist.barrier()
+    return res
+
+
+def bucket_worker(ctx, agree: bool, buckets=(8, 16), dim: int = 4, serve_s: float = 3600.0) -> dict:
+    """Data-parallel ranks: each holds its own number of tokens; each bucket's step (:func:`bucket_step`) ends in
+    collectives over all the ranks (as an expert-parallel layer's all-to-all would).
+
+    ``agree=False``: each rank runs its own bucket's step, then (like a serving engine) stays up waiting
+    for the next request for ``serve_s`` seconds. The rank with the bigger bucket waits in a collective
+    nobody else joins: forever, until the launcher's time limit kills the run.
+    ``agree=True``: the ranks all-gather their picks first (:func:`agree_bucket`) and all run the largest.
+    """
+    n_tokens = 5 + 6 * (ctx.rank % 2)  # even ranks: 5 tokens (bucket 8), odd ranks: 11 tokens (bucket 16)
+    own = pick_bucket(n_tokens, buckets)
+    bucket = agree_bucket(n_tokens, buckets, device=ctx.torch_device) if agree else own
+    x = torch.ones(bucket, dim, device=ctx.torch_device)
+    bucket_step(x, say=ctx.say)
+    if not agree:
+        ctx.say(f"finished its bucket-{bucket} step; the engine waits for the next request")
+        time.sleep(serve_s)
+    return {"rank": ctx.rank, "tokens": n_tokens, "own_bucket": own, "bucket": bucket, "sum": float(x[0, 0])}
 
 
 def run_lesson(world_size: int | None = None, timeout: float = 150.0, backend: str | None = None, **kwargs) -> dict:
@@ -26,7 +106,7 @@ def run_lesson(world_size: int | None = None, timeout: float = 150.0, backend: s
     PyTorch's DTensor test."""
     p = plan(world_size, backend)
     t0 = time.perf_counter()
-    ranks = launch(W.lesson_worker, p.world_size, backend=p.backend, timeout=timeout, **kwargs)
+    ranks = launch(lesson_worker, p.world_size, backend=p.backend, timeout=timeout, **kwargs)
     seconds = time.perf_counter() - t0
     return {"plan": p, "ranks": ranks, "dtensor": dtensor_result([r["dtensor"] for r in ranks], p), "seconds": seconds}
 
@@ -37,10 +117,10 @@ def bucket_demo(timeout: float = 12.0, world_size: int = 2) -> dict:
     Without agreement one rank waits in a collective the others never join; the launcher's time
     limit (``timeout`` seconds) kills the run and names that rank. Returns both outcomes.
     """
-    agreed = launch(W.bucket_worker, world_size, backend="gloo", timeout=max(60.0, timeout), agree=True)
+    agreed = launch(bucket_worker, world_size, backend="gloo", timeout=max(60.0, timeout), agree=True)
     t0 = time.perf_counter()
     try:
-        launch(W.bucket_worker, world_size, backend="gloo", timeout=timeout, pg_timeout=10 * timeout, agree=False)
+        launch(bucket_worker, world_size, backend="gloo", timeout=timeout, pg_timeout=10 * timeout, agree=False)
         outcome, ranks, kind = "finished (unexpected: the ranks ran different collectives)", [], None
     except WorkerTimeout as e:
         outcome, ranks, kind = f"stopped by the time limit: {e}", list(e.ranks), type(e).__name__
@@ -50,14 +130,14 @@ def bucket_demo(timeout: float = 12.0, world_size: int = 2) -> dict:
             "disagree_seconds": time.perf_counter() - t0, "timeout": timeout}
 
 
-def load_or_explain(name: str, **params):
-    """``reference.run(name)``, or None (printing why) when it needs GPUs this machine lacks and no data exists."""
-    try:
-        return run(name, **params)
-    except FileNotFoundError as e:
-        need = get(name).gpus
-        print(f"{name}: needs {need} GPUs to run live, and its reference data has not been recorded yet.\n  {e}")
+def recorded(name: str, recording: bool = False):
+    """A multi-GPU experiment's result: live where this machine can run it (the recording, with ``recording``, unless
+    ``COURSE_FULL=1``), the recording elsewhere, or None with a line that says how to record it."""
+    if not available(name):
+        print(f"{name}: not recorded yet: run `python -m course bench {name}` on a machine with {get(name).gpus}+ "
+              "GPUs (this machine cannot run it live).")
         return None
+    return heavy(name) if recording and reference_path(name).exists() else run(name)
 
 
 def capture_summary(res) -> str:
@@ -165,10 +245,6 @@ def plot_ownership(num_embeddings: int, embedding_dim: int, world_size: int, ids
     Rows that ``ids`` look up are marked with a dot on the row-wise panel: a rank looks up the
     dots in its colour and writes zero rows (masks) for the others.
     """
-    import numpy as np
-
-    from course.lessons.sharding.layouts import chunk_bounds
-
     fig, (ax_r, ax_c) = plots.figure(2, width=4.0, height=4.0)
     row_owner = np.zeros((num_embeddings, embedding_dim))
     for r, (a, b) in enumerate(chunk_bounds(num_embeddings, world_size)):
@@ -183,8 +259,6 @@ def plot_ownership(num_embeddings: int, embedding_dim: int, world_size: int, ids
         looked = sorted({int(i) for i in np.asarray(ids).reshape(-1)})
         ax_r.scatter([embedding_dim / 2 - 0.5] * len(looked), looked, c="k", s=12, label="ids looked up")
         ax_r.legend(fontsize=7, loc="lower right")
-    from matplotlib.patches import Patch
-
     handles = [Patch(color=im.cmap(im.norm(r))) for r in range(world_size)]
     ax_c.legend(handles, [f"rank {r}" for r in range(world_size)], fontsize=7, loc="lower right")
     fig.tight_layout()

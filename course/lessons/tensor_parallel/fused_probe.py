@@ -32,8 +32,8 @@ def probe(shape: str = "llama-3.1-8b", modes=("nccl", "symm_one_shot", "symm_two
     from course.core.launch import Context
     from course.lessons.last_mile.shapes import build_shape
     from course.lessons.real_model.roofline import copy_bandwidth_GBps
-    from course.lessons.tensor_parallel import fused_bench as FB
-    from course.lessons.tensor_parallel.workers import first_token
+    from course.lessons.tensor_parallel import bench as FB
+    from course.lessons.tensor_parallel.tp import first_token
 
     ctx = Context(0, 1, "nccl", "cuda:0")
     bw = copy_bandwidth_GBps()
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     import course
     from course.core.runtime import runtime
     from course.lessons.tensor_parallel.allreduce import keep_multicast_off
-    from course.lessons.tensor_parallel.fused_bench import fused_result
+    from course.lessons.tensor_parallel.bench import fused_result
 
     if not runtime().on_gpu:
         print(f"fused_probe needs a GPU (COURSE_PATH=cuda); {runtime().reason}")
