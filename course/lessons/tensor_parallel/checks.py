@@ -549,11 +549,14 @@ def _no_clone(run: Run) -> str:
                         "held the graph's output tensor, which every replay overwrites")
 
 
+def differ(got: list, want: list) -> str:
+    """Where ``got`` first differs from TP=1's ``want`` ('' when it does not)."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    return "" if at is None else f"from token {at} on: {got[at:at + 4]} where TP=1 gives {want[at:at + 4]}"
+
+
 def _wrong(run: Run) -> str:
-    if run.tokens == run.want:
-        return ""
-    at = next((i for i, (a, b) in enumerate(zip(run.tokens, run.want)) if a != b), 0)
-    return f"from token {at} on: {run.tokens[at:at + 4]} where TP=1 gives {run.want[at:at + 4]}"
+    return differ(run.tokens, run.want)
 
 
 TOKENS = [rule(n, t) for n, t in (("rebound", _rebound), ("frozen", _frozen), ("reset", _reset), ("early", _early),
@@ -767,14 +770,13 @@ def split_worker(ctx, fns, n_tokens: int = 4, size: str = "tiny") -> list:
     for fn, v in zip(fns, verdicts):
         if v.ok:
             dec = FusedShardDecoder(model, ctx.rank, ctx.world_size, None, "nccl", max_len=n_tokens + 8, layer=fn)
-            got, v = greedy(run(dec), first, n_tokens)[0].tolist(), None
+            got = greedy(run(dec), first, n_tokens)[0].tolist()
             del dec
             gc.collect()
             synchronize()
-            at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
-            v = agree(Outcome(PASS, detail={"tokens": got}) if at is None else Outcome(
-                FAIL, "wrong", f"{DEFECTS['wrong']} from token {at} on: {got[at:at + 4]} where TP=1 gives "
-                f"{want[at:at + 4]}"), timeout_s=EXCHANGE_S, what="split_layer's tokens")
+            why = differ(got, want)
+            v = agree(Outcome(FAIL, "wrong", f"{DEFECTS['wrong']} {why}") if why else Outcome(
+                PASS, detail={"tokens": got}), timeout_s=EXCHANGE_S, what="split_layer's tokens")
         out.append(v)
     return out
 
