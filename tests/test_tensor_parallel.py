@@ -57,6 +57,8 @@ def test_layout_bytes_match_the_shards_and_the_table():
 
 
 def test_hand_split_at_one_rank_is_lesson_06s_model():
+    assert torch.equal(SH.rotate_half(torch.tensor([1.0, 2, 3, 4])), torch.tensor([-3.0, -4, 1, 2]))
+    assert issubclass(SH.HandShardedDecoder, SH.RankShare) and not hasattr(SH.RankShare, "step")
     m = build_model("tiny", device="cpu")
     ref, hand = StaticDecoder(m, 64), SH.HandShardedDecoder(m, 0, 1, max_len=64)
     first = SH.first_token("cpu", m.config.vocab_size)

@@ -16,7 +16,7 @@ from cellrun import apply_edits
 from course.core.cell_workers import CellWorker
 from course.core.harness import CRASH, FAIL, PASS, TODO, Outcome, warmup_problem
 from course.core.launch import WorkerError, WorkerTimeout, launch, plan
-from course.lessons.tensor_parallel import checks as C
+from course.lessons.tensor_parallel import checks as C, rules as R, watch as W
 
 WARM = ("        for _ in range(2):  # NCCL's communicator and buffers made here, every all-reduce run eagerly "
         "first\n")
@@ -117,7 +117,8 @@ def variants(table) -> list:
 
 @pytest.fixture(scope="module")
 def judged():
-    """Every variant judged on every rank, in one launch; and the seconds it took."""
+    """Every variant judged on every rank (capture_worker, judge_generate per function), in one launch;
+    and the seconds it took."""
     fns = variants(RIGHT) + variants(WRONG) + [CellWorker("tp_generate", answer_cell("notebooks"), "<08 learner>")]
     t0 = time.monotonic()
     out = launch(C.capture_worker, 2, backend=plan(2).backend, timeout=300, pg_timeout=60, fns=fns)
@@ -136,7 +137,7 @@ def test_each_wrong_variant_gets_its_named_cross_on_every_rank(judged, i):
     name, _, rule, words = WRONG[i]
     res = [rank[len(RIGHT) + i] for rank in out]
     assert res[0].status == FAIL and res[0].rule == rule, (name, res[0])
-    assert res[0].message.startswith(C.TITLES[rule]) and words in res[0].message, (name, res[0].message)
+    assert res[0].message.startswith(R.TITLES[rule]) and words in res[0].message, (name, res[0].message)
     assert res[1] == res[0]  # every rank, the same verdict
     assert "copy_(nxt)" not in res[0].message and "add_(1)" not in res[0].message  # the mistake, not the fix
 
@@ -150,7 +151,7 @@ def test_the_learner_version_is_not_done_and_the_whole_launch_is_quick(judged):
 def test_the_warm_up_rule_is_the_harness_one_word_for_word(judged):
     out, _ = judged
     i = len(RIGHT) + [w[0] for w in WRONG].index("no warm-up")
-    assert warmup_problem([], C.STEP, C.LAZY) in out[0][i].message and "NCCL" in C.LAZY
+    assert warmup_problem([], R.STEP, R.LAZY) in out[0][i].message and "NCCL" in R.LAZY
 
 
 # ---------------------------------------------------------------------------- the pieces, in one process
@@ -161,7 +162,7 @@ def _ev(what, **kw):
 def test_lockstep_names_each_disagreement_the_same_on_every_rank():
     done = _ev("done", tokens=[5, 6], shape="", replays=2)
     end, rep = _ev("end", graph=1, steps=1, ids=[3], position=[0]), _ev("replay", n=1, steps=1, ids=[3], position=[0])
-    assert C.lockstep([[end, rep, done]] * 2, 2) is None
+    assert R.lockstep([[end, rep, done]] * 2, 2) is None
     cases = [
         ([[_ev("eager", line=3, where="side"), done], [_ev("capture", graph=1, call=1, order=""), done]],
          "warm_up_one_rank"),
@@ -178,10 +179,10 @@ def test_lockstep_names_each_disagreement_the_same_on_every_rank():
          "crash"),
     ]
     for traces, rule in cases:
-        out = C.lockstep(traces, 2)
-        assert out.rule == rule and out.message.startswith(C.TITLES[rule]), (rule, out)
-    assert C.lockstep(cases[-1][0], 2).message == "a rank raised an error: rank 0: IndexError: x"
-    todo = C.lockstep([[_ev("crash", rule="not_done", message="your code goes here")]] * 2, 2)
+        out = R.lockstep(traces, 2)
+        assert out.rule == rule and out.message.startswith(R.TITLES[rule]), (rule, out)
+    assert R.lockstep(cases[-1][0], 2).message == "a rank raised an error: rank 0: IndexError: x"
+    todo = R.lockstep([[_ev("crash", rule="not_done", message="your code goes here")]] * 2, 2)
     assert (todo.status, todo.message) == (TODO, "your code goes here")
 
 
@@ -192,14 +193,14 @@ def test_crashed_names_a_host_read_in_the_capture_and_the_learners_line():
         except RuntimeError:
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
     except RuntimeError as e:
-        assert C.crashed(e, test_crashed_names_a_host_read_in_the_capture_and_the_learners_line.__code__)["rule"] \
+        assert W.crashed(e, test_crashed_names_a_host_read_in_the_capture_and_the_learners_line.__code__)["rule"] \
             == "host_sync"
     try:
         [][1]
     except IndexError as e:
-        event = C.crashed(e, test_crashed_names_a_host_read_in_the_capture_and_the_learners_line.__code__)
+        event = W.crashed(e, test_crashed_names_a_host_read_in_the_capture_and_the_learners_line.__code__)
     assert event["rule"] == "crash" and event["message"].startswith("IndexError: list index out of range (line ")
-    assert C.crashed(NotImplementedError("todo"), C.crashed.__code__) == {"what": "crash", "rule": "not_done",
+    assert W.crashed(NotImplementedError("todo"), W.crashed.__code__) == {"what": "crash", "rule": "not_done",
                                                                            "message": "todo"}
 
 
@@ -222,6 +223,15 @@ def test_check_turns_a_lost_or_late_rank_into_a_named_cross(monkeypatch):
     monkeypatch.setattr(C, "launch", late)
     with pytest.raises(AssertionError, match="did not all finish within 240 s"):
         C.check(C.capture_worker, "f")
+
+
+def test_torch_cuda_synchronize_is_taken_as_a_gpu_takes_it():
+    """On the simulator too: outside a capture it waits (inside, refused: the mutant above)."""
+    cg = course.graphs()
+    with W.gpu_synchronize(cg):
+        torch.cuda.synchronize()
+        assert course.runtime().on_gpu or torch.cuda.synchronize is cg.synchronize
+    assert course.runtime().on_gpu or torch.cuda.synchronize is not cg.synchronize  # put back
 
 
 def test_the_watch_traces_a_toy_generation_in_one_process():
@@ -253,11 +263,11 @@ def test_the_watch_traces_a_toy_generation_in_one_process():
         return torch.cat(out, dim=1)
 
     first = torch.zeros(1, dtype=torch.long, device=course.device())
-    events = C.run_generate(None, generate, toy, first, 3)
+    events = W.run_generate(None, generate, toy, first, 3)
     assert [e["what"] for e in events][-1] == "done", events[-1]
     assert [e["what"] for e in events] == ["eager", "capture", "end", "replay", "replay", "replay", "done"]
     assert events[-1]["tokens"] == [1, 2, 3] and [e["ids"] for e in events[3:6]] == [[0], [1], [2]]
-    assert C.verdict([events], 3, [1, 2, 3], 0).ok
-    rebound = C.run_generate(None, lambda *a: generate(*a, rebind=True), toy, first, 3)
-    out = C.verdict([rebound], 3, [1, 2, 3], 0)
+    assert R.verdict([events], 3, [1, 2, 3], 0).ok
+    rebound = W.run_generate(None, lambda *a: generate(*a, rebind=True), toy, first, 3)
+    out = R.verdict([rebound], 3, [1, 2, 3], 0)
     assert out.rule == "rebound" and "before replay 2, `ids` named a new tensor" in out.message

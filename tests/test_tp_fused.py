@@ -169,6 +169,12 @@ def test_the_trace_names_each_wrong_placement(name):
     assert "k.rank" not in out.message  # the mistake, not the fix
 
 
+def test_the_trace_reads_what_each_rank_calls():
+    s = C.Split(last_rank_adds, 4)
+    assert s.error is None and s.adders(1, "o_proj") == s.adders(2, "down") == [3]
+    assert s.names(0, 0) == s.names(3, 2) == C.PLACED
+
+
 def test_the_trace_passes_right_placements_at_every_world_size():
     for fn in (answer, last_rank_adds):
         for world in (1, 2, 4, 8):
@@ -365,6 +371,8 @@ def test_gpu_one_rank_probe_rows_and_tp1_reference():
         rows, failures = fused_probe.probe("tinyllama", modes=("nccl",), repeats=3, inner=2)
         assert not failures and [r["allreduce"] for r in rows] == ["none", "nccl"]
         assert rows[1]["all_reduces"] == rows[1]["all_reduces_graph"] == 44 and rows[0]["all_reduces"] == 0
+        x = torch.ones(1024, device="cuda:0")
+        assert any(on_gpu for _, on_gpu in FB.profiled_kernels(lambda: x.mul_(2)))
 
 
 def test_the_partial_sum_kernel_compiles_for_hopper_without_a_gpu():
