@@ -5,23 +5,28 @@ In one process (fast): every rank's split step emulated with the all-reduce done
 (KV heads replicated past their count), against lesson 07's step on the whole model. Multi-process (gloo CPU
 processes under Triton's interpreter here; NCCL on 2+ GPUs): a few tokens per rank in CI, 64 with ``COURSE_SLOW=1``.
 """
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from cellrun import apply_edits
 from course.core import triton_path
+from course.core.cell_workers import CellWorker
+from course.core.harness import PASS, TODO, Tracer
 from course.core.reference import load_reference
 from course.core.results import Result
 from course.core.runtime import gpu_count, runtime
 from course.lessons.real_model import build_model
 from course.lessons.real_model.model import Size
-from course.core.harness import PASS, TODO, Tracer
 from course.lessons.tensor_parallel import allreduce as AR, bench as FB, checks as C, lesson as FL
 from simguard import one_rank, one_rank_group  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not triton_path.available(), reason=triton_path.missing_reason() or "triton")
 SLOW = os.environ.get("COURSE_SLOW") == "1"
+ROOT = Path(__file__).resolve().parent.parent
 TINY8 = Size("tiny8", hidden=64, intermediate=176, layers=2, heads=8, kv_heads=2, vocab=512, dtype="float32",
              max_positions=512)
 
@@ -114,34 +119,23 @@ def unfinished(k, layer, position):
     raise NotImplementedError("split_layer(): your code goes here")
 
 
-def residual_where_rank_is_not_0(k, layer, position):  # right at 2 ranks (rank 1 alone adds it), not at 4
-    k.qkv(layer, position)
-    k.attend(layer, position)
-    k.o_proj(layer, residual=k.rank != 0)
-    k.all_reduce()
-    k.gate_up(layer)
-    k.down(layer, residual=k.rank != 0)
-    k.all_reduce()
+def answer_cell() -> str:
+    """The source of exercise 08.2's answer cell."""
+    nb = json.loads((ROOT / "solutions" / "08_tensor_parallel.ipynb").read_text())
+    return next("".join(c["source"]) for c in nb["cells"] if "def split_layer" in "".join(c["source"]))
 
 
-def residual_in_the_first_layer_only(k, layer, position):
-    k.qkv(layer, position)
-    k.attend(layer, position)
-    k.o_proj(layer, residual=k.rank == 0 and layer == 0)
-    k.all_reduce()
-    k.gate_up(layer)
-    k.down(layer, residual=k.rank == 0)
-    k.all_reduce()
+def variant(name: str, edits) -> CellWorker:
+    """The answer cell with ``edits``: its split_layer, carried as source (as a notebook cell's)."""
+    return CellWorker("split_layer", apply_edits([answer_cell()], edits, name)[0], f"<08.2 {name}>")
 
 
-def o_proj_of_layer_0_everywhere(k, layer, position):
-    k.qkv(layer, position)
-    k.attend(layer, position)
-    k.o_proj(0, residual=k.rank == 0)
-    k.all_reduce()
-    k.gate_up(layer)
-    k.down(layer, residual=k.rank == 0)
-    k.all_reduce()
+O_PROJ = "    k.o_proj(layer, residual=k.rank == 0)"
+DOWN = "    k.down(layer, residual=k.rank == 0)"
+residual_where_rank_is_not_0 = variant("rank != 0", [(O_PROJ, O_PROJ.replace("==", "!=")),
+                                                     (DOWN, DOWN.replace("==", "!="))])  # right at 2 ranks
+residual_in_the_first_layer_only = variant("first layer", [(O_PROJ, O_PROJ[:-1] + " and layer == 0)")])
+o_proj_of_layer_0_everywhere = variant("layer 0", [(O_PROJ, O_PROJ.replace("(layer,", "(0,"))])
 
 
 # (the learner's layer, the rule its check names, words its ✗ holds)
@@ -164,7 +158,7 @@ MUTANTS = {"double_residual": (double_residual, "double", "o_proj adds it on ran
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_the_trace_names_each_wrong_placement(name):
     fn, rule, words = MUTANTS[name]
-    out = C.judge_split(fn, 2)
+    out = C.judge_split(getattr(fn, "load", lambda: fn)(), 2)
     assert out.rule == rule and out.message.startswith(C.DEFECTS[rule]) and words in out.message, out
     assert "k.rank" not in out.message  # the mistake, not the fix
 
