@@ -25,7 +25,7 @@ class Graph:
     """A learner's graph: its capture and its replays are events of the :class:`Watch`."""
 
     def __init__(self, graph, watch):
-        self.graph, self.watch, self.steps = graph, watch, 0
+        self.graph, self.watch, self.steps, self.failed = graph, watch, 0, False
 
     def capture_begin(self, *args, **kwargs):
         """Begin a capture (its step calls are counted)."""
@@ -35,7 +35,11 @@ class Graph:
 
     def capture_end(self):
         """End the capture."""
-        out = self.graph.capture_end()
+        try:
+            out = self.graph.capture_end()
+        except BaseException:
+            self.watch.open, self.failed = None, True
+            raise
         self.watch.end(self)
         return out
 
@@ -87,9 +91,15 @@ class Watch:
     @contextlib.contextmanager
     def graph(self, g, *args, **kwargs):
         """``cg.graph(g)``, the capture's step calls counted."""
-        with self.cg.graph(g.graph if isinstance(g, Graph) else g, *args, **kwargs):
-            self.begin(g)
-            yield
+        try:
+            with self.cg.graph(g.graph if isinstance(g, Graph) else g, *args, **kwargs):
+                self.begin(g)
+                yield
+        except BaseException:
+            self.open = None
+            if isinstance(g, Graph):
+                g.failed = True
+            raise
         self.end(g)
 
     def begin(self, g) -> None:
@@ -139,15 +149,17 @@ class Watch:
         """No capture left under way, the stream back, failed graphs kept, the device usable."""
         self.t.close()
         gpu = runtime().on_gpu
-        if isinstance(self.open, Graph) and gpu:  # capture_begin, then the learner's code raised
-            with contextlib.suppress(Exception), self.cg.stream(self.cg.current_stream()):
-                self.open.graph.capture_end()
+        if isinstance(self.open, Graph):  # capture_begin, then the learner's code raised
+            self.open.failed = True
+            if gpu:
+                with contextlib.suppress(Exception):
+                    self.open.graph.capture_end()
         if not gpu:
             from course.sim.graph import end_all_captures  # the simulator's: on its path only
             end_all_captures()
         self.cg.set_stream(stream)
         if gpu:
-            for g in self.made:  # kept alive: torch's allocators may still call a failed one
+            for g in (g for g in self.made if g.failed):  # kept: torch may still call into it
                 recover(graph=g.graph)
             recover()
         self.made.clear()
