@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
 from course.core.capture import warm_up
 from course.core.launch import device_mesh, launch, plan
@@ -55,6 +54,8 @@ def capture_graph(step, warmup: int = 3):
 def make_step(variant: str, ids: torch.Tensor, weight: torch.Tensor, rank: int, world: int,
               group=None, mesh=None):
     """The lookup of one variant, a function of no argument over the static ``ids``: the output."""
+    from torch.distributed.tensor import DTensor, Replicate  # on use: it slows a rank's start
+
     num = weight.shape[0]
     if variant.startswith("dtensor"):
         emb = torch.nn.Embedding(num, weight.shape[1], device=weight.device)

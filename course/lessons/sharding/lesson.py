@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from matplotlib.patches import Patch
-from torch.distributed.tensor import DTensor, Replicate
 
 import course.core.plots as plots
 from course.core.launch import WorkerError, WorkerTimeout, device_mesh, launch, plan
@@ -38,6 +37,8 @@ def lesson_worker(ctx, num_embeddings: int = 16, embedding_dim: int = 8, ids_sha
     ``dtensor=True`` also runs :func:`dtensor_worker` (the DTensor test's cases) in the same
     processes.
     """
+    from torch.distributed.tensor import DTensor, Replicate  # on use: it slows a rank's start
+
     dev = ctx.torch_device
     mesh = device_mesh(ctx)
     weight = full_table(num_embeddings, embedding_dim, dev)
