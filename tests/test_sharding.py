@@ -14,10 +14,9 @@ from course.core import reference
 from course.core.results import Result
 from course.core.runtime import gpu_count
 from course.lessons import sharding as S
-from course.lessons.sharding import experiments as X
-from course.lessons.sharding import graphs as G
+from course.lessons.sharding import bench as B
 from course.lessons.sharding import layouts as L
-from course.lessons.sharding import workers as W
+from course.lessons.sharding import lesson as SL
 
 BACKENDS = ["gloo"] + (["nccl"] if gpu_count() >= 2 else [])
 TWO_GPUS = pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs on the GPU path (NCCL)")
@@ -67,7 +66,7 @@ def test_buckets_and_plan():
     if gpu_count() < 2:
         with pytest.raises(ValueError, match="NCCL needs 2 or more GPUs"):
             S.plan(2, "nccl")
-    prov = X.run_provenance(g)
+    prov = B.run_provenance(g)
     assert prov["device"].startswith("8 CPU processes (gloo)") and prov["gpus"] == 0
 
 
@@ -104,11 +103,11 @@ def cell_worker(ctx, scale=1.0):
     """Sum of the ranks, times scale, over the process group."""
     import torch
     import torch.distributed as dist
-    from course.lessons.sharding import workers as W
+    from course.core.launch import device_mesh
 
     x = torch.tensor([float(ctx.rank)]) * scale
     dist.all_reduce(x)
-    return {"rank": ctx.rank, "sum": float(x), "mesh": W.device_mesh(ctx).size(), "lines": [l for l in range(3)]}
+    return {"rank": ctx.rank, "sum": float(x), "mesh": device_mesh(ctx).size(), "lines": [l for l in range(3)]}
 
 
 def broken_worker(ctx):
@@ -133,7 +132,7 @@ def test_portable_keeps_course_functions_and_carries_a_cells_source():
 
     from course.core import cell_workers as C
 
-    assert C.portable(W.bucket_worker) is W.bucket_worker and C.importable(W.bucket_worker)
+    assert C.portable(SL.bucket_worker) is SL.bucket_worker and C.importable(SL.bucket_worker)
     ns = _kernel_cell(CELL)
     assert not C.importable(ns["cell_worker"])
     carried = pickle.loads(pickle.dumps(C.portable(ns["cell_worker"])))
@@ -141,7 +140,7 @@ def test_portable_keeps_course_functions_and_carries_a_cells_source():
     fn = carried.load()
     assert fn.__code__.co_filename == "/tmp/ipykernel_1/123456.py"
     assert fn.__code__.co_firstlineno == ns["cell_worker"].__code__.co_firstlineno  # the cell's own line numbers
-    assert {"torch", "dist", "W"} <= set(fn.__code__.co_varnames) and C.global_names(fn.__code__) <= {"float", "range"}
+    assert {"torch", "dist", "device_mesh"} <= set(fn.__code__.co_varnames) and C.global_names(fn.__code__) <= {"float", "range"}
 
 
 def test_portable_refuses_what_cannot_travel_naming_it():
@@ -164,7 +163,7 @@ def test_portable_refuses_what_cannot_travel_naming_it():
     with pytest.raises(ValueError, match="the source of worker 'ghost' cannot be read"):
         C.portable(unreadable["ghost"])
     import functools
-    partial = functools.partial(W.bucket_worker, agree=True)
+    partial = functools.partial(SL.bucket_worker, agree=True)
     assert C.portable(partial) is partial  # picklable as it is
 
 
@@ -183,7 +182,7 @@ def test_a_worker_written_in_a_cell_runs_on_every_rank_and_its_errors_show_the_c
 def lesson(request):
     """One launch per backend: lesson_worker runs the DTensor test's cases (dtensor_worker; the test's _apply_sharding is
     layouts.shard_embedding) and the vocab-parallel checks."""
-    out = S.run_lesson(2, backend=request.param)  # launch(W.lesson_worker, ...) + dtensor_result
+    out = S.run_lesson(2, backend=request.param)  # launch(lesson_worker, ...) + dtensor_result
     assert isinstance(out["plan"], S.Plan) and out["plan"].backend == request.param
     return out
 
@@ -237,7 +236,7 @@ def test_bad_input_is_refused_on_every_rank_naming_the_rank(lesson):
 def test_worker_error_names_the_rank_and_stops_the_others():
     """bucket_worker with one bucket of 8: rank 1 (11 tokens) raises; rank 0 would wait forever in its all-reduce."""
     with pytest.raises(S.WorkerError, match=r"failed first on rank 1: ValueError: 11 tokens do not fit the largest") as e:
-        S.launch(W.bucket_worker, 2, backend="gloo", timeout=60, agree=False, buckets=(8,))
+        S.launch(SL.bucket_worker, 2, backend="gloo", timeout=60, agree=False, buckets=(8,))
     assert e.value.first == 1 and 1 in e.value.ranks  # rank 0 may report its knock-on error (peer closed) too
 
 
@@ -281,7 +280,7 @@ def test_summary_and_world_size_plot_from_results(tmp_path, monkeypatch):
                  {"world_size": "", "eager_us": "us", **{k: "B" for k in S.comm_bytes(1, 1, 2)}})
     cap_rows = [{"world_size": 2, "variant": v, "eager_us": 900.0, "eager_q1_us": 850.0, "eager_q3_us": 950.0,
                  "replay_us": 20.0, "replay_q1_us": 19.0, "replay_q3_us": 21.0, "speedup": 45.0,
-                 "replay_correct": True} for v in G.VARIANTS]
+                 "replay_correct": True} for v in B.VARIANTS]
     cap = _fake("sharding_capture", cap_rows, {k: "" for k in cap_rows[0]})
     text = S.capture_summary(cap)
     assert "dtensor_rowwise on 2 GPUs: eager 900.0 us" in text and "45.0x faster" in text
@@ -289,7 +288,7 @@ def test_summary_and_world_size_plot_from_results(tmp_path, monkeypatch):
     assert S.plot_world_sizes(live, cap) is not None
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
     if gpu_count() < 2:
-        assert S.load_or_explain("sharding_capture") is None
+        assert S.recorded("sharding_capture") is None
 
 
 def test_capture_reference_when_recorded():
@@ -308,7 +307,7 @@ def test_capture_experiment_on_two_gpus():
     """capture_worker: make_step per variant, capture_graph, replay with new ids: correct, and faster than eager."""
     res = reference.run("sharding_capture", **reference.get("sharding_capture").quick)
     assert res.live and res.value("all_replays_correct") and res.value("bucket_agreement_ok")
-    assert {r["variant"] for r in res.rows} == set(G.VARIANTS)
+    assert {r["variant"] for r in res.rows} == set(B.VARIANTS)
     assert all(r["replay_us"] < r["eager_us"] for r in res.rows)
 
 
@@ -319,26 +318,45 @@ def test_capture_world_sizes_on_gpus():
     assert res.provenance["device"].startswith(f"{max(res.params['sizes'])}x ")
 
 
+def timing_worker(ctx, sleep_s: float = 0.002, repeats: int = 3, inner: int = 2) -> dict:
+    """An all-reduce whose last rank is slower, timed with time_ranks on every rank."""
+    import time
+
+    import torch.distributed as dist
+
+    from course.core.timing import time_ranks
+
+    x = torch.ones(4, device=ctx.torch_device)
+
+    def fn():
+        if ctx.rank == ctx.world_size - 1:
+            time.sleep(sleep_s)
+        dist.all_reduce(x)
+
+    t = time_ranks(fn, warmup=1, repeats=repeats, inner=inner)
+    return {"rank": ctx.rank, "median": t.median, "q1": t.q1, "clock": t.clock, "repeats": t.repeats}
+
+
 def test_time_ranks_reports_the_slowest_rank_on_every_rank():
     """One number for a collective step: every rank returns the same Timing, and it includes the slow rank."""
     from course.core.launch import launch
 
-    out = launch(W.timing_worker, 2, backend="gloo", timeout=120, sleep_s=0.004, repeats=3, inner=2)
+    out = launch(timing_worker, 2, backend="gloo", timeout=120, sleep_s=0.004, repeats=3, inner=2)
     assert len({o["median"] for o in out}) == 1, out  # the same figure on every rank
     assert all(o["median"] >= 0.004 and o["repeats"] == 3 and o["clock"].endswith("slowest rank") for o in out)
 
 
 def test_capture_figures_record_their_timing_method():
-    assert "slowest rank" in G.TIMING and "aligned" in G.TIMING
+    assert "slowest rank" in B.TIMING and "aligned" in B.TIMING
 
 
 def test_same_step_in_two_tables_agrees_or_says_why():
     base = _fake("sharding_capture", [{"world_size": 2, "variant": "dtensor_rowwise", "replay_us": 25.7,
                                         "replay_q1_us": 25.6, "replay_q3_us": 25.9}],
                  {"world_size": "", "variant": "", "replay_us": "us", "replay_q1_us": "us", "replay_q3_us": "us"})
-    base.params["timing"] = G.TIMING
+    base.params["timing"] = B.TIMING
     other = _fake("sharding_capture_world_sizes", [dict(base.rows[0])], dict(base.columns))
-    other.params["timing"] = G.TIMING
+    other.params["timing"] = B.TIMING
     other.provenance = dict(base.provenance)
     assert S.same_step(base, other).endswith("they agree.")
     skewed = _fake("sharding_capture", [{**base.rows[0], "replay_us": 48.7, "replay_q1_us": 44.7,
@@ -351,18 +369,18 @@ def test_same_step_in_two_tables_agrees_or_says_why():
 
 
 def test_the_same_table_and_ids_on_every_rank_and_the_sweep_table():
-    from course.lessons.sharding.experiments import sweep_result
+    from course.lessons.sharding.bench import sweep_result
 
-    assert torch.equal(W.full_table(16, 4, "cpu"), W.full_table(16, 4, "cpu")) and W.full_table(16, 4, "cpu").shape == (16, 4)
-    ids = W.same_ids((3, 5), 10, "cpu")
-    assert torch.equal(ids, W.same_ids((3, 5), 10, "cpu")) and int(ids.max()) < 10 and int(ids.min()) >= 0
-    assert not torch.equal(ids, W.same_ids((3, 5), 10, "cpu", seed=99))
+    assert torch.equal(B.full_table(16, 4, "cpu"), B.full_table(16, 4, "cpu")) and B.full_table(16, 4, "cpu").shape == (16, 4)
+    ids = B.same_ids((3, 5), 10, "cpu")
+    assert torch.equal(ids, B.same_ids((3, 5), 10, "cpu")) and int(ids.max()) < 10 and int(ids.min()) >= 0
+    assert not torch.equal(ids, B.same_ids((3, 5), 10, "cpu", seed=99))
     p = S.Plan("gloo", 2, "cpu", "test")
     rows = [{"world_size": 2, "ids": 16, "dim": d, "eager_us": 5.0, "eager_q1_us": 4.0, "eager_q3_us": 6.0, "correct": ok,
              **S.comm_bytes(16, d, 2)} for d, ok in ((8, True), (16, False))]
     res = sweep_result("sharding_cost", "t", rows, p, {"num_embeddings": 64})
     assert res.value("all_correct") is False and res.params["processes"] == 2 and res.params["num_embeddings"] == 64
-    assert res.params["timing"] == G.TIMING and "2 CPU processes (gloo)" in res.provenance["device"]
+    assert res.params["timing"] == B.TIMING and "2 CPU processes (gloo)" in res.provenance["device"]
 
 
 def test_the_capture_cells_worker_travels_to_the_processes_and_refuses_gloo_clearly():
@@ -375,12 +393,12 @@ def test_the_capture_cells_worker_travels_to_the_processes_and_refuses_gloo_clea
 
 def test_capture_rows_and_results_from_the_workers_output():
     from course.core.timing import Timing
-    from course.lessons.sharding.experiments import capture_result
+    from course.lessons.sharding.bench import capture_result
 
     def t(us):
         return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 3, "slowest rank")
 
-    rows = [G.variant_row(v, 2, t(100.0), t(20.0 if v != "vocab_numba" else 30.0), True, 128, 64) for v in G.VARIANTS]
+    rows = [B.variant_row(v, 2, t(100.0), t(20.0 if v != "vocab_numba" else 30.0), True, 128, 64) for v in B.VARIANTS]
     assert rows[0]["speedup"] == pytest.approx(5.0) and rows[0]["replay_q3_us"] == pytest.approx(22.0)
     assert rows[0]["allreduce_bytes"] == S.comm_bytes(128, 64, 2)["allreduce_bytes"] and rows[0]["ids"] == 128
     agreement = [{"world_size": 2, "rank": r, "tokens": 5, "own_bucket": 8, "bucket": 16, "correct": True} for r in (0, 1)]
@@ -389,7 +407,7 @@ def test_capture_rows_and_results_from_the_workers_output():
     res = capture_result("sharding_capture", "t", out, p, {"dim": 64})
     assert res.value("all_replays_correct") and res.value("bucket_agreement_ok") and len(res.value("bucket_agreement")) == 2
     assert res.value("numba_over_torch_replay") == pytest.approx(1.5) and res.value("rowwise_speedup") == pytest.approx(5.0)
-    assert res.params["timing"] == G.TIMING
+    assert res.params["timing"] == B.TIMING
     wrong = [dict(rows[0], replay_correct=False)]
     ws = capture_result("sharding_capture_world_sizes", "t", [{"rows": wrong, "agreement": []}], p, {}, buckets=False)
     assert ws.value("all_replays_correct") is False and set(ws.summary) == {"all_replays_correct"}
@@ -397,8 +415,8 @@ def test_capture_rows_and_results_from_the_workers_output():
 
 BUCKET_CELL = '''
 def bucket_cell_worker(ctx):
-    from course.lessons.sharding import graphs as G
-    return G.bucket_replay(ctx, None, ctx.world_size, 64, 8)
+    from course.lessons.sharding import bench as B
+    return B.bucket_replay(ctx, None, ctx.world_size, 64, 8)
 '''
 
 

@@ -12,14 +12,13 @@ import types
 import pytest
 import torch
 
-from course.core.results import Result
 from course.core.runtime import gpu_count
 from course.core.timing import Timing
 from course.lessons import tensor_parallel as TP
 from course.lessons.real_model import StaticDecoder, build_model, greedy
 from course.lessons.real_model.model import Size
-from course.lessons.tensor_parallel import count as C, experiments as X, shard as SH, workers as W
-from course.lessons.tensor_parallel.exercise import exercise_worker
+from course.lessons.sharding import lesson as SL
+from course.lessons.tensor_parallel import bench as B, lesson as TL, tp as SH
 
 NCCL = gpu_count() >= 2
 SLOW = os.environ.get("COURSE_SLOW") == "1"
@@ -49,7 +48,7 @@ def test_layout_bytes_match_the_shards_and_the_table():
     for w in (1, 2, 4):
         for r in range(w):
             d = SH.HandShardedDecoder(m, r, w, max_len=16)
-            assert d.bytes_per_token() == X.layout_bytes("tiny", w, r)
+            assert d.bytes_per_token() == B.layout_bytes("tiny", w, r)
             assert len(d.tensors()) == 3 + 6 * 2
     lay = TP.layout("tinyllama")
     by = {r["world_size"]: r for r in lay.rows}
@@ -58,9 +57,11 @@ def test_layout_bytes_match_the_shards_and_the_table():
 
 
 def test_hand_split_at_one_rank_is_lesson_06s_model():
+    assert torch.equal(SH.rotate_half(torch.tensor([1.0, 2, 3, 4])), torch.tensor([-3.0, -4, 1, 2]))
+    assert issubclass(SH.HandShardedDecoder, SH.RankShare) and not hasattr(SH.RankShare, "step")
     m = build_model("tiny", device="cpu")
     ref, hand = StaticDecoder(m, 64), SH.HandShardedDecoder(m, 0, 1, max_len=64)
-    first = W.first_token("cpu", m.config.vocab_size)
+    first = SH.first_token("cpu", m.config.vocab_size)
     assert torch.equal(greedy(ref.step, first, 12), greedy(hand.step, first, 12))
     ids, pos = hand.example_args(1, 3)
     ref.reset()
@@ -83,7 +84,7 @@ def test_parallelize_modules_plan_refuses_what_cannot_split():
     assert type(plan["mlp.up_proj"]).__name__ == "ColwiseParallel"
     with pytest.raises(ValueError, match="4 KV heads do not split over 8 ranks.*hand-sharded"):
         TP.tp_plan(llama_config("tinyllama"), 8)
-    assert TP.parallelize and TP.DTensorDecoder.cache_for  # run on every rank by the launches below
+    assert TP.parallelize and TP.DTensorDecoder  # run on every rank by the launches below
 
 
 # ---------------------------------------------------------------------------- counting and the floor
@@ -91,25 +92,25 @@ def test_counting_rules():
     events = [("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)", True),
               ("ncclKernel_AllReduce_RING_LL_Sum_float", True), ("cudaLaunchKernel", False),
               ("ncclDevKernel_AllGather_RING_LL", True), ("ampere_bf16_gemv", True)]
-    assert C.count_kernels_named(events) == 2 and C.count_kernels_named(events, "all_gather") == 1
-    assert C.count_kernels_named(events + [("ncclDevKernel_Generic", True)], "") == 4  # every NCCL kernel
-    assert C.all_reduces({"all_reduce": 2, "nccl_kernels": 3}) == 3
-    assert C.all_reduces({"allreduce": 3, "all_reduce": 1, "all_gather_into_tensor": 2}) == 4
+    assert B.count_kernels_named(events) == 2 and B.count_kernels_named(events, "all_gather") == 1
+    assert B.count_kernels_named(events + [("ncclDevKernel_Generic", True)], "") == 4  # every NCCL kernel
+    assert B.all_reduces({"all_reduce": 2, "nccl_kernels": 3}) == 3
+    assert B.all_reduces({"allreduce": 3, "all_reduce": 1, "all_gather_into_tensor": 2}) == 4
     x = torch.ones(3)
-    assert C.eager_collectives(lambda: x * 2) == {}
+    assert B.eager_collectives(lambda: x * 2) == {}
 
 
 def test_floor_rows_result_and_sentences():
-    f = X.floor_us(2e9, 2000.0, 10.0, 44)
+    f = B.floor_us(2e9, 2000.0, 10.0, 44)
     assert f["weights_us"] == pytest.approx(1000.0) and f["collectives_us"] == 440.0 and f["floor_us"] == 1440.0
     with pytest.raises(ValueError, match="positive copy rate"):
-        X.floor_us(1, 0, 1, 1)
+        B.floor_us(1, 0, 1, 1)
 
     def t(us):
         return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 7, 2, "cuda-events, slowest rank")
 
-    rows = [X.timing_row(1, "hand", t(9000), t(3000), 0, 0, 22, X.layout_bytes("tinyllama", 1), 3000.0, 0.0, 0.0),
-            X.timing_row(2, "hand", t(9000), t(2000), 44, 44, 22, X.layout_bytes("tinyllama", 2), 3000.0, 2.0, 0.01)]
+    rows = [B.timing_row(1, "hand", t(9000), t(3000), 0, 0, 22, B.layout_bytes("tinyllama", 1), 3000.0, 0.0, 0.0),
+            B.timing_row(2, "hand", t(9000), t(2000), 44, 44, 22, B.layout_bytes("tinyllama", 2), 3000.0, 2.0, 0.01)]
     p = types.SimpleNamespace(gpus=2, backend="nccl", world_size=2)
     res = TP.tp_result(rows, p, {"sizes": (1, 2)})
     assert res.value("all_reduces_as_predicted") is True and rows[1]["speedup"] == pytest.approx(4.5)
@@ -135,16 +136,16 @@ def test_floor_rows_result_and_sentences():
 
 
 def test_recorded_says_how_to_record_when_nothing_is(capsys, monkeypatch):
-    import course.lessons.tensor_parallel.lesson as LS
-
-    monkeypatch.setattr(LS, "available", lambda name: False)
-    monkeypatch.setattr(LS, "get", lambda name: types.SimpleNamespace(gpus=2))
-    assert TP.recorded("tp_decode") is None
+    monkeypatch.setattr(SL, "available", lambda name: False)
+    monkeypatch.setattr(SL, "get", lambda name: types.SimpleNamespace(gpus=2))
+    assert TP.recorded("tp_decode", recording=True) is None
     assert "not recorded yet: run `python -m course bench tp_decode` on a machine with 2+ GPUs" in capsys.readouterr().out
-    monkeypatch.setattr(LS, "available", lambda name: True)
-    monkeypatch.setattr(LS, "reference_path", lambda name: types.SimpleNamespace(exists=lambda: True))
-    monkeypatch.setattr(LS, "heavy", lambda name: f"recorded {name}")
-    assert TP.recorded("tp_decode") == "recorded tp_decode"  # a recording is shown (live with COURSE_FULL=1)
+    monkeypatch.setattr(SL, "available", lambda name: True)
+    monkeypatch.setattr(SL, "reference_path", lambda name: types.SimpleNamespace(exists=lambda: True))
+    monkeypatch.setattr(SL, "heavy", lambda name: f"recorded {name}")
+    monkeypatch.setattr(SL, "run", lambda name: f"live {name}")
+    assert TP.recorded("tp_decode", recording=True) == "recorded tp_decode"  # live with COURSE_FULL=1
+    assert TP.recorded("sharding_capture") == "live sharding_capture"  # lesson 05's: live where it can run
 
 
 def test_the_timing_experiment_is_registered_for_two_gpus():
@@ -176,10 +177,10 @@ def every_rank_worker(ctx):
 
     import course
     from course.core.runtime import runtime
-    from course.lessons.tensor_parallel.workers import tokens_worker
+    from course.lessons.tensor_parallel.lesson import split_tokens
 
-    out = {"tokens": tokens_worker(ctx, ("hand", "dtensor"), "tinyllama" if ctx.backend == "nccl" else "tiny",
-                                   16, max_len=24)}
+    out = {"tokens": split_tokens(ctx, ("hand", "dtensor"), "tinyllama" if ctx.backend == "nccl" else "tiny", 16,
+                                  max_len=24)}
     if runtime().on_gpu:
         return out
     cg = course.graphs()
@@ -189,7 +190,7 @@ def every_rank_worker(ctx):
         y.copy_(x * (ctx.rank + 1))
         dist.all_reduce(y)
     out["recorded"] = [str(o) for o in g.recorded_ops()]
-    from course.lessons.tensor_parallel.count import graph_collectives
+    from course.lessons.tensor_parallel.bench import graph_collectives
 
     out["graph_collectives"] = graph_collectives(g)
     x.fill_(2.0)
@@ -231,7 +232,7 @@ def test_split_models_decode_as_tp1_on_every_rank_with_the_all_reduces_counted(e
     report = TP.tokens_report({"variants": ("hand", "dtensor"), "plan": types.SimpleNamespace(world_size=2),
                                "ranks": [r["tokens"] for r in every_rank]})
     assert "hand x2" in report and "every rank the same tokens: True" in report
-    assert W.make_decoder and W.gather and W.variant_tokens and TP.run_tokens  # run_tokens: notebook 08 runs it
+    assert B.make_decoder and TP.run_tokens  # run_tokens: notebook 08 runs it
 
 
 @pytest.mark.skipif(NCCL, reason="the simulator's claims (gloo CPU processes); GPUs run NCCL for real")
@@ -250,7 +251,7 @@ def test_tiny_fp32_tokens_at_two_and_four_gpus_equal_tp1():
     for w in (2, 4):
         # parallelize_module splits whole KV heads: where the ranks outnumber them only the hand split runs
         variants = ("hand", "dtensor") if kv_heads % w == 0 else ("hand",)
-        run = TP.run_tokens(variants, world_size=w, n_tokens=64, size="tiny", timeout=200)
+        run = TP.run_tokens(TL.split_tokens, variants, world_size=w, n_tokens=64, size="tiny", timeout=200)
         for ranks in run["ranks"]:
             for r in ranks:
                 assert r["eager"] == r["tp1"] == r["captured"] and r["ranks_agree"], (w, r["variant"])
@@ -261,15 +262,8 @@ def test_tiny_fp32_tokens_at_two_and_four_gpus_equal_tp1():
 def test_eight_ranks_replicate_kv_heads_and_still_decode_as_tp1():
     from course.core.launch import launch
 
-    out = launch(W.tokens_worker, 8, backend="gloo", timeout=300, variants=("hand",), size=TINY8, n_tokens=6,
+    out = launch(TL.split_tokens, 8, backend="gloo", timeout=300, variants=("hand",), size=TINY8, n_tokens=6,
                  max_len=16)
     for (r,) in out:
         assert r["eager"] == r["tp1"] == r["captured"] and r["ranks_agree"] and r["graph_all_reduces"] == 4
 
-
-def test_gpu_variants_need_nccl():
-    if not NCCL:
-        with pytest.raises(ValueError, match="NCCL needs 2 or more GPUs"):
-            from course.lessons.sharding import plan
-            plan(2, "nccl")
-    assert exercise_worker and Result

@@ -5,22 +5,28 @@ In one process (fast): every rank's split step emulated with the all-reduce done
 (KV heads replicated past their count), against lesson 07's step on the whole model. Multi-process (gloo CPU
 processes under Triton's interpreter here; NCCL on 2+ GPUs): a few tokens per rank in CI, 64 with ``COURSE_SLOW=1``.
 """
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from cellrun import apply_edits
 from course.core import triton_path
+from course.core.cell_workers import CellWorker
+from course.core.harness import PASS, TODO, Tracer
 from course.core.reference import load_reference
 from course.core.results import Result
 from course.core.runtime import gpu_count, runtime
 from course.lessons.real_model import build_model
 from course.lessons.real_model.model import Size
-from course.lessons.tensor_parallel import allreduce as AR, fused_bench as FB, fused_exercise as FE
-from course.lessons.tensor_parallel import fused_lesson as FL
+from course.lessons.tensor_parallel import allreduce as AR, bench as FB, checks as C, lesson as FL
+from simguard import one_rank, one_rank_group  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not triton_path.available(), reason=triton_path.missing_reason() or "triton")
 SLOW = os.environ.get("COURSE_SLOW") == "1"
+ROOT = Path(__file__).resolve().parent.parent
 TINY8 = Size("tiny8", hidden=64, intermediate=176, layers=2, heads=8, kv_heads=2, vocab=512, dtype="float32",
              max_positions=512)
 
@@ -113,23 +119,64 @@ def unfinished(k, layer, position):
     raise NotImplementedError("split_layer(): your code goes here")
 
 
-MUTANTS = {"double": double_residual, "lost": no_residual, "missing": missing_all_reduce,
-           "misplaced": all_reduce_after_gate_up, "branch": rank_branch, "not_done": unfinished}
+def answer_cell() -> str:
+    """The source of exercise 08.2's answer cell."""
+    nb = json.loads((ROOT / "solutions" / "08_tensor_parallel.ipynb").read_text())
+    return next("".join(c["source"]) for c in nb["cells"] if "def split_layer" in "".join(c["source"]))
 
 
-@pytest.mark.parametrize("kind", sorted(MUTANTS))
-def test_judge_names_each_wrong_placement(kind):
-    traces = [FE.trace(MUTANTS[kind], r, 2) for r in range(2)]
-    got, message = FE.judge(traces)
-    assert got == kind, message
-    assert message.startswith(FE.DEFECTS[kind])
+def variant(name: str, edits) -> CellWorker:
+    """The answer cell with ``edits``: its split_layer, carried as source (as a notebook cell's)."""
+    return CellWorker("split_layer", apply_edits([answer_cell()], edits, name)[0], f"<08.2 {name}>")
 
 
-def test_judge_passes_right_placements_at_every_world_size():
-    for fn in (answer, last_rank_adds, wrong_layer):
+O_PROJ = "    k.o_proj(layer, residual=k.rank == 0)"
+DOWN = "    k.down(layer, residual=k.rank == 0)"
+residual_where_rank_is_not_0 = variant("rank != 0", [(O_PROJ, O_PROJ.replace("==", "!=")),
+                                                     (DOWN, DOWN.replace("==", "!="))])  # right at 2 ranks
+residual_in_the_first_layer_only = variant("first layer", [(O_PROJ, O_PROJ[:-1] + " and layer == 0)")])
+o_proj_of_layer_0_everywhere = variant("layer 0", [(O_PROJ, O_PROJ.replace("(layer,", "(0,"))])
+
+
+# (the learner's layer, the rule its check names, words its ✗ holds)
+MUTANTS = {"double_residual": (double_residual, "double", "o_proj adds it on ranks [0, 1], so the all-reduce sums "
+                                                          "it 2 times"),
+           "no_residual": (no_residual, "lost", "o_proj adds it on no rank"),
+           "missing_all_reduce": (missing_all_reduce, "missing", "layer 0 has 1"),
+           "all_reduce_after_gate_up": (all_reduce_after_gate_up, "misplaced", "'gate_up', 'all_reduce', 'down'"),
+           "rank_branch": (rank_branch, "branch", "rank by rank, layer 0 calls"),
+           "wrong_layer": (wrong_layer, "layer", "layer 1 runs attend on layer 0's weights"),
+           "residual_where_rank_is_not_0": (residual_where_rank_is_not_0, "double",
+                                            "with 4 ranks, o_proj adds it on ranks [1, 2, 3], so the all-reduce "
+                                            "sums it 3 times"),
+           "residual_in_the_first_layer_only": (residual_in_the_first_layer_only, "lost",
+                                                "o_proj adds it on no rank in layer 1"),
+           "o_proj_of_layer_0_everywhere": (o_proj_of_layer_0_everywhere, "layer",
+                                            "layer 1 runs o_proj on layer 0's weights")}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_the_trace_names_each_wrong_placement(name):
+    fn, rule, words = MUTANTS[name]
+    out = C.judge_split(getattr(fn, "load", lambda: fn)(), 2)
+    assert out.rule == rule and out.message.startswith(C.DEFECTS[rule]) and words in out.message, out
+    assert "k.rank" not in out.message  # the mistake, not the fix
+
+
+def test_the_trace_reads_what_each_rank_calls():
+    s = C.Split(last_rank_adds, 4)
+    assert s.error is None and s.adders(1, "o_proj") == s.adders(2, "down") == [3]
+    assert s.names(0, 0) == s.names(3, 2) == C.PLACED
+
+
+def test_the_trace_passes_right_placements_at_every_world_size():
+    for fn in (answer, last_rank_adds):
         for world in (1, 2, 4, 8):
-            assert FE.judge([FE.trace(fn, r, world) for r in range(world)]) == ("", ""), (fn.__name__, world)
-    assert FE.judge([FE.trace(lambda k, l, p: 1 / 0, r, 2) for r in range(2)])[0] == "error"
+            assert C.judge_split(fn, world).status == PASS, (fn.__name__, world)
+    assert C.judge_split(lambda k, l, p: 1 / 0, 2).rule == "error"
+    assert (C.judge_split(unfinished, 2).status, C.judge_split(unfinished, 2).message) == (
+        TODO, "split_layer(): your code goes here")
+    assert C.differ([1, 2, 3], [1, 2, 4]) == "from token 2 on: [3] where TP=1 gives [4]" and not C.differ([1], [1])
 
 
 # ------------------------------------------------------------------------------------ the split, in one process
@@ -215,7 +262,7 @@ def test_rows_result_summary_and_kernel_counting():
             dict(base, shape="s", world=2, allreduce="nccl", us=80.0, q1_us=79.0, q3_us=81.0),
             dict(base, shape="s", world=2, allreduce="symm_one_shot", us=60.0, q1_us=59.0, q3_us=61.0)]
     res = FB.fused_result(rows, None, {"position": 32})
-    assert isinstance(res, Result) and set(FB.COLUMNS) <= set(res.rows[0])
+    assert isinstance(res, Result) and set(FB.FUSED_COLUMNS) <= set(res.rows[0])
     assert res.value("s TP=2: fastest all-reduce") == "symm_one_shot"
     assert res.value("s TP=2: speed-up over TP=1") == pytest.approx(2.0)
     text = FL.fused_summary(res)
@@ -239,17 +286,16 @@ def test_prediction_from_the_recorded_facts_and_its_break_even():
 
 # ------------------------------------------------------------------------------------ on every rank
 def test_exercise_answer_passes_and_each_wrong_variant_gets_its_named_cross():
-    fns = [answer, wrong_layer, rank_branch, double_residual]
-    out = FE.run_split_layer(fns, world_size=2, n_tokens=3, timeout=300)
-    assert out[0]["ok"], out[0]
-    assert [o["kind"] for o in out[1:]] == ["wrong", "branch", "double"]
-    with pytest.raises(NotImplementedError):
-        FE.check_split_layer(unfinished, n_tokens=2, timeout=240)
+    fns = [answer, wrong_layer, rank_branch, double_residual, residual_where_rank_is_not_0, unfinished]
+    out = C.on_ranks(C.split_worker, fns, world_size=2, n_tokens=3, timeout=300)
+    assert out[0].status == PASS and len(out[0].detail["tokens"]) == 3, out[0]
+    assert [o.rule for o in out[1:]] == ["layer", "branch", "double", "double", "not_done"]
+    assert out[-1].status == TODO
 
 
 def test_split_fused_tokens_equal_tp1_on_every_rank():
     n = 64 if SLOW or gpu_count() >= 2 else 6
-    run = FL.run_fused_tokens(n_tokens=n, timeout=900 if SLOW else 300)
+    run = FL.run_fused_tokens(FL.fused_tokens, n_tokens=n, timeout=900 if SLOW else 300)
     r0 = run["ranks"][0]
     assert all(r["ranks_agree"] for r in run["ranks"])
     assert r0["modes"], r0["skipped"]
@@ -275,25 +321,6 @@ def test_the_one_gpu_probe_refuses_the_laptop_path_and_the_experiment_is_registe
         reference.load_all(), 4))
 
 
-@pytest.fixture
-def one_rank_group():
-    """A one-rank gloo process group in this process (torn down after the test)."""
-    import datetime
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.skipif(runtime().on_gpu, reason="the laptop path: gloo on CPU tensors")
 def test_one_rank_worker_buffers_and_all_reduces_over_gloo(one_rank_group, tiny):
     from course.core.launch import Context
@@ -305,7 +332,7 @@ def test_one_rank_worker_buffers_and_all_reduces_over_gloo(one_rank_group, tiny)
     assert torch.equal(x, torch.full((4,), 2.0))
     with pytest.raises(ValueError, match="NCCL process group"):
         AR.make_all_reduce("symm_one_shot", x)
-    res = FL.fused_tokens_worker(Context(0, 1, "gloo", "cpu"), size="tiny", n_tokens=2, modes=("nccl", "symm_two_shot"))
+    res = FL.fused_tokens(Context(0, 1, "gloo", "cpu"), size="tiny", n_tokens=2, modes=("nccl", "symm_two_shot"))
     assert res["modes"]["nccl"]["tokens"] == res["tp1"] and res["modes"]["nccl"]["all_reduces"] == 4
     assert "symm_two_shot" in res["skipped"] and res["ranks_agree"]
 
@@ -313,10 +340,11 @@ def test_one_rank_worker_buffers_and_all_reduces_over_gloo(one_rank_group, tiny)
 def test_the_answer_layer_and_rank_model_are_the_split():
     from course.lessons.tensor_parallel.fused import fused_layer, rank_model
 
-    assert FE.judge([FE.trace(fused_layer, r, 4) for r in range(4)]) == ("", "")
-    t = FE.Tracer(1, 2)
-    fused_layer(t, 0, None)
-    assert t.calls[2] == ("o_proj", False) and t.calls.count(("all_reduce", None)) == 2
+    assert C.judge_split(fused_layer, 4).status == PASS
+    with Tracer(streams=False) as t:
+        fused_layer(C.Kernels(t, 1, 2), 0, None)
+    calls = [(e["what"], e.get("residual")) for e in t.events]
+    assert calls[2] == ("o_proj", False) and calls.count(("all_reduce", None)) == 2
     model = build_model(TINY8)
     rm = rank_model(model, 3, 4)
     c = rm.config
@@ -327,19 +355,9 @@ def test_the_answer_layer_and_rank_model_are_the_split():
 
 @pytest.mark.skipif(not runtime().on_gpu, reason="needs a GPU (compiled Triton, CUDA graphs, NCCL)")
 def test_gpu_one_rank_probe_rows_and_tp1_reference():
-    import datetime
-    import socket
-
-    import torch.distributed as dist
-
     from course.lessons.tensor_parallel import fused_probe
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with one_rank("nccl"):
         model = build_model("tiny", device="cuda:0")
         first = torch.tensor([5], device="cuda:0")
         tokens, fed, logits = FB.reference_tokens(model, first, FB.N_TOKENS + 8, pdl=False)
@@ -347,11 +365,8 @@ def test_gpu_one_rank_probe_rows_and_tp1_reference():
         rows, failures = fused_probe.probe("tinyllama", modes=("nccl",), repeats=3, inner=2)
         assert not failures and [r["allreduce"] for r in rows] == ["none", "nccl"]
         assert rows[1]["all_reduces"] == rows[1]["all_reduces_graph"] == 44 and rows[0]["all_reduces"] == 0
-    finally:
-        import gc
-        gc.collect()
-        torch.cuda.synchronize()
-        dist.destroy_process_group()
+        x = torch.ones(1024, device="cuda:0")
+        assert any(on_gpu for _, on_gpu in FB.profiled_kernels(lambda: x.mul_(2)))
 
 
 def test_the_partial_sum_kernel_compiles_for_hopper_without_a_gpu():

@@ -1,24 +1,24 @@
 """Start N worker processes, run one function in each, collect what they return: never hang.
 
-:func:`plan` follows the course's one runtime decision: on the GPU path with 2 or more GPUs,
-NCCL with one process per GPU; otherwise gloo on the CPU (2 processes unless asked for more).
-:func:`launch` starts the processes with multiprocessing *spawn* (safe inside a notebook
-kernel; a worker function written in a notebook cell travels to each process as its source,
-:mod:`~course.core.cell_workers`), sets up
-``torch.distributed`` in each, calls ``fn(ctx, **kwargs)``, and returns the results in rank
-order. Every run has a hard time limit: when it passes, every worker is killed and
-:class:`WorkerTimeout` names the ranks that had not answered. A worker that raises makes
-:class:`WorkerError` name its rank and carry its message; the others are killed.
+:func:`plan` follows the course's one runtime decision: on the GPU path with 2 or more GPUs, NCCL
+with one process per GPU; otherwise gloo on the CPU (2 processes unless asked for more).
+:func:`launch` starts the processes with multiprocessing *spawn* (safe inside a notebook kernel; a
+worker function written in a notebook cell travels to each process as its source,
+:mod:`~course.core.cell_workers`), sets up ``torch.distributed`` in each, calls ``fn(ctx,
+**kwargs)``, and returns the results in rank order. Every run has a hard time limit: when it passes,
+every worker is killed and :class:`WorkerTimeout` names the ranks that had not answered. A worker
+that raises makes :class:`WorkerError` name its rank and carry its message; the others are killed.
 
-Teardown: after CUDA graphs that hold NCCL work, ``destroy_process_group()`` has been seen to
-hang. Workers therefore free their graphs before returning (the worker functions do), and the
-launcher synchronizes the GPU before tearing down; a worker still tearing down after its result
-arrived is killed after a short grace period (the result is kept).
+Teardown: after CUDA graphs that hold NCCL work, ``destroy_process_group()`` has been seen to hang.
+Workers therefore free their graphs before returning (the worker functions do), and the launcher
+synchronizes the GPU before tearing down; a worker still tearing down after its result arrived is
+killed after a short grace period (the result is kept).
 
-Stopping: a worker dies with the process that launched it (:func:`~course.core.reaper.die_with_parent`), so a
-kernel or script that is killed leaves no rank behind; workers still alive when the launcher's Python exits are
-killed then (atexit). When several ranks fail, the rank whose own error caused the others' (gloo's "Connection
-closed by peer", a time-out: :func:`~course.core.agree.knock_on`) is named as the cause, whatever order they came in.
+Stopping: a worker dies with the process that launched it
+(:func:`~course.core.reaper.die_with_parent`), so a kernel or script that is killed leaves no rank
+behind; workers still alive when the launcher's Python exits are killed then (atexit). When several
+ranks fail, the rank whose own error caused the others' (gloo's "Connection closed by peer", a
+time-out: :func:`~course.core.agree.knock_on`) is named as the cause, whatever order they came in.
 """
 from __future__ import annotations
 
@@ -56,11 +56,12 @@ class WorkerError(RuntimeError):
     def __init__(self, message: str, ranks=(), first=None):
         super().__init__(message)
         self.ranks = tuple(ranks)  # every rank that failed (or, for a timeout, had not answered)
-        self.first = first  # the rank whose error arrived first: usually the cause, the others its knock-on
+        self.first = first  # the rank at fault (the others' errors: its knock-on)
 
 
 class WorkerTimeout(WorkerError):
-    """The run passed its time limit; every worker was killed. ``ranks``: those that had not answered."""
+    """The run passed its time limit; every worker was killed. ``ranks``: those that had not
+    answered."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Plan:
 
     def describe(self) -> str:
         """One line for notebooks: backend, processes, why."""
-        return f"{self.backend} with {self.world_size} processes on {self.device_type}: {self.reason}"
+        return (f"{self.backend} with {self.world_size} processes on {self.device_type}: "
+                f"{self.reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,8 @@ class Context:
     queue: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def say(self, text: str) -> None:
-        """Tell the launcher what this rank is doing now; a timeout reports each silent rank's last words."""
+        """Tell the launcher what this rank is doing now; a timeout reports each silent rank's last
+        words."""
         if self.queue is not None:
             self.queue.put((self.rank, "note", str(text)))
 
@@ -105,8 +108,9 @@ class Context:
 
 
 def device_mesh(ctx, group=None):
-    """A 1-D DeviceMesh over every rank of the launch, or over ``group``'s ranks (a subgroup), on this rank's device
-    (inside a worker: lesson 05's DTensor lookups and lesson 08's ``parallelize_module`` split both use it)."""
+    """A 1-D DeviceMesh over every rank of the launch, or over ``group``'s ranks (a subgroup), on
+    this rank's device (inside a worker: lesson 05's DTensor lookups and lesson 08's
+    ``parallelize_module`` split both use it)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     dev = ctx.torch_device.type
@@ -116,22 +120,24 @@ def device_mesh(ctx, group=None):
 
 
 def plan(world_size: int | None = None, backend: str | None = None) -> Plan:
-    """The layout of a run. Default: NCCL on every GPU when there are 2 or more, else gloo with 2 processes."""
+    """The layout of a run. Default: NCCL on every GPU when there are 2 or more, else gloo with 2
+    processes."""
     n = gpu_count()
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl', 'gloo' or None (choose for me), got {backend!r}")
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+    if world_size is not None and (type(world_size) is not int or world_size < 1):
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if backend is None:
         backend = "nccl" if n >= 2 else "gloo"
     if backend == "nccl":
         if n < 2:
-            raise ValueError(f"NCCL needs 2 or more GPUs on the GPU path; this machine has {n} usable. "
-                             "Use backend='gloo' (CPU processes) instead.")
+            raise ValueError(f"NCCL needs 2 or more GPUs on the GPU path; this machine has {n} "
+                             "usable. Use backend='gloo' (CPU processes) instead.")
         ws = world_size or n
         if ws > n:
-            raise ValueError(f"world_size={ws} needs {ws} GPUs (one process per GPU); this machine has {n}. "
-                             f"Use world_size <= {n}, or backend='gloo' to run {ws} CPU processes.")
+            raise ValueError(f"world_size={ws} needs {ws} GPUs (one process per GPU); this "
+                             f"machine has {n}. Use world_size <= {n}, or backend='gloo' to run "
+                             f"{ws} CPU processes.")
         return Plan("nccl", ws, "cuda", f"{n} GPUs on the GPU path: one process per GPU")
     why = (f"{runtime().device_name}; " if not runtime().on_gpu else f"{n} GPU(s), fewer than 2; ")
     return Plan("gloo", world_size or 2, "cpu", why + "CPU processes talk over gloo")
@@ -144,18 +150,20 @@ def _free_port() -> int:
 
 
 def _child_env(p: Plan):
-    """gloo workers run the course's CPU path (simulator), even when the parent is on a GPU; one thread each."""
+    """gloo workers run the course's CPU path (simulator), even when the parent is on a GPU; one
+    thread each."""
     values = {"OMP_NUM_THREADS": "1"}
     if p.backend == "gloo" and runtime().on_gpu:
         values.update({ENV_FORCE: "sim", ENV_CACHE: None})
     return env_set(values)
 
 
-def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: float, parent: int = 0) -> None:
+def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: float,
+           parent: int = 0) -> None:
     """Body of one worker process."""
     die_with_parent(parent or None)
     try:
-        import torch
+        import torch  # only now: the rank dies with its parent even while torch loads
         import torch.distributed as dist
 
         if p.backend == "nccl":
@@ -167,7 +175,8 @@ def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: flo
             torch.set_num_threads(1)
             device = "cpu"
         dist.init_process_group(p.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=p.world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+                                world_size=p.world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
         result = fn(Context(rank, p.world_size, p.backend, device, q), **kwargs)
         q.put((rank, "ok", result))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent, with the rank
@@ -180,19 +189,22 @@ def _entry(rank: int, p: Plan, port: int, fn, kwargs: dict, q, pg_timeout_s: flo
 
 
 def cause(errors: dict) -> int:
-    """The rank whose error caused the others': the first (in arrival order) whose message is not a knock-on
-    (a lost peer, a time-out, :func:`~course.core.agree.knock_on`); else the first to report."""
+    """The rank whose error caused the others': the first (in arrival order) whose message is not a
+    knock-on (a lost peer, a time-out, :func:`~course.core.agree.knock_on`); else the first to
+    report."""
     return next((r for r, (m, _) in errors.items() if not knock_on(m)), next(iter(errors)))
 
 
 def launch(fn, world_size: int | None = None, *, backend: str | None = None, timeout: float = 120.0,
            pg_timeout: float | None = None, **kwargs) -> list:
-    """Run ``fn(ctx, **kwargs)`` in ``world_size`` processes (see :func:`plan`); return results by rank.
+    """Run ``fn(ctx, **kwargs)`` in ``world_size`` processes (see :func:`plan`); return results by
+    rank.
 
-    ``fn``: a function defined at the top of a module of ``course`` or of a notebook cell (sent to the workers
-    as source, :func:`~course.core.cell_workers.portable`); it returns something picklable. ``timeout``: hard limit in seconds for the whole run; past it every worker is
-    killed and :class:`WorkerTimeout` is raised. ``pg_timeout``: the process group's own
-    timeout for one collective (default: the run's limit).
+    ``fn``: a function defined at the top of a module of ``course`` or of a notebook cell (sent to
+    the workers as source, :func:`~course.core.cell_workers.portable`); it returns something
+    picklable. ``timeout``: hard limit in seconds for the whole run; past it every worker is killed
+    and :class:`WorkerTimeout` is raised. ``pg_timeout``: the process group's own timeout for one
+    collective (default: the run's limit).
     """
     p = plan(world_size, backend)
     fn = portable(fn)  # a function of a notebook cell travels as its source
@@ -202,8 +214,8 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
     procs = []
     with _child_env(p):
         for rank in range(p.world_size):
-            proc = ctx.Process(target=_entry, args=(rank, p, port, fn, kwargs, q, pg_timeout or timeout, os.getpid()),
-                               name=f"course-rank{rank}", daemon=True)
+            args = (rank, p, port, fn, kwargs, q, pg_timeout or timeout, os.getpid())
+            proc = ctx.Process(target=_entry, args=args, name=f"course-rank{rank}", daemon=True)
             proc.start()
             procs.append(proc)
             _LIVE.add(proc)
@@ -218,9 +230,10 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
             try:
                 msg = q.get(timeout=0.2)
             except _queue.Empty:
-                for rank, proc in enumerate(procs):  # a worker that died without a word (killed, crashed)
-                    if (rank not in results and rank not in errors and proc.exitcode not in (None, 0)):
-                        errors[rank] = (f"the process died with exit code {proc.exitcode} before reporting", "")
+                for rank, proc in enumerate(procs):  # a worker that died without a word
+                    if rank not in {**results, **errors} and proc.exitcode not in (None, 0):
+                        errors[rank] = (f"the process died with exit code {proc.exitcode} before "
+                                        "reporting", "")
                         error_deadline = error_deadline or time.monotonic() + 2.0
                 continue
             if msg[1] == "note":
@@ -229,7 +242,7 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
                 results[msg[0]] = msg[2]
             else:
                 errors[msg[0]] = (msg[2], msg[3])
-                error_deadline = error_deadline or time.monotonic() + 2.0  # let the others report theirs
+                error_deadline = error_deadline or time.monotonic() + 2.0  # the others' reports
     finally:
         finished = len(results) == p.world_size  # all answered: let them tear down; else kill now
         grace = time.monotonic() + (TEARDOWN_GRACE_S if finished else 0.5)
@@ -242,16 +255,18 @@ def launch(fn, world_size: int | None = None, *, backend: str | None = None, tim
         q.close()
     if errors:
         first = cause(errors)
-        lines = [f"rank {r}: {m}" + ("  (a knock-on: this rank lost its peer)" if r != first and knock_on(m) else "")
-                 for r, (m, _) in errors.items()]
-        raise WorkerError(f"{p.backend} run with {p.world_size} processes failed first on rank {first}: "
-                          f"{errors[first][0]}\nfailed rank(s) {sorted(errors)}, in the order they reported:\n"
-                          + "\n".join(lines) + f"\n-- traceback of rank {first}:\n{errors[first][1]}",
-                          ranks=sorted(errors), first=first)
+        lines = "\n".join(f"rank {r}: {m}" + ("  (a knock-on: this rank lost its peer)"
+                                                if r != first and knock_on(m) else "")
+                          for r, (m, _) in errors.items())
+        raise WorkerError(f"{p.backend} run with {p.world_size} processes failed first on rank "
+                          f"{first}: {errors[first][0]}\nfailed rank(s) {sorted(errors)}, in the "
+                          f"order they reported:\n{lines}\n-- traceback of rank {first}:\n"
+                          f"{errors[first][1]}", ranks=sorted(errors), first=first)
     missing = [r for r in range(p.world_size) if r not in results]
     if missing:
         words = "".join(f"\n  rank {r}'s last words: {notes[r]}" for r in missing if r in notes)
-        raise WorkerTimeout(f"{p.backend} run with {p.world_size} processes passed its time limit of {timeout:.0f} s; "
-                            f"rank(s) {missing} had not answered (waiting in a collective the others never "
-                            f"joined?). Every worker was killed.{words}", ranks=missing)
+        raise WorkerTimeout(f"{p.backend} run with {p.world_size} processes passed its time limit "
+                            f"of {timeout:.0f} s; rank(s) {missing} had not answered (waiting in "
+                            "a collective the others never joined?). Every worker was "
+                            f"killed.{words}", ranks=missing)
     return [results[r] for r in range(p.world_size)]

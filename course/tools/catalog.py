@@ -61,7 +61,7 @@ CATALOG = (
     Entry("notebooks/05_sharded_embedding.ipynb", "A sharded embedding table", "lesson",
           "PyTorch's DTensor sharded-embedding test, vocab-parallel with the Numba "
           "kernel, capture on 2 GPUs, data-parallel ranks must agree on the graph",
-          ("course.lessons.sharding.experiments",), experiment_cells=True),
+          ("course.lessons.sharding.bench",), experiment_cells=True),
     Entry("notebooks/06_real_model.ipynb", "A real model's decode step", "lesson",
           "transformers' Llama in TinyLlama's shape: the finder, the fixes, "
           "graph cache and fusion, correctness, the roofline, a batch sweep",

@@ -1,21 +1,11 @@
-"""Lesson 07's fused Triton step on one rank's share of every layer, the all-reduces between its kernels.
+"""Lesson 07's fused Triton step on one rank's share, an all-reduce after each partial sum (exercise
+08.2).
 
-A rank keeps the split of :mod:`.shard` (its query heads and the KV heads they read, replicated when ranks outnumber
-KV heads; its rows of gate/up and columns of down; the embedding, norms and LM head whole) and runs lesson 07's
-five kernels per layer on it, unchanged: :func:`rank_model` gives :class:`~course.lessons.last_mile.decoder.
-TritonDecoder` a model whose config has this rank's head counts and MLP width (``head_dim`` set explicitly, since
-``hidden / heads`` no longer gives it). Two kernels change what they write:
-
-- ``o_proj`` and ``down_proj`` produce this rank's **partial sum** of the layer's output. The residual must be added
-  **once**: rank 0's kernel adds it (``x = x + partial``), every other rank's writes its partial alone
-  (``x = partial``, the kernel's ``RESIDUAL=False``);
-- one **all-reduce** of ``x`` right after each of them sums the partials (and rank 0's residual) on every rank, so
-  the next kernel (``norm_gate_up``, or the next layer's ``norm_qkv_rope``) reads the whole residual stream.
-
-:func:`fused_layer` is that layer, written against the decoder's methods (the answer of exercise 08.2, where the
-learner places the residual and the all-reduces). :class:`FusedShardDecoder` runs it in its ``step``; captured
-(:func:`~course.lessons.last_mile.decoder.graphed`), one CUDA graph per rank holds its kernels and its all-reduces
-(:mod:`.allreduce`: NCCL's or symmetric memory's), PDL edges between kernels where no all-reduce stands between.
+A rank keeps :mod:`.tp`'s split and runs lesson 07's five kernels per layer on it. ``o_proj`` and
+``down_proj`` write this rank's partial sum: one rank's kernel adds the residual (``x = x +
+partial``), the others' write the partial alone (``RESIDUAL=False``), and one all-reduce of ``x``
+(:mod:`.allreduce`) sums them before the next kernel reads ``x`` whole. Captured, one CUDA graph per
+rank holds the kernels and the all-reduces.
 """
 from __future__ import annotations
 
@@ -25,11 +15,13 @@ import types
 import torch
 
 from course.lessons.last_mile.decoder import TritonDecoder
-from course.lessons.tensor_parallel.shard import head_plan, mlp_rows
+from course.lessons.tensor_parallel.allreduce import MODES, make_all_reduce, residual_buffer
+from course.lessons.tensor_parallel.tp import head_plan, mlp_rows
 
 
 def fused_layer(k, layer: int, position) -> None:
-    """One layer on one rank: the kernels, the residual added once (rank 0), an all-reduce after each partial sum."""
+    """One layer on one rank: the kernels, the residual added once (rank 0), an all-reduce after
+    each partial sum."""
     k.qkv(layer, position)
     k.attend(layer, position)
     k.o_proj(layer, residual=k.rank == 0)  # this rank's partial sum; rank 0 adds the residual too
@@ -40,19 +32,17 @@ def fused_layer(k, layer: int, position) -> None:
 
 
 def rank_model(model, rank: int, world: int):
-    """What :class:`TritonDecoder` reads of a model, for ``rank``'s share of ``model`` (a transformers Llama).
-
-    The layers' weights are copies of this rank's rows and columns (the model can be freed afterwards); the
-    embedding, final norm, LM head and rotary embedding are the model's own (whole on every rank).
-    """
+    """What :class:`TritonDecoder` reads of ``model``, for ``rank``'s share: copies of its rows and
+    columns; the embedding, final norm, LM head and rotary embedding are the model's own (whole on
+    every rank)."""
     c = model.config
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     plan = head_plan(c.num_attention_heads, c.num_key_value_heads, world, rank)
     r0, r1 = mlp_rows(c.intermediate_size, world, rank)
     (q0, q1), (k0, k1) = plan.q, plan.kv
     cfg = copy.deepcopy(c)
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = plan.n_q, plan.n_kv, r1 - r0
-    cfg.head_dim = d
+    cfg.num_attention_heads, cfg.num_key_value_heads = plan.n_q, plan.n_kv
+    cfg.intermediate_size, cfg.head_dim = r1 - r0, d
     ns = types.SimpleNamespace
     w = lambda t: ns(weight=t.detach().contiguous())  # noqa: E731
     layers = []
@@ -61,39 +51,40 @@ def rank_model(model, rank: int, world: int):
         layers.append(ns(
             input_layernorm=ns(weight=layer.input_layernorm.weight),
             post_attention_layernorm=ns(weight=layer.post_attention_layernorm.weight),
-            self_attn=ns(q_proj=w(a.q_proj.weight[q0 * d:q1 * d]), k_proj=w(a.k_proj.weight[k0 * d:k1 * d]),
-                         v_proj=w(a.v_proj.weight[k0 * d:k1 * d]), o_proj=w(a.o_proj.weight[:, q0 * d:q1 * d])),
+            self_attn=ns(q_proj=w(a.q_proj.weight[q0 * d:q1 * d]),
+                         k_proj=w(a.k_proj.weight[k0 * d:k1 * d]),
+                         v_proj=w(a.v_proj.weight[k0 * d:k1 * d]),
+                         o_proj=w(a.o_proj.weight[:, q0 * d:q1 * d])),
             mlp=ns(gate_proj=w(m.gate_proj.weight[r0:r1]), up_proj=w(m.up_proj.weight[r0:r1]),
                    down_proj=w(m.down_proj.weight[:, r0:r1]))))
-    inner = ns(embed_tokens=model.model.embed_tokens, norm=model.model.norm, rotary_emb=model.model.rotary_emb,
-               layers=layers)
-    emb = model.model.embed_tokens.weight
-    return ns(config=cfg, model=inner, lm_head=model.lm_head, parameters=lambda: iter([emb]), plan=plan)
+    m = model.model
+    inner = ns(embed_tokens=m.embed_tokens, norm=m.norm, rotary_emb=m.rotary_emb, layers=layers)
+    return ns(config=cfg, model=inner, lm_head=model.lm_head, plan=plan,
+              parameters=lambda: iter([m.embed_tokens.weight]))
 
 
 class FusedShardDecoder(TritonDecoder):
     """Lesson 07's step on ``rank``'s share of ``model`` among ``world`` ranks (see the module doc).
 
-    ``all_reduce``: ``"nccl"``, ``"symm_one_shot"``, ``"symm_two_shot"`` (:mod:`.allreduce`), or ``"none"`` on one
-    rank (no collective at all: lesson 07's step). ``layer``: the function that runs one layer (default
-    :func:`fused_layer`), called as ``layer(decoder, layer_index, position)``. Every rank must construct it (the
-    symmetric-memory modes allocate their buffers collectively).
+    ``all_reduce``: one of :data:`~.allreduce.MODES`, or ``"none"`` on one rank; ``layer(decoder,
+    index, position)`` runs one layer (default :func:`fused_layer`). Every rank constructs it (symm
+    modes rendezvous).
     """
 
     def __init__(self, model, rank: int = 0, world: int = 1, group=None, all_reduce: str = "nccl",
                  max_len: int = 256, pdl: bool = False, config=None, layer=None):
-        from course.lessons.tensor_parallel.allreduce import MODES, make_all_reduce, residual_buffer
-
         if all_reduce not in MODES + ("none",):
             raise ValueError(f"all_reduce must be one of {MODES + ('none',)}, got {all_reduce!r}")
         if all_reduce == "none" and world > 1:
-            raise ValueError(f"all_reduce='none' leaves {world} ranks with partial sums: choose one of {MODES}")
+            raise ValueError(f"all_reduce='none' leaves {world} ranks with partial sums: choose "
+                             f"one of {MODES}")
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
         if config is not None and config.down_split > 1:
-            raise ValueError("the split step takes down_proj whole per rank (down_split=1): split-K's kernel always "
-                             "adds the residual")
-        super().__init__(model if world == 1 else rank_model(model, rank, world), max_len, pdl, config)
+            raise ValueError("the split step takes down_proj whole per rank (down_split=1): "
+                             "split-K's kernel always adds the residual")
+        share = model if world == 1 else rank_model(model, rank, world)
+        super().__init__(share, max_len, pdl, config)
         self.rank, self.world, self.group, self.mode = rank, world, group, all_reduce
         self.layer_fn = layer or fused_layer
         self.all_reduces_issued = 0  # counted as they are issued: per step, in an eager call
@@ -101,33 +92,32 @@ class FusedShardDecoder(TritonDecoder):
             self.x = residual_buffer(all_reduce, self.H, self.dtype, self.device, group)
             self._reduce = make_all_reduce(all_reduce, self.x, group)
 
-    def o_proj(self, layer: int, residual: bool = True) -> None:
-        """Kernel 3 of ``layer``: o_proj of this rank's heads into x; with ``residual`` added to x, else x replaced."""
-        c = self.config.o
-        self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.attn, self.layers[layer][4], self.x, self.H,
-                 self.NH * self.D, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec,
+    def _partial(self, c, a, w, k: int, residual: bool) -> None:
+        """This rank's partial product ``a @ w.T`` into x: added to x (``residual``), or as x."""
+        self._go(self._kernels.proj_residual, -(-self.H // c.rows), a, w, self.x, self.H, k,
+                 BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec,
                  RESIDUAL=bool(residual))
+
+    def o_proj(self, layer: int, residual: bool = True) -> None:
+        """Kernel 3 of ``layer``: o_proj of this rank's heads into x (:meth:`_partial`)."""
+        self._partial(self.config.o, self.attn, self.layers[layer][4], self.NH * self.D, residual)
 
     def down(self, layer: int, residual: bool = True) -> None:
-        """Kernel 5 of ``layer``: down_proj of this rank's MLP rows into x; with ``residual`` added, else x replaced."""
-        c = self.config.down
-        self._go(self._kernels.proj_residual, -(-self.H // c.rows), self.act, self.layers[layer][8], self.x, self.H,
-                 self.I, BLOCK_N=c.rows, BLOCK_K=c.block_k, warps=c.warps, DEPTH=c.depth, VEC=self.vec,
-                 RESIDUAL=bool(residual))
+        """Kernel 5 of ``layer``: down_proj of this rank's MLP rows into x (:meth:`_partial`)."""
+        self._partial(self.config.down, self.act, self.layers[layer][8], self.I, residual)
 
     def all_reduce(self) -> None:
-        """Sum x over the ranks, in place (the chosen all-reduce; on one rank with ``"none"``, nothing, and not
-        counted)."""
+        """Sum x over the ranks in place (with ``"none"``: nothing, not counted)."""
         if self.mode != "none":
             self.all_reduces_issued += 1
             self._reduce()
 
     def step(self, ids, position):
-        """Logits ``[1, vocab]`` (float32, the decoder's buffer), the same on every rank; ``ids`` ``[1, 1]``,
-        ``position`` ``[1]`` (device tensors)."""
+        """Logits ``[1, vocab]`` (float32, the decoder's buffer), the same on every rank."""
         if ids.dim() != 2 or ids.shape != (1, 1) or position.shape != (1,):
-            raise ValueError(f"the split Triton step decodes one sequence: ids [1, 1] and position [1] (device "
-                             f"tensors), got ids {tuple(ids.shape)} and position {tuple(position.shape)}")
+            raise ValueError("the split Triton step decodes one sequence: ids [1, 1] and "
+                             f"position [1] (device tensors), got ids {tuple(ids.shape)} and "
+                             f"position {tuple(position.shape)}")
         self.embed(ids)
         for layer in range(self.L):
             self.layer_fn(self, layer, position)
@@ -135,22 +125,21 @@ class FusedShardDecoder(TritonDecoder):
         return self.logits
 
     def all_reduces_per_step(self, ids, position) -> int:
-        """All-reduces one eager step issues (counted as issued: the same calls a capture records; 0 with "none")."""
+        """All-reduces one eager step issues (the calls a capture records; 0 with "none")."""
         before = self.all_reduces_issued
         self.step(ids, position)
         return self.all_reduces_issued - before
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one step reads on this rank (its shares, the norms, the LM head, one embedding row)."""
-        n = self.emb.shape[1] * self.emb.element_size() + sum(t.numel() * t.element_size() for t in
-                                                                (self.final_norm, self.lm))
-        return n + sum(t.numel() * t.element_size() for ws in self.layers for t in {id(t): t for t in ws}.values())
+        """Bytes of weights one step reads on this rank: its shares, norms, LM head, one row."""
+        shares = {id(t): t for ws in self.layers for t in ws}.values()  # a tensor counted once
+        row = self.emb.shape[1] * self.emb.element_size()
+        return row + sum(t.numel() * t.element_size() for t in [self.final_norm, self.lm, *shares])
 
 
 def emulate(decoders: list, ids, position):
-    """The split step of every rank in one process, the all-reduce done by hand (a sum of the ranks' x): what the
-    ranks compute, without processes or collectives. ``decoders``: every rank's decoder, from :func:`emulated`.
-    Returns each rank's logits (copies)."""
+    """Every rank's split step in one process, the all-reduce a sum of the ranks' x (``decoders``:
+    :func:`emulated`'s); each rank's logits (copies)."""
     xs = [d.x for d in decoders]
     for d in decoders:
         d.embed(ids)
@@ -175,12 +164,13 @@ def emulate(decoders: list, ids, position):
 
 
 def emulated(model, world: int, max_len: int = 64, config=None) -> list:
-    """Every rank's :class:`FusedShardDecoder` of ``model`` in this process, for :func:`emulate` (no process group:
-    their own all-reduce is never called)."""
+    """Every rank's :class:`FusedShardDecoder` of ``model`` in this process, for :func:`emulate`."""
     decs = []
     for r in range(world):
         d = FusedShardDecoder.__new__(FusedShardDecoder)
-        TritonDecoder.__init__(d, model if world == 1 else rank_model(model, r, world), max_len, False, config)
-        d.rank, d.world, d.group, d.mode, d.layer_fn, d.all_reduces_issued = r, world, None, "none", fused_layer, 0
+        share = model if world == 1 else rank_model(model, r, world)
+        TritonDecoder.__init__(d, share, max_len, False, config)
+        d.rank, d.world, d.group, d.mode, d.layer_fn = r, world, None, "none", fused_layer
+        d.all_reduces_issued = 0
         decs.append(d)
     return decs
