@@ -10,7 +10,8 @@ per replay from one token at one position. A chat prompt is many tokens, so:
 
 :func:`answer` does the three and runs ``model.generate(do_sample=False)`` on the same prompt; :func:`agreement`
 counts the leading tokens they share, and :func:`divergence` says, where they part, how close the two candidates
-were in generate's own logits (in bfloat16 a near-tie flips with any change of summation order).
+were in generate's own logits (in bfloat16 a near-tie flips with any change of summation order). :func:`written`
+measures which positions of the cache a ``generate`` wrote (what lab 4's checks judge).
 """
 from __future__ import annotations
 
@@ -86,26 +87,41 @@ def answer(loop, decoder, prompt, n: int) -> dict:
     """The captured ``loop``'s answer to ``prompt`` beside ``model.generate``'s (see the module doc).
 
     ``loop`` must be captured already: its warm-up and capture run the step at its buffers' position (0), which
-    writes that position of the cache; the prefill comes after them.
-
-    Returns ``tokens`` (the loop's ``[1, n]``), ``want`` (generate's ``[1, m]``, ``m <= n``: it stops at
-    end-of-sequence), ``want_logits``, ``agree`` (leading tokens equal), ``compared`` (``m``), ``start`` and
-    ``cache_problem``: what the positions the loop wrote into the decoder's cache show it did wrong ('' when it wrote
-    exactly ``start..start+n-1``; :mod:`~course.lessons.real_model.continuation`).
+    writes that position of the cache; the prefill comes after them. Returns ``tokens`` (the loop's ``[1, n]``),
+    ``want`` (generate's ``[1, m]``, ``m <= n``: it stops at end-of-sequence), ``want_logits``, ``agree`` (leading
+    tokens equal), ``compared`` (``m``), ``start`` and ``written`` (the cache positions the loop wrote).
     """
-    from course.lessons.real_model import continuation
-
     if prompt.shape[1] + n > decoder.max_len:
         raise ValueError(f"prompt ({prompt.shape[1]}) + {n} tokens exceed the decoder's {decoder.max_len} positions")
     prefill(decoder, prompt)
     start = prompt.shape[1] - 1
-    before = continuation.snapshot(decoder.cache_for(1))
+    before = snapshot(decoder.cache_for(1))
     with torch.no_grad():
         got = loop.generate(prompt[0, -1:], n, start=start)
-    why = continuation.problem(before, decoder.cache_for(1), start, n)
     want, logits = generate_tokens(decoder.model, prompt, n)
     return {"tokens": got, "want": want, "want_logits": logits, "agree": agreement(got, want),
-            "compared": want.shape[1], "start": start, "cache_problem": why}
+            "compared": want.shape[1], "start": start, "written": written(before, decoder.cache_for(1))}
+
+
+def snapshot(cache) -> tuple:
+    """Copies of layer 0's keys and values of ``cache`` (a ``StaticCache``): what :func:`written` compares with."""
+    layer = cache.layers[0]
+    return layer.keys.detach().clone(), layer.values.detach().clone()
+
+
+def written(before: tuple, cache) -> list:
+    """The positions of ``cache`` whose keys or values differ from :func:`snapshot`'s ``before``, in order."""
+    keys, values = snapshot(cache)
+    dims = (0, 1, 3)  # [batch, kv heads, position, head dim]
+    changed = (keys != before[0]).any(dim=dims) | (values != before[1]).any(dim=dims)
+    return [int(p) for p in changed.nonzero().flatten()]
+
+
+def prompt_for(model, length: int = 6, seed: int = 1):
+    """``length`` token ids (int64 ``[1, length]``) for ``model``, on its device, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=g)
+    return ids.to(next(model.parameters()).device)
 
 
 def until_eos(tokens, eos) -> list:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import torch
 
+import course
+
 
 class GraphedDecode:
     """One replay per token at batch 1: ``decoder.step`` and its argmax captured once (see the module doc)."""
 
     def __init__(self, decoder, warmup: int = 2):
-        import course
-
         cg = course.graphs()
         self.decoder = decoder
         dev = decoder.device
@@ -42,12 +42,12 @@ class GraphedDecode:
         cg.current_stream().wait_stream(side)
         self.graph = cg.CUDAGraph()
         with torch.no_grad(), cg.graph(self.graph):
-            self.logits, self.next = self.one_token()  # static outputs: written by every replay
+            self.next = self.one_token()  # static output: written by every replay (self.logits too)
 
     def one_token(self):
-        """gpt-fast's ``decode_one_token``: (logits ``[1, vocab]``, next token ``[1, 1]``) at ``pos``, on the device."""
-        logits = self.decoder.step(self.ids, self.pos)
-        return logits, logits.argmax(-1, keepdim=True)
+        """gpt-fast's ``decode_one_token``: the next token ``[1, 1]`` at ``pos``, on the device; logits kept."""
+        self.logits = self.decoder.step(self.ids, self.pos)
+        return self.logits.argmax(-1, keepdim=True)
 
     def step(self, ids, position):
         """A decode step like ``StaticDecoder.step`` (logits ``[1, vocab]``), by one replay: for timing and checks."""
@@ -57,10 +57,8 @@ class GraphedDecode:
         return self.logits.clone()  # the next replay overwrites self.logits
 
     def generate(self, first_ids, n_tokens: int, start: int = 0):
-        """``n_tokens`` greedy tokens after ``first_ids`` (int64 ``[1]``) at position ``start``: int64 ``[1, n_tokens]``.
-
-        ``start`` > 0 continues a prompt whose positions ``0..start-1`` are already in the KV cache (prefilled).
-        """
+        """``n_tokens`` greedy tokens after ``first_ids`` (int64 ``[1]``) at position ``start`` (0, or after a
+        prompt prefilled into the cache): int64 ``[1, n_tokens]``."""
         if n_tokens < 1 or start < 0 or start + n_tokens > self.decoder.max_len:
             raise ValueError(f"start + n_tokens must be in 1..{self.decoder.max_len} (the cache's positions), got "
                              f"{start} + {n_tokens}")
