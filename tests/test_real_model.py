@@ -1,6 +1,6 @@
 """course.lessons.real_model: transformers' Llama (tiny config on CPU), the decode steps, the finder on the naive
 one, GraphCache replays equal eager with padding, greedy-token equality, the correctness check catching a broken
-variant, the roofline, lab 4's checks. GPU tests at the end skip without a GPU."""
+variant, the roofline, lab 4.1-4.4's checks, the recordings' bookkeeping. GPU tests skip without a GPU."""
 import inspect
 
 from pathlib import Path
@@ -15,8 +15,10 @@ from course.core.runtime import runtime
 from course.lessons.real_model import (SIZES, NaiveDecoder, StaticDecoder, assert_correct, build_model,
                                        bytes_per_token, check_variants, default_size, floor_us, forced_logits,
                                        graph_cached, greedy, model_backend, split, tokens_per_s, weight_bytes)
-from course.lessons.real_model import lab, lesson
-from course.lessons.real_model.decode import ModelRecordingBackend
+from course.lessons.graph_cache.backends import RecordingBackend
+from course.lessons.real_model import bench as E
+from course.lessons.real_model import checks as lab
+from course.lessons.real_model import lesson
 from course.lessons.real_model.generate import TOLERANCE, compare, tolerance
 from course.lessons.real_model.model import Size, kv_bytes_per_position, llama_config, size_of
 from course.lessons.real_model.roofline import PARTS, copy_bandwidth_GBps
@@ -113,7 +115,7 @@ def test_naive_step_drifts_when_run_twice(model):
 def test_graph_cache_replays_equal_eager_over_steps_and_batches(model):
     eager, cached = StaticDecoder(model, 32), StaticDecoder(model, 32)
     cache = graph_cached(cached, buckets=[1, 2, 4, 8])
-    assert isinstance(cache.backend, type(model_backend())) and isinstance(model_backend(), ModelRecordingBackend) \
+    assert isinstance(cache.backend, type(model_backend())) and isinstance(model_backend(), RecordingBackend) \
         != ON_GPU
     for batch in (1, 3, 5, 8):
         ids, _ = eager.example_args(batch, 0, seed=batch)
@@ -140,7 +142,7 @@ def test_naive_step_in_the_graph_cache_misses_every_step(model):
 
 
 def test_recording_backend_still_refuses_host_reads(model):
-    backend = ModelRecordingBackend()
+    backend = RecordingBackend()
     with pytest.raises(Exception, match="item"):
         backend.capture(lambda x: x * x.sum().item(), [torch.ones(2)])
     with pytest.raises(Exception, match="CPU"):
@@ -243,6 +245,29 @@ def test_lab_checks_diagnose_wrong_answers(capsys):
     assert all(v == "fail" for v in checks.progress().values()), checks.progress()
 
 
+def test_lesson_06_checks_pass_right_answers_and_name_wrong_ones(model, capsys):
+    import types
+
+    table = types.SimpleNamespace(rows=[{"what": w, "Numba GEMV us": us} for w, us in (
+        ("q_proj, o_proj", 5.0), ("k_proj, v_proj", 2.0), ("gate_proj, up_proj", 9.0), ("stacked q/k/v", 6.0),
+        ("stacked gate/up", 15.0))])
+    checks.reset()
+    lab.check_statistics(lambda: {"cache_misses": 2, "cache_hits": 8, "padded_rows": 5})
+    lab.check_floor(lambda m, bw, batch: bytes_per_token(m, batch) / (bw * 1e9) * 1e6, model)
+    lab.check_saving(lambda t: 5.0 + 2 * 2.0 + 2 * 9.0 - 6.0 - 15.0, table)
+    assert all(v == "pass" for v in checks.progress().values()), capsys.readouterr().out
+    lab.check_statistics(lambda: {"cache_misses": 2, "cache_hits": 10, "padded_rows": 5})
+    assert "cache_hits: you said 10, the cache counted 8" in capsys.readouterr().out
+    lab.check_statistics(lambda: [2, 8, 5])
+    assert "should return a dict" in capsys.readouterr().out
+    lab.check_floor(lambda m, bw, batch: bytes_per_token(m, batch) / bw, model)
+    assert "the floor is" in capsys.readouterr().out
+    lab.check_saving(lambda t: 7.0, table)
+    assert "you said 7.0, the table gives 6.00 us" in capsys.readouterr().out
+    assert all(v == "fail" for v in checks.progress().values()), checks.progress()
+    checks.reset()
+
+
 # ----------------------------------------------------------------------------- experiments and GPU
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiments_registered_with_valid_quick_params(name):
@@ -266,7 +291,6 @@ def test_experiment_quick_run_on_gpu(name):
 
 def test_sweep_helpers_build_rows_the_cell_measures(model):
     from course.core.timing import Timing
-    from course.lessons.real_model import experiments as E
 
     assert E.sweep_batches((4, 1, 2, 4)) == [1, 2, 4]
     for bad in ((), (0, 1)):
@@ -293,27 +317,36 @@ def test_sweep_helpers_build_rows_the_cell_measures(model):
     assert res.params["size"] == "tiny" and "torch" in res.params  # the floor and the failed row never win
 
 
-def test_real_model_batch_sweep_stands_in_lesson_06s_cell():
+@pytest.mark.parametrize("name, heart", [("real_model_batch_sweep", "time_interleaved("),
+                                         ("real_model_decode", "time_interleaved("),
+                                         ("real_model_reduce_overhead", "time_interleaved(")])
+def test_the_experiments_stand_in_lesson_06s_cells(name, heart):
     from course.core import cells
     from course.tools import catalog
 
-    exp = reference.get("real_model_batch_sweep")
+    exp = reference.get(name)
     assert exp.fn.__module__ == cells.module_name(catalog.ROOT / "solutions/06_real_model.ipynb")
-    assert "time_interleaved(" in inspect.getsource(exp.fn)
+    assert heart in inspect.getsource(exp.fn)
     if not ON_GPU:
         with pytest.raises(Exception, match="needs a real GPU"):
             exp.fn(**exp.quick)
 
 
+def test_variants_name_every_way_and_leave_the_compiles_out_on_request(model):
+    assert list(E.variants(model, 16)) == ["eager", "graph-cached", "fused", E.FAST, E.TRITON]
+    assert list(E.variants(model, 16, autotune=True, hand=True))[2:] == [E.HAND, "fused", E.FAST, E.TRITON,
+                                                                         "fused, max-autotune"]
+    assert list(E.variants(model, 16, hand=True, compiled=False)) == ["eager", "graph-cached", E.HAND]
+
+
 @gpu
 def test_gpu_copy_bandwidth_kernels_and_first_call():
     from course.core.profiling import launch_counts
-    from course.lessons.real_model.experiments import first_call
 
     assert copy_bandwidth_GBps(1 << 26, repeats=3) > 10
     x = torch.ones(1024, device="cuda")
     assert launch_counts(lambda: x.add_(1), calls=3)["gpu_kernels"] >= 1
-    s, out = first_call(lambda a: a * 2, (x,))
+    s, out = E.first_call(lambda a: a * 2, (x,))
     assert s >= 0 and out.shape == x.shape
 
 

@@ -25,7 +25,7 @@ from cellrun import apply_edits, run_cells
 from course.core import checks
 from course.core.runtime import runtime
 from course.lessons.real_model import build_model
-from course.lessons.real_model import reduce_check as rc
+from course.lessons.real_model import checks as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "solutions" / "06_real_model.ipynb"
@@ -47,7 +47,7 @@ def run_exercise(edits, log_dir) -> dict:
     cells = [_one(m) for m in CELLS]
     cells[2], = apply_edits([cells[2]], edits, "the 06.4 answer")
     entries = run_cells(cells, log_dir, "06.4")
-    got = [e for e in entries if e["name"] == rc.NAME]
+    got = [e for e in entries if e["name"] == rc.REDUCE]
     assert got, f"the 06.4 check never reported: {entries}"
     return got[-1]
 
@@ -153,21 +153,23 @@ def test_unmarked_decoder_leaves_the_cache_unmarked(model):
     assert plain.keys._dynamo_static_input_type == "unguarded"
 
 
-def test_watch_compile_records_swaps_the_backend_off_gpu_and_restores():
+def test_watch_compile_traces_swaps_the_backend_off_gpu_and_restores():
     real = torch.compile
     with rc.watch_compile(on_gpu=False) as w:
         f = torch.compile(lambda x: x * 2, mode="reduce-overhead", fullgraph=True)
         torch.compiler.cudagraph_mark_step_begin()
         y = f(torch.ones(3))
         f(torch.ones(3))
-    assert isinstance(w, rc.CompileWatch) and torch.compile is real
+    assert torch.compile is real
     assert torch.compiler.cudagraph_mark_step_begin.__name__ == "cudagraph_mark_step_begin"
-    assert w.compiles == [{"mode": "reduce-overhead", "fullgraph": True}] and w.graphs_asked()
-    assert w.events == ["mark", "call", "call"] and w.marks_before_calls() == [1, 0]
-    assert torch.equal(y, torch.full((3,), 2.0)) and w.outputs[0] == y.untyped_storage().data_ptr()
+    assert [e["kwargs"] for e in w.of("compile")] == [{"mode": "reduce-overhead", "fullgraph": True}]
+    assert rc.graphs_asked(w) and [e["what"] for e in w.events] == ["compile", "mark", "call", "call"]
+    assert rc.marks_before_calls(w) == [1, 0]
+    assert torch.equal(y, torch.full((3,), 2.0)) and w.of("call")[0]["output"] == y.untyped_storage().data_ptr()
     with rc.watch_compile(on_gpu=False) as w:
         torch.compile(mode="default")(lambda x: x + 1)(torch.ones(2))  # the decorator form
-    assert w.compiles == [{"mode": "default"}] and not w.graphs_asked() and w.events == ["call"]
+    assert [e["kwargs"] for e in w.of("compile")] == [{"mode": "default"}] and not rc.graphs_asked(w)
+    assert len(w.of("call")) == 1
     torch._dynamo.reset()
 
 

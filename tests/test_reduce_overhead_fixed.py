@@ -12,11 +12,11 @@ import torch
 
 import course
 from course.core import checks, reference
-from course.core.results import Result
 from course.core.runtime import capturing as runtime_capturing, runtime
 from course.core.timing import Timing
 from course.lessons.real_model import StaticDecoder, assert_correct, build_model, check_variants, greedy, lesson
-from course.lessons.real_model import lab_graph, reduce_bench
+from course.lessons.real_model import bench as reduce_bench
+from course.lessons.real_model import checks as lab_checks
 from course.lessons.real_model.handgraph import GraphedDecode
 from course.lessons.real_model.reduce_fixed import (ReduceOverheadStep, cache_sources, describe_sources, mark_static,
                                                     static_input_diagnosis, static_input_report)
@@ -50,43 +50,15 @@ def test_graphed_decode_replays_eager_tokens_and_logits(model):
         assert "aten.argmax.default" in hand.graph.recorded_ops()
 
 
-def test_call_spy_sees_where_each_forward_ran(model):
-    cg = course.graphs()
-    spy = lab_graph.CallSpy(cg)
-    dec = StaticDecoder(model, 16)
-    handle = model.register_forward_pre_hook(spy, with_kwargs=True)
-    try:
-        ids, pos = dec.example_args(1, 0)
-        with torch.no_grad():
-            dec.step(ids, pos)
-            assert spy.calls == [("default", "StaticCache")]
-            assert "never ran inside a capture" in spy.problem()
-            model(input_ids=ids)
-            assert spy.calls[-1] == ("default", "none") and "DynamicCache" in spy.problem()
-            spy.calls.clear()
-            side = cg.Stream()
-            with cg.stream(side):
-                dec.step(ids, pos)
-            assert spy.calls == [("side", "StaticCache")]
-    finally:
-        handle.remove()
-    spy.calls = [("default", "StaticCache"), ("capture", "StaticCache")]
-    assert "ran on the default stream" in spy.problem()
-    spy.calls = [("capture", "StaticCache")]
-    assert "no warm-up" in spy.problem()
-    spy.calls = [("side", "StaticCache"), ("capture", "StaticCache")]
-    assert spy.problem() == ""
-
-
 def test_lab_hand_capture_check_passes_the_course_class_and_names_a_kept_output(capsys):
     checks.reset()
-    lab_graph.check_hand_capture(GraphedDecode)
-    assert checks.status(lab_graph.NAME) == "pass", capsys.readouterr().out
+    lab_checks.check_hand_capture(GraphedDecode)
+    assert checks.status(lab_checks.HAND) == "pass", capsys.readouterr().out
 
     class KeepsTheOutput(GraphedDecode):
-        def generate(self, first_ids, n_tokens):
+        def generate(self, first_ids, n_tokens, start=0):
             self.ids.copy_(first_ids.view(1, 1))
-            self.pos.zero_()
+            self.pos.fill_(start)
             out = []
             for _ in range(n_tokens):
                 self.graph.replay()
@@ -95,8 +67,8 @@ def test_lab_hand_capture_check_passes_the_course_class_and_names_a_kept_output(
                 self.pos.add_(1)
             return torch.cat(out, dim=1)
 
-    lab_graph.check_hand_capture(KeepsTheOutput)
-    assert checks.status(lab_graph.NAME) == "fail" and "the last one" in capsys.readouterr().out
+    lab_checks.check_hand_capture(KeepsTheOutput)
+    assert checks.status(lab_checks.HAND) == "fail" and "the last one" in capsys.readouterr().out
 
     class BreaksBeforeTheCapture(GraphedDecode):
         def one_token(self):
@@ -105,8 +77,8 @@ def test_lab_hand_capture_check_passes_the_course_class_and_names_a_kept_output(
             self.warmed = True
             return super().one_token()
 
-    lab_graph.check_hand_capture(BreaksBeforeTheCapture)  # their own error, with its line: a crash, not a ✗ of ours
-    assert checks.status(lab_graph.NAME) == "crash" and "a slip of the learner's own" in capsys.readouterr().out
+    lab_checks.check_hand_capture(BreaksBeforeTheCapture)  # their own error, with its line: a crash, not a ✗ of ours
+    assert checks.status(lab_checks.HAND) == "crash" and "a slip of the learner's own" in capsys.readouterr().out
     cg = course.graphs()
     assert cg.current_stream() == cg.default_stream() and not runtime_capturing(), "the stream must be put back"
     checks.reset()
@@ -171,14 +143,16 @@ def test_reduce_overhead_step_decodes_like_eager_without_graphs(model):
 def test_experiment_registered_and_summaries_compare_with_fused_gemv():
     exp = reference.get(NAME)
     assert exp.gpu_only and set(exp.quick) <= set(inspect.signature(exp.fn).parameters)
-    res = Result(NAME, "t", {"variant": ""}, [{"variant": "x"}])
-
     def timing(us):
         return Timing(median=us * 1e-6, q1=us * 0.99e-6, q3=us * 1.01e-6, min=us * 0.9e-6, max=us * 1.1e-6, repeats=5,
                       inner=1, clock="cuda-events")
 
-    reduce_bench._summaries(res, {reduce_bench.FAST: timing(1600), reduce_bench.RO: timing(1900),
-                                  reduce_bench.RO_GEMV: timing(1650)})
+    rows = {n: {"status": "ok", "first_call_s": 1.0, "cudagraph_skips": 0, "non_static": "none", "log": ""}
+            for n in (reduce_bench.FAST, reduce_bench.RO, reduce_bench.RO_GEMV)}
+    res = reduce_bench.reduce_result(build_model("tiny"), rows, {reduce_bench.FAST: timing(1600),
+                                                                reduce_bench.RO: timing(1900),
+                                                                reduce_bench.RO_GEMV: timing(1650)}, None, position=5)
+    assert res.name == NAME and res.rows[1]["vs_fused_gemv"] == pytest.approx(1900 / 1600)
     assert res.value("best reduce-overhead") == reduce_bench.RO_GEMV
     assert res.value("best reduce-overhead / fused + GEMV") == pytest.approx(1650 / 1600)
     assert res.value("within 1.2x of fused + GEMV") == "yes"
@@ -247,7 +221,7 @@ def test_gpu_reduce_overhead_experiment_quick_run():
     exp = reference.get(NAME)
     res = exp.fn(**exp.quick, log=lambda *_: None)
     rows = {r["variant"]: r for r in res.rows}
-    assert set(rows) == {reduce_bench.FAST, reduce_bench.RO, reduce_bench.RO_GEMV, reduce_bench.HAND}
+    assert set(rows) == {reduce_bench.FAST, reduce_bench.RO, reduce_bench.RO_GEMV, reduce_bench.RO_HAND}
     for name, r in rows.items():
         assert r["status"] == "ok" and r["correct"] is True and r["us"] > 0, (name, r)
         assert r["graphs_per_token"] >= 1, (name, r)

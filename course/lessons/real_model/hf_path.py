@@ -18,26 +18,28 @@ lost run. The model's ``forward``, its compiled call and its generation config a
 """
 from __future__ import annotations
 
+import statistics
 import time
 
+import torch
+
+from course.core.capture import recover
 from course.core.compiled import reset_compile, torch_log_messages
 from course.core.text import clip, condense
+from course.lessons.real_model.reduce_fixed import describe_sources, static_input_report
 
 LOG_FLAGS = ("skipping cudagraphs", "cudagraph", "overwritten", "recompil", "graph break")
 RECIPES = {"forward": "HF: forward compiled", "auto": "HF: auto-compile"}
 
 
 def _generate(model, prompt, n: int):
-    import torch
-
     with torch.no_grad():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False)
 
 
-def _time_per_token(model, prompt, n_short: int, n_long: int, repeats: int) -> list:
-    import torch
-
+def time_per_token(model, prompt, n_short: int, n_long: int, repeats: int) -> list:
+    """``generate``'s microseconds per token, one value per repeat: a long minus a short run, over their difference."""
     per = []
     for _ in range(repeats):
         times = {}
@@ -66,12 +68,6 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
                     log=print) -> dict:
     """One row for one of transformers' compiled recipes (GPU): ``us`` per token (median, q1, q3), ``first_call_s``,
     ``tokens_equal``, ``status`` ("ok" or "FAILED: ..."), ``log``."""
-    import statistics
-
-    import torch
-
-    from course.lessons.real_model.reduce_fixed import describe_sources, static_input_report
-
     if recipe not in RECIPES:
         raise KeyError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     if not 0 < n_short < n_long:
@@ -99,14 +95,13 @@ def hf_compiled_row(model, recipe: str = "forward", n_short: int = 8, n_long: in
             row["first_call_s"] = time.perf_counter() - t0
             row["tokens_equal"] = bool(got.shape == want.shape and torch.equal(got, want))
             log(f"real_model: {row['variant']}: first generate took {row['first_call_s']:.1f} s; measuring")
-            per = _time_per_token(model, prompt, n_short, n_long, repeats)
+            per = time_per_token(model, prompt, n_short, n_long, repeats)
             qs = statistics.quantiles(per, n=4) if len(per) >= 4 else (min(per), 0, max(per))
             row.update(us=statistics.median(per), q1_us=qs[0], q3_us=qs[-1])
         except Exception as e:  # noqa: BLE001 - the library's failure is the finding
             row["status"] = f"FAILED: {type(e).__name__}: {clip(condense(str(e), 2), 300)}"
             log(f"real_model: {row['variant']}: {clip(row['status'], 160)}")
             try:
-                from course.core.capture import recover
                 recover()
             except Exception:  # noqa: BLE001 - best effort: leave CUDA usable for the next rows
                 pass

@@ -2,7 +2,8 @@
 (the stacked split of each variant's time, the roofline with both roofs)."""
 from __future__ import annotations
 
-from course.lessons.real_model.roofline import PARTS
+from course.core import reference
+from course.lessons.real_model.roofline import PARTS, ridge_point
 
 COLORS = {"floor": "0.35", "fused above floor": "tab:green", "removed by fusion": "tab:orange",
           "removed by graphs": "tab:red", "above floor, not split": "tab:purple"}
@@ -18,8 +19,6 @@ def gpu_result(name: str, heavy: bool = True, **params):
     (``python -m course bench NAME`` on a GPU writes it), the cell says that the figure awaits its first
     recording, and the notebook goes on.
     """
-    from course.core import reference
-
     try:
         return reference.heavy(name, **params) if heavy else reference.run(name, **params)
     except FileNotFoundError:
@@ -65,8 +64,6 @@ def plot_roofline(ax, rows: list, bandwidth_GBps: float, tflops: float | None = 
     meet are drawn too. Each measured variant is a line of points, one per batch: the FLOP its step does over
     the time it took. A point sits under the roofs: its distance below them is time the roofs do not explain.
     """
-    from course.lessons.real_model.roofline import ridge_point
-
     if not rows:
         raise ValueError("no rows to draw: pass roofline_rows(sweep, ...) of a sweep with floor rows")
     xs = [r["flop_per_byte"] for r in rows]

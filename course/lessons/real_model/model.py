@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import course
+from course.core.runtime import runtime
+
 
 @dataclasses.dataclass(frozen=True)
 class Size:
@@ -47,8 +53,6 @@ SIZES = {
 
 def default_size() -> str:
     """``"tinyllama"`` on the GPU path, ``"tiny"`` on the simulator path (a laptop's CPU)."""
-    from course.core.runtime import runtime
-
     return "tinyllama" if runtime().on_gpu else "tiny"
 
 
@@ -62,8 +66,6 @@ def _size(size) -> Size:
 
 def llama_config(size="tiny"):
     """The ``transformers.LlamaConfig`` of ``size`` (a key of :data:`SIZES`): sdpa attention, untied embeddings."""
-    from transformers import LlamaConfig
-
     s = _size(size)
     cfg = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                       num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
@@ -80,11 +82,6 @@ def build_model(size="tiny", device=None, seed: int = 0):
     The weights are drawn directly on the device (``torch.device`` as a context), so the 1.1B model takes
     no host memory and seconds, not minutes; the same seed gives the same weights on the same device.
     """
-    import torch
-    from transformers import LlamaForCausalLM
-
-    import course
-
     s = _size(size)
     dev = torch.device(device) if device is not None else course.device()
     torch.manual_seed(seed)

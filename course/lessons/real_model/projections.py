@@ -21,8 +21,9 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers.models.llama import modeling_llama as L
 
-_CLASSES: dict = {}
+from course.lessons.real_model.gemv import GemvLinear, linear
 
 
 def _stack(module, names):
@@ -36,45 +37,36 @@ def _stack(module, names):
     return stacked, [lin.weight.shape[0] for lin in linears]
 
 
-def _classes():
-    if not _CLASSES:
-        from transformers.models.llama import modeling_llama as L
+class FusedAttention(L.LlamaAttention):
+    """transformers' LlamaAttention with q, k and v from one product (``qkv_weight``)."""
 
-        from course.lessons.real_model.gemv import linear
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        """LlamaAttention.forward, its three projections replaced by one (same order of everything else)."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
+        query_states = q.reshape(hidden_shape).transpose(1, 2)
+        key_states = k.reshape(hidden_shape).transpose(1, 2)
+        value_states = v.reshape(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = L.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attention = L.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                            L.eager_attention_forward)
+        out, weights = attention(self, query_states, key_states, value_states, attention_mask, dropout=0.0,
+                                 scaling=self.scaling, **kwargs)
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
 
-        class FusedAttention(L.LlamaAttention):
-            """transformers' LlamaAttention with q, k and v from one product (``qkv_weight``)."""
 
-            def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                        **kwargs):
-                """LlamaAttention.forward, its three projections replaced by one (same order of everything else)."""
-                input_shape = hidden_states.shape[:-1]
-                hidden_shape = (*input_shape, -1, self.head_dim)
-                q, k, v = linear(hidden_states, self.qkv_weight).split(self.qkv_sizes, dim=-1)
-                query_states = q.reshape(hidden_shape).transpose(1, 2)
-                key_states = k.reshape(hidden_shape).transpose(1, 2)
-                value_states = v.reshape(hidden_shape).transpose(1, 2)
-                cos, sin = position_embeddings
-                query_states, key_states = L.apply_rotary_pos_emb(query_states, key_states, cos, sin)
-                if past_key_values is not None:
-                    key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-                attention = L.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    L.eager_attention_forward)
-                out, weights = attention(self, query_states, key_states, value_states, attention_mask,
-                                         dropout=0.0, scaling=self.scaling, **kwargs)
-                out = out.reshape(*input_shape, -1).contiguous()
-                return self.o_proj(out), weights
+class FusedMLP(L.LlamaMLP):
+    """transformers' LlamaMLP with gate and up from one product (``gate_up_weight``)."""
 
-        class FusedMLP(L.LlamaMLP):
-            """transformers' LlamaMLP with gate and up from one product (``gate_up_weight``)."""
-
-            def forward(self, x):
-                """``down(act(gate(x)) * up(x))`` with gate and up from one product."""
-                gate, up = linear(x, self.gate_up_weight).split(self.gate_up_sizes, dim=-1)
-                return self.down_proj(self.act_fn(gate) * up)
-
-        _CLASSES.update(attention=FusedAttention, mlp=FusedMLP)
-    return _CLASSES
+    def forward(self, x):
+        """``down(act(gate(x)) * up(x))`` with gate and up from one product."""
+        gate, up = linear(x, self.gate_up_weight).split(self.gate_up_sizes, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 def fuse_projections(model) -> int:
@@ -83,9 +75,6 @@ def fuse_projections(model) -> int:
     Changes ``model`` in place (see the module doc: new stacked weights, the separate layers removed) and
     returns the number of layers fused. Raises ValueError on a model that is not transformers' Llama.
     """
-    from transformers.models.llama import modeling_llama as L
-
-    cls = _classes()
     layers = [m for m in model.modules() if isinstance(m, L.LlamaDecoderLayer)]
     if not layers:
         raise ValueError("fuse_projections needs transformers' LlamaForCausalLM (no LlamaDecoderLayer found)")
@@ -93,10 +82,10 @@ def fuse_projections(model) -> int:
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn) is L.LlamaAttention:
             attn.qkv_weight, attn.qkv_sizes = _stack(attn, ("q_proj", "k_proj", "v_proj"))
-            attn.__class__ = cls["attention"]
+            attn.__class__ = FusedAttention
         if type(mlp) is L.LlamaMLP:
             mlp.gate_up_weight, mlp.gate_up_sizes = _stack(mlp, ("gate_proj", "up_proj"))
-            mlp.__class__ = cls["mlp"]
+            mlp.__class__ = FusedMLP
     return len(layers)
 
 
@@ -108,8 +97,6 @@ def gemv_model(model, fuse: bool = True):
     (:func:`fuse_projections`): those stacked matrices are new tensors, about 60 % of the weights again in
     memory (never re-homed: graphs of the original read them).
     """
-    from course.lessons.real_model.gemv import GemvLinear
-
     shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
     swapped = 0

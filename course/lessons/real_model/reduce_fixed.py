@@ -33,7 +33,9 @@ from __future__ import annotations
 import re
 
 import torch
+from transformers import CompileConfig, StaticCache
 
+from course.core.compiled import torch_log_messages
 from course.core.results import Result
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.model import size_of
@@ -136,8 +138,6 @@ def describe_sources(sources) -> str:
 
 def _decode_report(run) -> dict:
     """Run ``run()`` with the static-input log on and return the last compiled graph's report."""
-    from course.core.compiled import torch_log_messages
-
     with torch_log_messages(cudagraph_static_inputs=True) as msgs, torch.no_grad():
         run()
     graphs = static_input_report(msgs)
@@ -147,8 +147,6 @@ def _decode_report(run) -> dict:
 def _auto_compile(model, prompt) -> None:
     """transformers' auto-compile: ``generate`` with a static cache compiles the decode step itself (here with
     aot_eager, on any device); the model's generation config and compiled call are put back afterwards."""
-    from transformers import CompileConfig
-
     gc, saved = model.generation_config, (model.generation_config.cache_implementation,
                                           model.generation_config.compile_config)
     config = CompileConfig(backend="aot_eager")
@@ -173,8 +171,6 @@ def static_input_diagnosis(model, max_len: int = 64) -> Result:
     the decode step; the prefill runs eagerly), and :class:`ReduceOverheadStep`. Non-static cache tensors are the
     inputs cudagraphs refuses to mutate ("skipping cudagraphs due to mutated inputs").
     """
-    from transformers import StaticCache
-
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     try:

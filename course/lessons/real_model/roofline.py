@@ -17,7 +17,11 @@ floor itself.
 """
 from __future__ import annotations
 
+import torch
+
+from course.core.capture import require_gpu
 from course.core.results import Result
+from course.core.timing import time_device
 from course.lessons.real_model.model import _size
 
 PARTS = ("floor", "fused above floor", "removed by fusion", "removed by graphs")
@@ -26,12 +30,7 @@ _PAID = {"eager": 4, "graph-cached": 3, "fused": 2}  # how many of PARTS each va
 
 def copy_bandwidth_GBps(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Device memory bandwidth in GB/s: ``dst.copy_(src)`` of ``nbytes``, (read + write) / time (GPU only)."""
-    from course.core.capture import require_gpu
-    from course.core.timing import time_device
-
     require_gpu("measuring the copy bandwidth")
-    import torch
-
     if nbytes < 1 << 20:
         raise ValueError(f"use at least 1 MiB to measure memory bandwidth (got {nbytes} bytes): smaller copies "
                          "fit in L2 and time the launch")
@@ -136,8 +135,6 @@ def matmul_rate_result(times: dict, bandwidth_GBps: float, repeats: int) -> Resu
     and at the quartiles). Summary: the rate at the largest size (the compute roof), the bandwidth (the memory
     roof) and their ratio, the ridge point in FLOP per byte.
     """
-    import torch
-
     if not times:
         raise ValueError("no sizes were timed: pass at least one size to matmul_rate")
     rows = []
