@@ -1,7 +1,8 @@
-"""Lab 4, step 6 on the laptop path: a captured loop goes on from a prompt prefilled into the decoder's KV cache, and
-the check (course.lessons.real_model.checks.check_chat) names what the cache positions it wrote show. The loops are
-the course's GraphedDecode and wrong versions of it, on the tiny Llama (a random prompt: no tokenizer); the shipped
-SmolLM2 answers in tests/test_trained_model.py and in `course check --answers` of the lab."""
+"""Lab 4, step 6 on the laptop path: a captured loop goes on from a prompt prefilled into the
+decoder's KV cache, and the check (course.lessons.real_model.checks.check_chat) names what the cache
+positions it wrote show. The loops are the course's GraphedDecode and wrong versions of it, on the
+tiny Llama (a random prompt: no tokenizer); the shipped SmolLM2 answers in
+tests/test_trained_model.py and in `course check --answers` of the lab."""
 import types
 
 import pytest
@@ -41,7 +42,8 @@ class OwnCache(GraphedDecode):
 
 
 def parting_at(k):
-    """A loop whose tokens from answer token ``k`` on are not its replays' (written to the right positions)."""
+    """A loop whose tokens from answer token ``k`` on are not its replays' (written to the right
+    positions)."""
     class Parts(GraphedDecode):
         def generate(self, first_ids, n_tokens, start=0):
             out = super().generate(first_ids, n_tokens, start)
@@ -70,12 +72,14 @@ def test_the_right_loop_passes_and_its_text_is_on_the_check_line(capsys):
     assert result["written"] == list(range(6, 6 + N)) and result["agree"] == result["compared"] == N
     line = next(x for x in out.splitlines() if x.startswith("✓"))
     ids = " ".join(map(str, result["tokens"][0].tolist()))
-    assert status == "pass" and ids in line and "not a source" in line and f"all {N} of generate's tokens" in line
+    assert (status == "pass" and ids in line and "not a source" in line
+            and f"all {N} of generate's tokens" in line)
 
 
 @pytest.mark.parametrize("cls, words", [
     (OwnCache, ["never writes the decoder's KV cache", "decoder.cache_for(1)"]),
-    (StartIgnored, ["decoded from position 0, not from start=6", "over the prompt's keys and values"]),
+    (StartIgnored,
+     ["decoded from position 0, not from start=6", "over the prompt's keys and values"]),
     (CacheEmptied, ["emptied the KV cache", "positions 0..5"]),
 ], ids=["a cache of its own (stale)", "start ignored", "cache reset"])
 def test_a_wrong_loop_gets_the_cause_its_cache_writes_show(cls, words, capsys):
@@ -92,7 +96,8 @@ def test_right_writes_but_other_tokens_is_named_as_such_in_float32(capsys):
 def test_in_bfloat16_a_parting_is_reported_with_its_gap(capsys):
     model = build_model("tiny").to(torch.bfloat16)
     status, out, result = _verdict(parting_at(5), capsys, model)
-    assert result["agree"] == 5 and status == "pass" and "the first 5 of generate's" in out and "bfloat16 steps" in out
+    assert (result["agree"] == 5 and status == "pass" and "the first 5 of generate's" in out
+            and "bfloat16 steps" in out)
 
 
 def test_before_step_5_passes_it_is_not_done_yet(capsys):
@@ -102,7 +107,8 @@ def test_before_step_5_passes_it_is_not_done_yet(capsys):
 
 
 def test_answer_text_stops_at_the_end_of_sequence():
-    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "|".join(map(str, ids)))
+    tok = types.SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "|".join(map(str,
+                                                                                           ids)))
     result = {"tokens": torch.tensor([[5, 6, 2, 9]])}
     assert C.answer_text(result, tok, eos=2) == "5|6|2"
     assert C.answer_text(result, None) == "5 6 2 9"
@@ -127,9 +133,9 @@ def _rule(writes):
 
 
 def test_one_defect_one_message_whatever_the_evidence():
-    """A loop decoding from 0 after a 5-token prompt writes 0..15; where a replay's key and value equal what a position
-    held (the same token at the same position: the GPU's run in issue 44), that position reads as unwritten. Both
-    evidences name the one defect, in the same words."""
+    """A loop decoding from 0 after a 5-token prompt writes 0..15; where a replay's key and value
+    equal what a position held (the same token at the same position: the GPU's run in issue 44),
+    that position reads as unwritten. Both evidences name the one defect, in the same words."""
     whole = C.Writes(range(16), 5, 16)
     gapped = C.Writes([0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13, 14, 15], 5, 16)
     assert _rule(whole)[0] == "from_zero" and _rule(whole) == _rule(gapped)
@@ -151,11 +157,12 @@ def test_position_rules_name_what_the_writes_show(writes, rule):
     assert _rule(writes)[0] == rule
 
 
+def _tokenizer_of(kind):
+    backend = types.SimpleNamespace(model=type(kind, (), {})())
+    return types.SimpleNamespace(backend_tokenizer=backend, clean_up_tokenization_spaces=True)
+
+
 def test_quiet_tokenizer_turns_the_clean_up_off_for_bpe_only():
-    bpe = types.SimpleNamespace(backend_tokenizer=types.SimpleNamespace(model=type("BPE", (), {})()),
-                                clean_up_tokenization_spaces=True)
-    wordpiece = types.SimpleNamespace(backend_tokenizer=types.SimpleNamespace(model=type("WordPiece", (), {})()),
-                                      clean_up_tokenization_spaces=True)
-    assert quiet_tokenizer(bpe).clean_up_tokenization_spaces is False
-    assert quiet_tokenizer(wordpiece).clean_up_tokenization_spaces is True
+    assert quiet_tokenizer(_tokenizer_of("BPE")).clean_up_tokenization_spaces is False
+    assert quiet_tokenizer(_tokenizer_of("WordPiece")).clean_up_tokenization_spaces is True
     assert quiet_tokenizer(None) is None
