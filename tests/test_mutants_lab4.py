@@ -8,16 +8,15 @@ from course.lessons.real_model import checks as C
 
 LAB4 = "lab4_real_model.ipynb"
 L1, L2, L3, L4, L5 = C.CAPTURABLE, C.WRAPPED, C.PREDICT, C.GAP, C.HAND
-_WRAP = ("GraphCache(decoder.step, buckets=[1, 2, 4, 8], batched=(0,), pad_value=(0, 0), "
-         "backend=model_backend())")
+_WRAP = ("GraphCache(decoder.step, buckets=[1, 2, 4, 8], batched=(0,), pad_value=(0, 0),\n"
+         "                      backend=model_backend())")
 _POS_IDS = "position_ids=position.view(1, 1).expand(b, 1)"
 # lab 4.5 (the hand capture): lines of MyGraphedDecode's answer
 _POS_BUF = ("        self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # static input: its "
             "position\n")
 _WARM = ("            for _ in range(2):\n                self.one_token()  # warm-up, on a side "
          "stream\n")
-_PIN = ("            layer.cumulative_length.copy_(pos[0])  # the cache writes at our position, "
-        "not at its own counter\n")
+_PIN = "            layer.cumulative_length.copy_(pos[0])  # the cache writes at our position\n"
 _FEED = "            self.ids.copy_(self.next)  # fed back into the buffer the graph reads\n"
 _MASK = "mask = (self.decoder._arange <= pos).view(1, 1, 1, -1)"
 _NEXT = "        return out.logits[:, -1].argmax(-1, keepdim=True)\n"

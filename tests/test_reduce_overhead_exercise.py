@@ -75,10 +75,10 @@ _MARKS = ("        for layer in self.cache.layers:  "
 _BUFFERS = ("        for t in (decoder._arange, self.ids, self.pos):  "
             "# read by address: never copied\n"
             "            torch._dynamo.mark_static_address(t)\n")
-_MARK_STEP = ("        torch.compiler.cudagraph_mark_step_begin()  # a new step: the last step's "
-              "outputs may be overwritten\n")
-_CALL = ("        return self.compiled(self.ids, self.pos).clone()  # the next replay overwrites "
-         "the graph's own output\n")
+_MARK_STEP = ("        torch.compiler.cudagraph_mark_step_begin()  "
+              "# a new step: earlier outputs may be overwritten\n")
+_CALL = ("        return self.compiled(self.ids, self.pos).clone()  "
+         "# the next replay overwrites the output\n")
 _COMPILE = ('        self.compiled = torch.compile(decoder.step, mode="reduce-overhead", '
             'fullgraph=True)\n')
 

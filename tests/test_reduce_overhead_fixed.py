@@ -88,9 +88,8 @@ def test_lab_hand_capture_check_passes_the_course_class_and_names_a_kept_output(
     assert (checks.status(lab_checks.HAND) == "crash"
             and "a slip of the learner's own" in capsys.readouterr().out)
     cg = course.graphs()
-    assert cg.current_stream() == cg.default_stream() and not runtime_capturing(), ("the stream "
-                                                                                    "must be put "
-                                                                                    "back")
+    back = cg.current_stream() == cg.default_stream() and not runtime_capturing()
+    assert back, "the stream must be put back"
     checks.reset()
 
 
@@ -140,9 +139,8 @@ def test_static_input_diagnosis_names_the_cache_tensors(model):
     if not ON_GPU:
         assert auto["non_static_cache_tensors"] == 0
     gc = model.generation_config
-    assert "forward" not in vars(model) and "_compiled_call" not in vars(model), ("the model must "
-                                                                                  "be left as it "
-                                                                                  "was")
+    left = "forward" not in vars(model) and "_compiled_call" not in vars(model)
+    assert left, "the model must be left as it was"
     assert gc.cache_implementation is None and gc.compile_config is None
 
 

@@ -1,21 +1,8 @@
-"""A chat prompt answered by a captured token loop, checked token by token against
-``model.generate``.
+"""A chat prompt answered by a captured token loop, beside ``model.generate``.
 
-The captured loop (:class:`~course.lessons.real_model.handgraph.GraphedDecode`, or lab 4's own)
-decodes one token per replay from one token at one position. A chat prompt is many tokens, so:
-
-1. :func:`chat_ids`: the question in the tokenizer's chat template (the assistant's turn opened):
-   int64 ``[1, L]``;
-2. :func:`prefill`: one eager forward of the prompt (on the same static KV cache the loop captured,
-   the decoder's) writes the K/V of positions ``0..L-2``, as an engine's prefill does;
-3. ``loop.generate(prompt[:, -1], n, start=L-1)``: the loop decodes from the prompt's last token,
-   one replay each.
-
-:func:`answer` does the three and runs ``model.generate(do_sample=False)`` on the same prompt;
-:func:`agreement` counts the leading tokens they share, and :func:`divergence` says, where they
-part, how close the two candidates were in generate's own logits (in bfloat16 a near-tie flips with
-any change of summation order). :func:`written` measures which positions of the cache a ``generate``
-wrote (what lab 4's checks judge).
+The prompt is prefilled into the decoder's KV cache (one eager forward), then the loop decodes from
+its last token at position ``L-1``, one replay per token; :func:`written` measures the positions it
+wrote.
 """
 from __future__ import annotations
 
@@ -40,12 +27,8 @@ def chat_ids(tokenizer, question: str = QUESTION, device=None):
 
 
 def prefill(decoder, prompt) -> None:
-    """Write the K/V of ``prompt[0, :-1]`` (positions ``0..L-2``) into ``decoder.cache_for(1)``: one
-    eager forward.
-
-    The cache's own counter is set to 0 first (the step pins it to its position afterwards anyway);
-    transformers builds the causal mask over the prompt itself.
-    """
+    """Write the K/V of ``prompt[0, :-1]`` (positions ``0..L-2``) into ``decoder.cache_for(1)``, in
+    one eager forward (the cache's counter set to 0 first)."""
     if prompt.dim() != 2 or prompt.shape[0] != 1:
         raise ValueError(f"prompt must be int64 [1, L], got {tuple(prompt.shape)}")
     if prompt.shape[1] >= decoder.max_len:
@@ -96,15 +79,10 @@ def divergence(logits, want, got, step: int, tokenizer=None) -> dict:
 
 
 def answer(loop, decoder, prompt, n: int) -> dict:
-    """The captured ``loop``'s answer to ``prompt`` beside ``model.generate``'s (see the module
-    doc).
-
-    ``loop`` must be captured already: its warm-up and capture run the step at its buffers' position
-    (0), which writes that position of the cache; the prefill comes after them. Returns ``tokens``
-    (the loop's ``[1, n]``), ``want`` (generate's ``[1, m]``, ``m <= n``: it stops at
-    end-of-sequence), ``want_logits``, ``agree`` (leading tokens equal), ``compared`` (``m``),
-    ``start`` and ``written`` (the cache positions the loop wrote).
-    """
+    """The captured ``loop``'s answer to ``prompt`` after a prefill, beside ``model.generate``'s:
+    ``tokens``, ``want`` (generate's, up to end-of-sequence), ``want_logits``, ``agree``,
+    ``compared``, ``start`` and ``written`` (the cache positions the loop wrote). Capture the loop
+    first."""
     if prompt.shape[1] + n > decoder.max_len:
         raise ValueError(f"prompt ({prompt.shape[1]}) + {n} tokens exceed the decoder's "
                          f"{decoder.max_len} positions")

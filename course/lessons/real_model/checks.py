@@ -664,11 +664,9 @@ def prompt_zeroed(cache, start: int) -> bool:
 
 
 class Writes:
-    """The KV-cache positions one ``generate(first, n, start)`` wrote, with what the check set up
-    before it: ``counter`` (the cache's own counter, moved there first; None when left),
-    ``prev_end`` (where the previous sequence ended), ``zeroed`` (the prompt's keys and values zeros
-    after it), ``from_buffer`` (whether the position the capture read was a tensor of the loop's;
-    None when unknown)."""
+    """The KV-cache positions one ``generate(first, n, start)`` wrote, and what the check set up
+    before it: the moved ``counter``, the previous sequence's end, the prompt ``zeroed`` after it,
+    whether the captured position was a tensor of the loop's (``from_buffer``)."""
 
     def __init__(self, written, start, n, counter=None, prev_end=None, zeroed=False,
                  from_buffer=None):
@@ -759,6 +757,7 @@ class _Built:
             if cg is torch.cuda:
                 recover()
             if isinstance(e, NotImplementedError):
+                self.tracer.close()
                 raise
             self.error = e
 
@@ -937,16 +936,19 @@ def _no_start(loop) -> str:
             "generate(first_ids, n_tokens, start=0) takes as its first position")
 
 
-def _built(cls, dec) -> _Built:
-    """``cls(dec)`` built and judged by :data:`BUILD_RULES`, then (the learner's own crash raised)
-    by
-    :data:`CAPTURE_RULES`."""
+@contextmanager
+def _built(cls, dec):
+    """``cls(dec)`` built, judged by :data:`BUILD_RULES`, then (the learner's own crash raised) by
+    :data:`CAPTURE_RULES`; its tracer closed however the block ends (no hook left on the model)."""
     b = _Built(cls, dec)
-    check(b, BUILD_RULES)
-    if b.error is not None:
-        raise b.error
-    check(b, CAPTURE_RULES)
-    return b
+    try:
+        check(b, BUILD_RULES)
+        if b.error is not None:
+            raise b.error
+        check(b, CAPTURE_RULES)
+        yield b
+    finally:
+        b.tracer.close()
 
 
 def check_hand_capture(cls, max_len: int = MAX_LEN) -> None:
@@ -955,26 +957,19 @@ def check_hand_capture(cls, max_len: int = MAX_LEN) -> None:
     length) one after a prefilled prompt."""
     with exercise(HAND, hint=HAND_HINT, answer=HAND_ANSWER):
         model = lab_model()
-        b = _built(cls, StaticDecoder(model, max_len))
-        try:
+        with _built(cls, StaticDecoder(model, max_len)) as b:
             prev = None
             for token, n in RUNS:
                 check(_Run(b, token, n, prev_end=prev), RUN_RULES)
                 prev = n
-        finally:
-            b.tracer.close()
-        check(b.loop, [Rule("no_start", "", _no_start)])
+            check(b.loop, [Rule("no_start", "", _no_start)])
         length, n = PROMPT
-        dec = StaticDecoder(model, PROMPT_LEN)
-        b = _built(cls, dec)
-        try:
+        dec, ref = StaticDecoder(model, PROMPT_LEN), StaticDecoder(model, PROMPT_LEN)
+        with _built(cls, dec) as b:
             prompt = chat.prompt_for(model, length)
-            ref = StaticDecoder(model, PROMPT_LEN)
             chat.prefill(ref, prompt)
             chat.prefill(dec, prompt)
             check(_Run(b, int(prompt[0, -1]), n, start=length - 1, ref=ref), PROMPT_RULES)
-        finally:
-            b.tracer.close()
 
 
 # ======================== lab 4.6 the loop answers a chat
@@ -1017,10 +1012,9 @@ def _chat_tokens(result, tokenizer, dtype) -> str:
 
 
 def check_chat(cls=None, model=None, tokenizer=None, prompt=None, n: int = N_CHAT):
-    """Step 6: ``cls`` (step 5's class) built on ``model``'s decoder answers ``prompt`` (the chat
-    question when None) after a prefill, judged by the cache positions it wrote and its tokens
-    against ``model.generate``'s; returns the run (:func:`chat.answer`), or None. ``cls`` None: step
-    5 is not passed yet ("not done yet")."""
+    """Step 6: ``cls`` built on ``model``'s decoder answers ``prompt`` (the chat question) after a
+    prefill, judged by the cache positions it wrote and its tokens; the run, or None (``cls`` None:
+    "not done yet")."""
     result = None
     with exercise(CHAT, hint=CHAT_HINT, answer=CHAT_ANSWER) as notes:
         if cls is None:

@@ -28,13 +28,11 @@ class NaiveDecoder:
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
 
     def step(self, ids, position: int):
-        """Logits ``[B, vocab]`` of the next token after ``ids`` (``[B, 1]``) at ``position`` (a
-        Python int)."""
+        """Logits ``[B, vocab]`` after ``ids`` (``[B, 1]``) at ``position`` (a Python int)."""
         pos = torch.tensor([[position]], device=ids.device)  # a host-to-device copy on every step
+        # the cache writes where its own counter says, and advances it
         out = self.model(input_ids=ids, position_ids=pos.expand(ids.shape[0], 1),
-                         past_key_values=self.cache,
-                         # the cache writes where its own counter says, and advances it
-                         use_cache=True)
+                         past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1].float()
 
     def reset(self) -> None:
@@ -111,12 +109,8 @@ def model_backend():
 
 def graph_cached(decoder, buckets=None, fusion: bool = False, fused=None) -> GraphCache:
     """``decoder.step`` in a GraphCache: ``ids`` batched (padding rows: token 0, scratch rows),
-    ``position`` not.
-
-    ``buckets``: batch sizes to capture (None: one graph per exact batch size); ``fusion=True``
-    captures the step compiled by ``torch.compile`` (default mode); ``fused`` gives that compiled
-    step yourself.
-    """
+    ``position`` shared. ``fusion=True`` captures the step compiled by ``torch.compile``; ``fused``
+    gives that compiled step yourself."""
     if not hasattr(decoder, "cache_for"):
         raise TypeError(f"graph_cached wraps a StaticDecoder (its step takes device tensors only), "
                         f"got {type(decoder).__name__}")

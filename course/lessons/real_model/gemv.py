@@ -1,30 +1,9 @@
-"""A batch-1 matrix-vector product in Numba CUDA, and a model whose linear layers use it.
+"""A batch-1 matrix-vector product (GEMV) in Numba CUDA, as a torch custom op and an ``nn.Linear``.
 
-At batch 1 every linear layer of a decode step is a matrix-vector product (GEMV): ``y = W @ x`` with
-``W`` ``[N, K]`` read once and ``x`` ``[K]`` tiny. Its speed is the speed of reading ``W``: nothing
-is reused, so the only question is how close to the memory's bandwidth the reads run. The kernel:
-
-- **one warp per output row**: the 32 lanes stride along the row together, so every load of the warp
-  is one contiguous stretch of memory (coalesced);
-- **16-byte loads** (:func:`~course.embedding.kernels.load16`, the embedding lab's intrinsic): eight
-  bfloat16 weights per load, the widest a thread can issue;
-- **four loads in flight** per lane before any arithmetic (unrolled), so each SM keeps enough bytes
-  in flight to cover the memory's latency;
-- bfloat16 is widened to float32 by moving its 16 bits to the top of a 32-bit word (that is exactly
-  the float32 with the same value), the products are summed in float32, the warp adds its 32 partial
-  sums with shuffles, and lane 0 rounds the sum to bfloat16 (round to nearest even) and writes it.
-
-:func:`gemv` is the validated launch (float32 and bfloat16); :data:`OP` is the same launch
-registered as a PyTorch custom operator (``torch.ops.course.gemv``), so ``torch.compile`` keeps it
-as one opaque call and fuses the elementwise work around it, and a CUDA graph captures its launch
-like any other kernel on torch's stream. :class:`GemvLinear` is an ``nn.Linear`` that calls it when
-its input is a single row (batch-1 decode) and cuBLAS otherwise;
-:func:`~course.lessons.real_model.projections.gemv_model` builds a twin of the model with those
-layers.
-
-On the simulator every thread runs in Python: the kernel is checked there on small matrices, but a
-model decode through it would take seconds per token, so the decode variants that use it are
-GPU-only.
+One warp per output row (coalesced), 16-byte loads (:func:`~course.embedding.kernels.load16`), four
+in flight per lane, float32 sums, the warp's sum by shuffles (shared memory on the simulator).
+:data:`OP` is ``torch.ops.course.gemv``: ``torch.compile`` keeps it opaque and a CUDA graph captures
+it; :class:`GemvLinear` calls it for one row and cuBLAS otherwise.
 """
 from __future__ import annotations
 
@@ -182,13 +161,9 @@ def kernel(dtype):
 
 # ------------------------ the launch
 def eligible(x, weight) -> str:
-    """Why ``gemv(x, weight)`` cannot run ("" when it can), from shapes and dtypes only (no data
-    read).
-
-    It needs one row (``x.numel() == K``), ``weight`` 2-D ``[N, K]``, the same dtype for both, one
-    of
-    :data:`DTYPES`, and rows a whole number of 16-byte words.
-    """
+    """Why ``gemv(x, weight)`` cannot run ('' when it can), from shapes and dtypes only: one row
+    ``x``, a 2-D ``weight`` of the same dtype (one of :data:`DTYPES`), rows of whole 16-byte
+    words."""
     if weight.dim() != 2:
         return f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
     k = weight.shape[1]
@@ -207,12 +182,8 @@ def _words(t, cols):
 
 
 def gemv(x, weight):
-    """``x @ weight.T`` for a single row ``x`` (``[..., K]``, one row in all) and ``weight`` ``[N,
-    K]``: shape ``[..., N]``.
-
-    Launched on torch's current stream (captured by a CUDA graph); float32 accumulation, the output
-    in ``x``'s dtype. Raises ValueError naming what to change when :func:`eligible` says no.
-    """
+    """``x @ weight.T`` for one row ``x`` (``[..., K]``) and ``weight`` ``[N, K]``, on torch's
+    current stream, float32 sums; a ValueError says what to change when :func:`eligible` refuses."""
     why = eligible(x, weight)
     if why:
         raise ValueError(f"gemv: {why}. Use torch.nn.functional.linear for this call.")
@@ -251,12 +222,8 @@ OP = _register()
 
 
 def linear(x, weight, bias=None):
-    """``F.linear(x, weight, bias)``, through :data:`OP` (the GEMV) when :func:`eligible` allows it,
-    else cuBLAS.
-
-    The choice reads shapes and dtypes only, so ``torch.compile`` and a CUDA graph fix it once per
-    shape.
-    """
+    """``F.linear(x, weight, bias)`` through :data:`OP` when :func:`eligible` allows it, else cuBLAS
+    (decided from shapes and dtypes: fixed per shape under ``torch.compile`` and in a graph)."""
     if eligible(x, weight):
         return torch.nn.functional.linear(x, weight, bias)
     y = OP(x, weight)

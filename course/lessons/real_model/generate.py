@@ -1,20 +1,8 @@
-"""Greedy decoding with any decode step, and the check that a fast variant decodes what eager
-decodes.
+"""Greedy decoding with any decode step, and the check that a fast variant decodes what eager does.
 
-A *step* is any callable ``step(ids, position) -> logits`` with ``ids`` int64 ``[B, 1]`` and
-``position`` int64 ``[1]`` on the device:
-:meth:`~course.lessons.real_model.decode.StaticDecoder.step` itself, the same step in a
-:class:`~course.lessons.graph_cache.cache.GraphCache`, a compiled one... Every step writes position
-``p`` of its KV cache before it attends over ``0..p``, so a new sequence needs no reset.
-
-- :func:`greedy`: ``n`` tokens, each the argmax of the previous step's logits (no host sync per
-  step: the argmax and the position stay on the device);
-- :func:`forced_logits`: the logits of every step when the step is fed a given token sequence
-  (teacher forcing), so two variants are compared on the same inputs even after a near-tie flips one
-  token;
-- :func:`check_variants`: every variant against eager (exact token ids, logits within
-  :func:`tolerance`), as a :class:`~course.core.results.Result`; :func:`assert_correct` turns a bad
-  row into an AssertionError.
+A step is ``step(ids [B, 1], position [1]) -> logits``; :func:`check_variants` compares every
+variant's tokens (exactly, in float32) and its logits on eager's tokens (within :func:`tolerance`)
+with eager's.
 """
 from __future__ import annotations
 
@@ -75,12 +63,8 @@ def forced_logits(step, tokens, start: int = 0):
 
 def compare(tokens, want_tokens, logits, want_logits, tol: float,
             exact_tokens: bool = True) -> dict:
-    """One variant against the reference: token equality, first divergent step, relative logit
-    difference, ok.
-
-    ``ok``: logits within ``tol`` (relative to the largest reference logit) and, when
-    ``exact_tokens``, the same token ids.
-    """
+    """One variant against the reference: tokens equal, first divergent step, relative logit
+    difference, ``ok`` (logits within ``tol`` and, with ``exact_tokens``, the same tokens)."""
     same = tokens.shape == want_tokens.shape and bool(torch.equal(tokens, want_tokens))
     diverge = -1
     if not same and tokens.shape == want_tokens.shape:
@@ -94,14 +78,8 @@ def compare(tokens, want_tokens, logits, want_logits, tol: float,
 
 def check_variants(variants: dict, eager, first_ids, n_tokens: int = 64, dtype=torch.float32,
                    start: int = 0) -> Result:
-    """Every step in ``variants`` ({name: step}) against the ``eager`` step, live.
-
-    Each variant decodes ``n_tokens`` greedily from ``first_ids``; its tokens are compared with
-    eager's, and its logits on eager's token sequence (teacher forcing) with eager's logits. ``ok``
-    needs the logits within :func:`tolerance` of ``dtype``, and, in float32, exactly the same token
-    ids (in bfloat16 a near-tie may flip a token legitimately; ``tokens_equal`` and
-    ``first_divergence`` say so).
-    """
+    """Every step of ``variants`` against the ``eager`` step, live: ``n_tokens`` greedy tokens
+    each, and the logits on eager's tokens (teacher forcing), as a Result."""
     if not variants:
         raise ValueError("check_variants needs at least one variant to compare with eager")
     tol = tolerance(dtype)

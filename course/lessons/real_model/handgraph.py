@@ -1,26 +1,7 @@
-"""The batch-1 decode step and its token loop, captured by hand: gpt-fast's ``decode_one_token``,
-with transformers.
+"""The batch-1 token loop captured by hand: gpt-fast's ``decode_one_token``, with transformers.
 
-gpt-fast (PyTorch's "accelerating generative AI" example) decodes one token per call of
-``decode_one_token``: the model's forward at ``input_pos`` and the next token, sampled on the
-device, with the KV cache in static buffers; ``torch.compile(mode="reduce-overhead")`` records that
-call into a CUDA graph. :class:`GraphedDecode` does the same recording by hand, on transformers'
-Llama and its ``StaticCache`` (through a
-:class:`~course.lessons.real_model.decode.StaticDecoder`), written once against ``cg =
-course.graphs()`` so it runs on the GPU and on the simulator:
-
-- **static inputs**: the current token ``ids`` ``[1, 1]`` and its ``pos`` ``[1]``, device tensors
-  made once; each token is copied into them (``copy_``), never rebound (a replay reads the tensors
-  the capture saw);
-- **a static KV cache**: the decoder's ``StaticCache`` for batch 1, allocated before the capture;
-  every step writes position ``pos`` (the step pins the cache's own counter to ``pos``) before
-  attending over ``0..pos``;
-- **warm-up on a side stream** (lazy initialisation must not happen inside a capture), then
-  ``cg.graph(g)`` around one step: the logits and the next token (``argmax`` on the device: no host
-  read inside the capture) are the graph's static outputs;
-- **the loop**: copy the token and the position in, ``replay()``, clone the next token (the next
-  replay overwrites it), feed it back, advance the position. No Python of the step runs after the
-  capture.
+Static token and position buffers and the decoder's static KV cache, a warm-up on a side stream, one
+capture of the step and its argmax; per token: replay, clone the next token, feed it back, advance.
 """
 from __future__ import annotations
 

@@ -1,23 +1,8 @@
-"""transformers' own compiled decode path, reproduced as the library documents it, with its log kept
-as data.
+"""transformers' own compiled decode path, as the library documents it, its log kept as data.
 
-Two recipes (:data:`RECIPES`), both with ``generation_config.cache_implementation = "static"`` and
-greedy ``model.generate``:
-
-- ``"forward"``: the "static cache and torch.compile" guide's recipe, ``model.forward =
-  torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``;
-- ``"auto"``: nothing compiled by hand: on a GPU, ``generate`` with a static cache compiles the
-  model's call itself (``generation_config.compile_config``, default mode "reduce-overhead").
-
-:func:`hf_compiled_row` runs one recipe on the GPU and returns one row: time per token (the
-difference between a long and a short ``generate``, so prefill and set-up cancel), time to the first
-``generate`` (compile and CUDA-graph recording included), whether its tokens equal the uncompiled
-``generate``'s (greedy, same prompt, dynamic cache), the cudagraph log lines torch wrote (e.g.
-"skipping cudagraphs due to mutated inputs"), the inputs torch did not take as static in the last
-graph it compiled (the decode step; see
-:mod:`~course.lessons.real_model.reduce_fixed`) and, when it fails, ``FAILED`` with the error: a
-finding, never a lost run. The model's ``forward``, its compiled call and its generation config are
-restored afterwards.
+:data:`RECIPES`: ``model.forward`` compiled with ``mode="reduce-overhead"`` ("forward"), or nothing
+compiled by hand ("auto": ``generate`` compiles its call); both with a static cache. A failure is a
+row that says why; the model is put back as it was.
 """
 from __future__ import annotations
 

@@ -10,15 +10,8 @@ COLORS = {"floor": "0.35", "fused above floor": "tab:green", "removed by fusion"
 
 
 def gpu_result(name: str, heavy: bool = True, **params):
-    """``reference.heavy(name)`` (or ``reference.run(name)`` when not ``heavy``), or None with a
-    printed note when it cannot run here and no reference exists.
-
-    The heavy experiments take minutes (compiles, transformers' own path), so on the GPU path they
-    run live only with ``COURSE_FULL=1`` and otherwise show the recorded result, captioned as such
-    (:func:`reference.heavy`); a light one (``heavy=False``, seconds) runs live on any GPU. Where
-    the reference file is not recorded yet (``python -m course bench NAME`` on a GPU writes it), the
-    cell says that the figure awaits its first recording, and the notebook goes on.
-    """
+    """``reference.heavy(name)`` (``reference.run`` when not ``heavy``), or None with a note when it
+    cannot run here and awaits its first recording."""
     try:
         return reference.heavy(name, **params) if heavy else reference.run(name, **params)
     except FileNotFoundError:
@@ -29,13 +22,8 @@ def gpu_result(name: str, heavy: bool = True, **params):
 
 
 def plot_split(ax, parts: dict) -> None:
-    """Stacked bars, one per variant, of :func:`~course.lessons.real_model.roofline.split`'s parts
-    (us per token).
-
-    A variant measured but not split (transformers' own path) may come as ``{"floor": f, "above
-    floor, not split": t - f}``. A negative part (a variant slower than the one it should improve
-    on) is drawn as zero and named in the bar's label, so the chart never hides it.
-    """
+    """Stacked bars of :func:`~course.lessons.real_model.roofline.split`'s parts per variant (us per
+    token); a negative part is drawn as zero and named in its label."""
     names, labelled = list(parts), set()
     for i, v in enumerate(names):
         bottom, odd = 0.0, []
@@ -62,15 +50,8 @@ def plot_split(ax, parts: dict) -> None:
 
 
 def plot_roofline(ax, rows: list, bandwidth_GBps: float, tflops: float | None = None) -> None:
-    """The roofline of a decode step: attainable TFLOP/s against arithmetic intensity (FLOP per
-    byte), log-log.
-
-    ``rows`` come from :func:`~course.lessons.real_model.roofline.roofline_rows`. The memory roof is
-    ``bandwidth x intensity``; with ``tflops`` the compute roof (a flat line) and the ridge point
-    where they meet are drawn too. Each measured variant is a line of points, one per batch: the
-    FLOP its step does over the time it took. A point sits under the roofs: its distance below them
-    is time the roofs do not explain.
-    """
+    """The decode step's roofline (log-log): the memory roof, the compute roof and the ridge point
+    with ``tflops``, and each measured variant's points (``rows``: :func:`roofline_rows`)."""
     if not rows:
         raise ValueError("no rows to draw: pass roofline_rows(sweep, ...) of a sweep with floor "
                          "rows")

@@ -1,17 +1,7 @@
-"""The model of lesson 06: ``transformers.LlamaForCausalLM`` with TinyLlama-1.1B's architecture,
-random weights.
+"""The model of lesson 06: ``LlamaForCausalLM`` with TinyLlama-1.1B's shape, or a tiny one, random.
 
-Nothing is downloaded: the configuration is written here (:data:`SIZES`), the weights are drawn by
-transformers' own initializer from a seeded generator, and there is no tokenizer (token ids are
-plain integers). Two sizes:
-
-- ``"tinyllama"``: TinyLlama-1.1B's shape (hidden 2048, MLP 5632, 22 layers, 32 query heads, 4 KV
-  heads, vocabulary 32000) in bfloat16: the GPU path's model;
-- ``"tiny"``: the same architecture at 2 layers and hidden 64, in float32: runs in milliseconds on a
-  laptop, so the simulator path runs every step of the lesson live on it.
-
-:func:`weight_bytes` and :func:`bytes_per_token` say how much memory a decode step must read:
-the numerator of the roofline in :mod:`~course.lessons.real_model.roofline`.
+Nothing is downloaded: the configuration is written here (:data:`SIZES`: TinyLlama's shape in
+bfloat16 for a GPU, 2 layers of hidden 64 in float32 for a laptop), the weights drawn from a seed.
 """
 from __future__ import annotations
 
@@ -84,13 +74,8 @@ def llama_config(size="tiny"):
 
 
 def build_model(size="tiny", device=None, seed: int = 0):
-    """``LlamaForCausalLM`` of ``size`` with seeded random weights, in eval mode, on ``device`` (the
-    course's).
-
-    The weights are drawn directly on the device (``torch.device`` as a context), so the 1.1B model
-    takes no host memory and seconds, not minutes; the same seed gives the same weights on the same
-    device.
-    """
+    """``LlamaForCausalLM`` of ``size`` with seeded random weights, in eval mode, drawn directly on
+    ``device`` (the course's)."""
     s = _size(size)
     dev = torch.device(device) if device is not None else course.device()
     torch.manual_seed(seed)
@@ -134,13 +119,9 @@ def kv_bytes_per_position(model) -> int:
 
 
 def bytes_per_token(model, batch: int = 1, context: int = 0) -> int:
-    """Bytes one decode step of ``batch`` sequences must read from memory at least.
-
-    Every weight once (whatever the batch), except the token embedding table, of which only the
-    ``batch`` rows looked up are read (unless the output head shares it: then it is read whole,
-    once); plus each sequence's K/V over ``context`` positions. Activations are left out (kilobytes
-    per token against gigabytes of weights).
-    """
+    """Bytes one decode step of ``batch`` sequences must read at least: every weight once (of the
+    embedding only ``batch`` rows, unless the head shares it), and the K/V over ``context``
+    positions."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, "
                          f"context={context}")

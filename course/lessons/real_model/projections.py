@@ -1,22 +1,9 @@
-"""Fused projections: one matrix-vector product where transformers' Llama runs three (q, k, v) or
-two (gate, up).
+"""Stacked projections: one product where transformers' Llama runs three (q, k, v) or two (gate,
+up).
 
-At batch 1 each linear layer is a kernel that reads its weight once; a small one (k_proj and v_proj
-are 1 MB each in TinyLlama's shape) spends more time starting, filling the GPU and draining than
-reading. Stacking the weights that read the same input into one matrix turns seven products per
-layer into four: ``[q; k; v]`` (2560 rows) and ``[gate; up]`` (11264 rows), then ``o_proj`` and
-``down_proj``.
-
-:func:`fuse_projections` switches the modules of the model given to :class:`FusedAttention` and
-:class:`FusedMLP`, whose ``forward`` runs one product and splits its output; everything else is
-transformers' own code (rotary embedding, KV cache, attention). The stacked weights are **new
-tensors** (the five separate layers are removed from the model given): use it on a twin
-(:func:`gemv_model`), so the original keeps its own modules and weights.
-
-Why copies, not views of the original weights: re-homing a weight (``weight.data = ...``) frees the
-memory it had, and a CUDA graph captured earlier still reads that address. A probe that did so on
-the H100 ended in "an illegal memory access": a graph replays raw addresses, so whatever it read
-must stay where it was for as long as the graph lives.
+:func:`gemv_model` builds a twin of the model sharing its weights, its linears on the GEMV and its
+attention and MLP switched to :class:`FusedAttention` and :class:`FusedMLP`. The stacked weights are
+new tensors: re-homing the originals would free memory that earlier graphs still read.
 """
 from __future__ import annotations
 
@@ -77,13 +64,8 @@ class FusedMLP(L.LlamaMLP):
 
 
 def fuse_projections(model) -> int:
-    """Stack each decoder layer's q/k/v and gate/up weights and switch its modules to the fused
-    ones.
-
-    Changes ``model`` in place (see the module doc: new stacked weights, the separate layers
-    removed) and returns the number of layers fused. Raises ValueError on a model that is not
-    transformers' Llama.
-    """
+    """Stack each layer's q/k/v and gate/up weights (new tensors; the separate linears removed) and
+    switch its modules to the fused ones, in place; the number of layers fused."""
     layers = [m for m in model.modules() if isinstance(m, L.LlamaDecoderLayer)]
     if not layers:
         raise ValueError("fuse_projections needs transformers' LlamaForCausalLM (no "
@@ -100,14 +82,8 @@ def fuse_projections(model) -> int:
 
 
 def gemv_model(model, fuse: bool = True):
-    """A twin of ``model`` sharing its weights and buffers, every ``nn.Linear`` a
-    :class:`~.gemv.GemvLinear`.
-
-    The twin's parameters are the original's tensors (nothing copied), so the two models compute
-    with the same weights. ``fuse=True`` also stacks each layer's q/k/v and gate/up weights into one
-    product each (:func:`fuse_projections`): those stacked matrices are new tensors, about 60 % of
-    the weights again in memory (never re-homed: graphs of the original read them).
-    """
+    """A twin of ``model`` sharing its weights, every ``nn.Linear`` a :class:`~.gemv.GemvLinear`,
+    its projections stacked with ``fuse``."""
     shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
     swapped = 0

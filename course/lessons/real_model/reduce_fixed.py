@@ -1,39 +1,10 @@
-"""``torch.compile(mode="reduce-overhead")`` on transformers' Llama: why its CUDA graphs were
-skipped, and the fix.
+"""``torch.compile(mode="reduce-overhead")`` on transformers' Llama: why its graphs were skipped,
+fixed.
 
-What ``real_model_decode`` recorded for transformers' static-cache recipe (``model.forward =
-torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, then ``generate``):
-"skipping cudagraphs due to mutated inputs (66 instances)", then "accessing tensor output of
-CUDAGraphs that has been overwritten by a subsequent run". The cause, reproduced by
-:func:`static_input_diagnosis` on any machine: ``generate`` makes the ``StaticCache`` empty and the
-first call through the compiled forward (the prefill) allocates its tensors, inside the compiled
-region, where transformers does not mark them static (its ``StaticLayer.lazy_initialization`` calls
-``torch._dynamo.mark_static_address`` only outside tracing). The decode graph then takes every
-layer's ``keys``, ``values`` and ``cumulative_length`` as ordinary inputs, and mutates them
-(``index_copy_``, ``add_``): 3 x 22 layers = 66 mutated inputs whose address cudagraphs cannot
-trust, so it skips; and those tensors, made by the prefill's graph, live in CUDA-graph memory that a
-later run overwrites. transformers' auto-compile (``generate`` compiles only the decode step; the
-prefill runs eagerly) allocates the cache outside the compiled region, and the analysis finds its
-cache static; its recorded GPU log shows the same skip all the same, which this analysis does not
-reproduce (:mod:`~course.lessons.real_model.hf_path` now keeps the inputs torch found not static in
-each row's log, so the next recording names them).
-
-:class:`ReduceOverheadStep` is the same model under ``mode="reduce-overhead"``, made to record its
-graph:
-
-1. the KV cache allocated before compiling
-   (:class:`~course.lessons.real_model.decode.StaticDecoder`'s cache, outside any compiled region)
-   and every tensor the step mutates or reads by address marked static (:func:`mark_static`: keys,
-   values, the counters, the positions, the token and position buffers), so no input is copied and
-   no mutation is refused;
-2. ``torch.compiler.cudagraph_mark_step_begin()`` before each call (a new step: the last call's
-   outputs may be overwritten) and the logits cloned before they are returned, so no caller ever
-   reads an overwritten output;
-3. fixed shapes: one batch size, ids ``[B, 1]`` and position ``[1]`` always, the mask over the whole
-   cache.
-
-:func:`static_input_report` reads torch's own account (the ``cudagraph_static_inputs`` log) of which
-inputs keep their address; :func:`describe_sources` condenses a list of input sources for a table.
+transformers' recipe lets the compiled prefill allocate the ``StaticCache``, unmarked, so the decode
+graph mutates 3 tensors per layer that are not static: cudagraphs skips ("mutated inputs").
+:func:`static_input_diagnosis` shows it on any machine; :class:`ReduceOverheadStep` is the fix: the
+cache and buffers marked static, a step marked before each call, the output cloned, fixed shapes.
 """
 from __future__ import annotations
 
@@ -54,14 +25,8 @@ _CACHE = re.compile(r"\.layers\[(\d+)\]\.(keys|values|cumulative_length)$")
 
 
 def mark_static(decoder, batch: int = 1, extra=()) -> int:
-    """Mark with ``torch._dynamo.mark_static_address`` what the step mutates or reads by address;
-    returns how many.
-
-    Every layer's ``keys``, ``values`` and ``cumulative_length`` of the decoder's cache for
-    ``batch`` (allocated here, outside any compiled region, if it was not), the decoder's
-    ``_arange`` and the tensors in ``extra``. Marking twice is harmless (transformers marks the
-    cache tensors itself when it allocates them eagerly).
-    """
+    """Mark with ``mark_static_address`` every tensor the step mutates or reads by address (the
+    cache's keys, values and counters, ``_arange``, ``extra``); how many."""
     cache = decoder.cache_for(batch)
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values,
                                                      layer.cumulative_length)]
@@ -72,14 +37,8 @@ def mark_static(decoder, batch: int = 1, extra=()) -> int:
 
 
 class ReduceOverheadStep:
-    """``StaticDecoder.step`` under ``torch.compile(mode="reduce-overhead")``, with the fixes of the
-    module doc.
-
-    ``step(ids, position)`` copies its inputs into static buffers, marks a new cudagraph step, calls
-    the compiled step and returns a clone of its logits. ``backend="aot_eager"`` compiles without
-    inductor and without graphs (the same tracing and static-input analysis; it runs on the
-    simulator path too).
-    """
+    """``StaticDecoder.step`` under ``torch.compile(mode="reduce-overhead")``, fixed (see the module
+    doc); ``backend="aot_eager"`` runs the same tracing without graphs, on any machine."""
 
     def __init__(self, model, max_len: int = 256, batch: int = 1, backend: str = "inductor",
                  mode: str = "reduce-overhead", fullgraph: bool = True):
@@ -106,14 +65,8 @@ class ReduceOverheadStep:
 
 
 def static_input_report(messages) -> list:
-    """torch's static-input analysis, one dict per compiled graph: ``{"static": [...], "non_static":
-    [...]}``.
-
-    ``messages``: the log of the ``cudagraph_static_inputs`` artifact
-    (``TORCH_LOGS=cudagraph_static_inputs``, or
-    :func:`course.lessons.reduce_overhead.torch_log_messages`); sources are dynamo's
-    (``L['x'].layers[0].keys``).
-    """
+    """torch's static-input analysis per compiled graph, ``{"static": [...], "non_static": [...]}``,
+    read from the ``cudagraph_static_inputs`` log ``messages``."""
     graphs, cur = [], {"static": [], "non_static": []}
     for m in messages:
         text = str(m)
@@ -186,17 +139,8 @@ def _auto_compile(model, prompt) -> None:
 
 
 def static_input_diagnosis(model, max_len: int = 64) -> Result:
-    """Which inputs of the decode graph keep their address: transformers' two recipes and the fixed
-    step (live).
-
-    All are compiled with ``backend="aot_eager"`` (dynamo's tracing and AOT's static-input analysis,
-    the part of ``mode="reduce-overhead"`` that decides what cudagraphs may mutate in place; no
-    inductor, no graphs, so it runs on the simulator path too): transformers' forward recipe as
-    ``generate`` runs it (an empty ``StaticCache``, a 4-token prefill through the compiled forward,
-    then one decode token), its auto-compile (``generate`` compiles the decode step; the prefill
-    runs eagerly), and :class:`ReduceOverheadStep`. Non-static cache tensors are the inputs
-    cudagraphs refuses to mutate ("skipping cudagraphs due to mutated inputs").
-    """
+    """Which inputs of the decode graph keep their address (``backend="aot_eager"``, live):
+    transformers' forward recipe, its auto-compile and :class:`ReduceOverheadStep`."""
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     try:

@@ -1,20 +1,8 @@
 """The roofline under a decode step, and where each variant's time above it goes.
 
-A decode step must read every weight once: it cannot beat ``bytes / bandwidth``, the **weight-read
-floor** (the memory roof). The bandwidth is measured (:func:`copy_bandwidth_GBps`: a large
-device-to-device copy timed with CUDA events, bytes read plus bytes written), the bytes come from
-the model (:func:`~course.lessons.real_model.model.bytes_per_token`). Nor can it beat ``FLOP /
-rate``, the **compute roof**: :func:`decode_flop` counts the step's arithmetic, ``matmul_rate`` (its
-code stands in lesson 06's cell,
-:mod:`course.core.cells`; this module keeps its bookkeeping, :func:`matmul_rate_result`) measures
-the rate of a large bfloat16 matrix product. Their ratio is the **ridge point**
-(:func:`ridge_point`, FLOP per byte): a step whose arithmetic intensity (:func:`roofline_rows`) is
-below it is bound by memory, above it by compute.
-
-:func:`split` cuts each variant's time per token into what removed it: launch overhead (eager minus
-graph-replayed), small-kernel execution (graph-replayed minus fused: many small kernels, each
-reading and writing its activations, become fewer), what the fused step still spends above the
-floor, and the floor itself.
+The memory roof (the weight-read floor: bytes / the copy bandwidth), the compute roof (FLOP / the
+matrix-product rate) and the ridge point where they meet; :func:`split` cuts a variant's time into
+the floor, what fusion removed and what the graphs removed.
 """
 from __future__ import annotations
 
@@ -60,12 +48,8 @@ def tokens_per_s(batch: int, step_us: float) -> float:
 
 
 def split(eager_us: float, graphed_us: float, fused_us: float, floor: float) -> dict:
-    """``{variant: {part: us}}`` for eager, graph-cached and fused: the parts of :data:`PARTS` each
-    still pays.
-
-    A part that came out negative (a variant slower than the one it should improve on) is kept as
-    measured: the caller sees it instead of a bar that hides it.
-    """
+    """``{variant: {part: us}}`` of eager, graph-cached and fused: the parts of :data:`PARTS` each
+    still pays (a negative part kept as measured)."""
     parts = {"floor": floor, "fused above floor": fused_us - floor,
              "removed by fusion": graphed_us - fused_us,
              "removed by graphs": eager_us - graphed_us}
@@ -73,15 +57,8 @@ def split(eager_us: float, graphed_us: float, fused_us: float, floor: float) -> 
 
 
 def decode_flop(size, batch: int = 1, context: int = 0) -> float:
-    """FLOP of one decode step of ``batch`` sequences of the model ``size`` (a key of ``SIZES`` or a
-    ``Size``).
-
-    Each weight of every matrix product (q, k, v, o, gate, up, down per layer, and ``lm_head``)
-    takes part in one multiply-add per sequence: 2 FLOP per weight per sequence. Attention over
-    ``context`` cached positions adds ``4 * context * hidden`` per layer per sequence (scores, then
-    the weighted sum of values). The embedding lookup and the elementwise work are left out (no
-    matrix products; a few FLOP per activation).
-    """
+    """FLOP of one decode step of ``batch`` sequences of ``size``: 2 per weight of every product per
+    sequence, and attention over ``context`` positions."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, "
                          f"context={context}")
@@ -93,11 +70,7 @@ def decode_flop(size, batch: int = 1, context: int = 0) -> float:
 
 
 def ridge_point(tflops: float, bandwidth_GBps: float) -> float:
-    """FLOP per byte where the compute roof meets the memory roof: ``rate / bandwidth``.
-
-    A kernel (or a whole step) doing fewer FLOP per byte it reads is bound by memory; more, by
-    compute.
-    """
+    """FLOP per byte where the compute roof meets the memory roof: ``rate / bandwidth``."""
     if tflops <= 0 or bandwidth_GBps <= 0:
         raise ValueError(f"need a positive rate and bandwidth, got {tflops} TFLOP/s, "
                          f"{bandwidth_GBps} GB/s")
@@ -112,15 +85,8 @@ def compute_floor_us(flop: float, tflops: float) -> float:
 
 
 def roofline_rows(sweep, size="tinyllama", tflops: float | None = None) -> list:
-    """Per batch of a ``real_model_batch_sweep`` result: the step's FLOP, bytes, arithmetic
-    intensity and both roofs.
-
-    Bytes come from the sweep's own floor rows (floor us x its copy bandwidth), FLOP from
-    :func:`decode_flop` at the sweep's position. Each row: ``batch``, ``flop``, ``bytes``,
-    ``flop_per_byte``, ``memory_floor_us``, ``compute_floor_us`` (None without ``tflops``),
-    ``bound`` ("memory", "compute" or "unknown" without a rate), and ``measured_us`` with each
-    measured variant's time per step.
-    """
+    """Per batch of a batch sweep: the step's FLOP, bytes (from its floor rows), intensity, both
+    roofs, which binds (with ``tflops``), and each variant's measured time."""
     bw = sweep.value("copy_bandwidth_GBps")
     context = sweep.params.get("position", 0)
     measured = {}
@@ -142,14 +108,8 @@ def roofline_rows(sweep, size="tinyllama", tflops: float | None = None) -> list:
 
 
 def matmul_rate_result(times: dict, bandwidth_GBps: float, repeats: int) -> Result:
-    """The ``matmul_rate`` table from lesson 06's cell: ``times`` maps each size ``n`` to the
-    :class:`~course.core.timing.Timing` of one ``[n, n] @ [n, n]`` product; ``bandwidth_GBps`` is
-    the copy bandwidth of the same run.
-
-    One row per size (ascending): the time per product with its IQR and the rate ``2 n^3 / time``
-    (at the median and at the quartiles). Summary: the rate at the largest size (the compute roof),
-    the bandwidth (the memory roof) and their ratio, the ridge point in FLOP per byte.
-    """
+    """The ``matmul_rate`` table: per size, the time of one product and its rate (at the median and
+    quartiles); summary: the rate, the copy bandwidth, the ridge point."""
     if not times:
         raise ValueError("no sizes were timed: pass at least one size to matmul_rate")
     rows = []
