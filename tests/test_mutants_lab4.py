@@ -107,7 +107,7 @@ LAB4_MUTANTS = [
      ["first token again", "never reached"]),
     ("generate runs the step eagerly",
      _one("            self.graph.replay()\n", "            self.next = self.one_token()\n"), L5,
-     "eager_forward", ["in Python 64 times", "replay"]),
+     "eager_forward", ["in Python 32 times", "replay"]),
     ("a new sequence starts where the last ended", _one(_START, "# 0"), L5,
      "second_sequence", ["second sequence", "where the first ended"]),
     ("mask without the token's own position", _one(_MASK, _MASK.replace("<=", "<")), L5, "mask",

@@ -316,9 +316,13 @@ def test_sweep_helpers_build_rows_the_cell_measures(model):
     for bad in ((), (0, 1)):
         with pytest.raises(ValueError, match="positive ints"):
             E.sweep_batches(bad)
-    eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16)
-    assert (list(variants) == ["eager", "graph-cached", E.TRITON]
-            and not set(variants) & set(E.COMPILED))
+    def no_triton():
+        raise RuntimeError("no Triton here")
+
+    eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16, no_triton)
+    assert list(variants) == ["eager", "graph-cached", E.TRITON]
+    with pytest.raises(RuntimeError, match="no Triton here"):  # its row will say why
+        variants[E.TRITON]()
     na = E.na_row(4, E.TRITON, E.BATCH1_ONLY[E.TRITON])
     assert na["status"].startswith("n/a: ") and na["us"] != na["us"] and na["batch"] == 4
     args = eager_dec.example_args(2, 3, seed=2)
@@ -359,12 +363,13 @@ def test_the_experiments_stand_in_lesson_06s_cells(name, heart):
 
 
 def test_variants_name_every_way_and_leave_the_compiles_out_on_request(model):
-    assert list(E.variants(model, 16)) == ["eager", "graph-cached", "fused", E.FAST, E.TRITON]
-    assert list(E.variants(model, 16, autotune=True, hand=True))[2:] == [E.HAND, "fused", E.FAST,
-                                                                         E.TRITON,
-                                                                         "fused, max-autotune"]
-    assert list(E.variants(model, 16, hand=True, compiled=False)) == ["eager", "graph-cached",
-                                                                      E.HAND]
+    triton = object()  # the cell's builder of lesson 07's step
+    assert list(E.variants(model, 16)) == ["eager", "graph-cached", "fused", E.FAST]
+    every = E.variants(model, 16, autotune=True, hand=True, triton=triton)
+    assert list(every)[2:] == [E.HAND, "fused", E.FAST, E.TRITON, "fused, max-autotune"]
+    assert every[E.TRITON] is triton
+    quick = E.variants(model, 16, hand=True, compiled=False, triton=triton)
+    assert list(quick) == ["eager", "graph-cached", E.HAND]
 
 
 @gpu

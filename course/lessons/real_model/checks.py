@@ -616,7 +616,7 @@ def check_gap(per_kernel) -> None:
 # ======================== lab 4.5 the token loop, by hand
 HAND = "lab 4.5 the token loop, captured by hand"
 # (first token, greedy tokens): a sequence, then a second one on the same graph
-RUNS = ((3, 64), (11, 16))
+RUNS = ((3, 32), (11, 16))
 PROMPT = (6, 16)  # then a prompt of 6 tokens prefilled, and 16 tokens from its last one
 MAX_LEN = 100  # the sequences' decoder: not 128, so a mask of a length copied from lesson 06 shows
 PROMPT_LEN = 40  # the prompt's decoder, of another length: a length fixed in the code shows
