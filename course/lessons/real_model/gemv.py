@@ -1,28 +1,9 @@
-"""A batch-1 matrix-vector product in Numba CUDA, and a model whose linear layers use it.
+"""A batch-1 matrix-vector product (GEMV) in Numba CUDA, as a torch custom op and an ``nn.Linear``.
 
-At batch 1 every linear layer of a decode step is a matrix-vector product (GEMV): ``y = W @ x`` with
-``W`` ``[N, K]`` read once and ``x`` ``[K]`` tiny. Its speed is the speed of reading ``W``: nothing is
-reused, so the only question is how close to the memory's bandwidth the reads run. The kernel:
-
-- **one warp per output row**: the 32 lanes stride along the row together, so every load of the warp
-  is one contiguous stretch of memory (coalesced);
-- **16-byte loads** (:func:`~course.embedding.kernels.load16`, the embedding lab's intrinsic): eight
-  bfloat16 weights per load, the widest a thread can issue;
-- **four loads in flight** per lane before any arithmetic (unrolled), so each SM keeps enough bytes
-  in flight to cover the memory's latency;
-- bfloat16 is widened to float32 by moving its 16 bits to the top of a 32-bit word (that is exactly the
-  float32 with the same value), the products are summed in float32, the warp adds its 32 partial sums
-  with shuffles, and lane 0 rounds the sum to bfloat16 (round to nearest even) and writes it.
-
-:func:`gemv` is the validated launch (float32 and bfloat16); :data:`OP` is the same launch registered
-as a PyTorch custom operator (``torch.ops.course.gemv``), so ``torch.compile`` keeps it as one opaque
-call and fuses the elementwise work around it, and a CUDA graph captures its launch like any other
-kernel on torch's stream. :class:`GemvLinear` is an ``nn.Linear`` that calls it when its input is a
-single row (batch-1 decode) and cuBLAS otherwise; :func:`~course.lessons.real_model.projections.gemv_model`
-builds a twin of the model with those layers.
-
-On the simulator every thread runs in Python: the kernel is checked there on small matrices, but a
-model decode through it would take seconds per token, so the decode variants that use it are GPU-only.
+One warp per output row (coalesced), 16-byte loads (:func:`~course.embedding.kernels.load16`), four
+in flight per lane, float32 sums, the warp's sum by shuffles (shared memory on the simulator).
+:data:`OP` is ``torch.ops.course.gemv``: ``torch.compile`` keeps it opaque and a CUDA graph captures
+it; :class:`GemvLinear` calls it for one row and cuBLAS otherwise.
 """
 from __future__ import annotations
 
@@ -40,11 +21,13 @@ import numba  # noqa: E402  (after the runtime decision, on purpose)
 DTYPES = (torch.bfloat16, torch.float32)
 ROWS_PER_BLOCK = 4  # warps (rows) per block: 128 threads
 WORD_BYTES = 16  # one load16: 8 bfloat16 or 4 float32
-_SHUFFLE = runtime().on_gpu  # warp shuffles on the GPU; the simulator has none (shared memory instead)
+# warp shuffles on the GPU; the simulator has none (shared memory instead)
+_SHUFFLE = runtime().on_gpu
 
 
-# --------------------------------------------------------------------------- bit-level float helpers
-# On the GPU: libdevice's bit casts (one instruction each). On the simulator: the same bits through struct.
+# ------------------------ bit-level float helpers
+# On the GPU: libdevice's bit casts (one instruction each). On the simulator: the same bits through
+# struct.
 
 def _f32_py(v):
     return struct.unpack("<f", struct.pack("<I", int(v) & 0xFFFFFFFF))[0]
@@ -104,7 +87,8 @@ def _dot_bf16(a, b):
 
 def _dot_f32(a, b):
     """Dot product of two 16-byte words of 4 float32 each (their int32 bits in a tuple)."""
-    return _f32(a[0]) * _f32(b[0]) + _f32(a[1]) * _f32(b[1]) + _f32(a[2]) * _f32(b[2]) + _f32(a[3]) * _f32(b[3])
+    return (_f32(a[0]) * _f32(b[0]) + _f32(a[1]) * _f32(b[1]) + _f32(a[2]) * _f32(b[2])
+            + _f32(a[3]) * _f32(b[3]))
 
 
 if runtime().on_gpu:
@@ -112,10 +96,11 @@ if runtime().on_gpu:
     _dot_f32 = cuda.jit(device=True, inline=True)(_dot_f32)
 
 
-# --------------------------------------------------------------------------- the kernel
+# ------------------------ the kernel
 def _make_body(dot, store):
     def body(w, x, y):
-        """``y[row] = sum_k w[row, k] * x[k]``; ``w`` int32 ``[N, words*4]``, ``x`` int32 ``[1, words*4]``."""
+        """``y[row] = sum_k w[row, k] * x[k]``; ``w`` int32 ``[N, words*4]``, ``x`` int32 ``[1,
+        words*4]``."""
         lane = cuda.threadIdx.x
         row = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
         acc = numba.float32(0.0)
@@ -164,7 +149,8 @@ _KERNELS: dict = {}
 
 
 def kernel(dtype):
-    """The compiled GEMV kernel for ``dtype`` (``torch.bfloat16`` or ``torch.float32``): ``(w, x, y)`` int views."""
+    """The compiled GEMV kernel for ``dtype`` (``torch.bfloat16`` or ``torch.float32``): ``(w, x,
+    y)`` int views."""
     if dtype not in DTYPES:
         raise TypeError(f"the GEMV kernel takes {[str(d) for d in DTYPES]}, got {dtype}")
     if dtype not in _KERNELS:
@@ -173,20 +159,19 @@ def kernel(dtype):
     return _KERNELS[dtype]
 
 
-# --------------------------------------------------------------------------- the launch
+# ------------------------ the launch
 def eligible(x, weight) -> str:
-    """Why ``gemv(x, weight)`` cannot run ("" when it can), from shapes and dtypes only (no data read).
-
-    It needs one row (``x.numel() == K``), ``weight`` 2-D ``[N, K]``, the same dtype for both, one of
-    :data:`DTYPES`, and rows a whole number of 16-byte words.
-    """
+    """Why ``gemv(x, weight)`` cannot run ('' when it can), from shapes and dtypes only: one row
+    ``x``, a 2-D ``weight`` of the same dtype (one of :data:`DTYPES`), rows of whole 16-byte
+    words."""
     if weight.dim() != 2:
         return f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}"
     k = weight.shape[1]
     if x.shape[-1] != k or x.numel() != k:
         return f"x must be one row of {k} values (batch 1), got shape {tuple(x.shape)}"
     if x.dtype != weight.dtype or weight.dtype not in DTYPES:
-        return f"x and weight must share a dtype among {[str(d) for d in DTYPES]}, got {x.dtype} and {weight.dtype}"
+        return (f"x and weight must share a dtype among {[str(d) for d in DTYPES]}, got {x.dtype} "
+                f"and {weight.dtype}")
     if (k * weight.element_size()) % WORD_BYTES:
         return f"a row of {k} {weight.dtype} is not a whole number of {WORD_BYTES}-byte words"
     return ""
@@ -197,17 +182,14 @@ def _words(t, cols):
 
 
 def gemv(x, weight):
-    """``x @ weight.T`` for a single row ``x`` (``[..., K]``, one row in all) and ``weight`` ``[N, K]``: shape ``[..., N]``.
-
-    Launched on torch's current stream (captured by a CUDA graph); float32 accumulation, the output
-    in ``x``'s dtype. Raises ValueError naming what to change when :func:`eligible` says no.
-    """
+    """``x @ weight.T`` for one row ``x`` (``[..., K]``) and ``weight`` ``[N, K]``, on torch's
+    current stream, float32 sums; a ValueError says what to change when :func:`eligible` refuses."""
     why = eligible(x, weight)
     if why:
         raise ValueError(f"gemv: {why}. Use torch.nn.functional.linear for this call.")
     if not weight.is_contiguous() or weight.data_ptr() % WORD_BYTES:
-        raise ValueError("gemv: weight must be contiguous and 16-byte aligned (a whole nn.Linear weight, or a "
-                         "slice of whole rows of one): pass weight.contiguous()")
+        raise ValueError("gemv: weight must be contiguous and 16-byte aligned (a whole nn.Linear "
+                         "weight, or a slice of whole rows of one): pass weight.contiguous()")
     xs = x.reshape(-1)
     if not xs.is_contiguous() or xs.data_ptr() % WORD_BYTES:
         xs = xs.clone()  # a fresh allocation is aligned
@@ -215,8 +197,9 @@ def gemv(x, weight):
     cols = k * weight.element_size() // 4
     y = torch.empty(n, dtype=weight.dtype, device=weight.device)
     yv = y.view(torch.int16) if y.dtype == torch.bfloat16 else y
-    lean.launch(kernel(weight.dtype), (n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, (32, ROWS_PER_BLOCK),
-                _words(weight, cols), _words(xs, cols), yv)
+    blocks = (n + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
+    lean.launch(kernel(weight.dtype), blocks, (32, ROWS_PER_BLOCK), _words(weight, cols),
+                _words(xs, cols), yv)
     return y.view(*x.shape[:-1], n)
 
 
@@ -239,10 +222,8 @@ OP = _register()
 
 
 def linear(x, weight, bias=None):
-    """``F.linear(x, weight, bias)``, through :data:`OP` (the GEMV) when :func:`eligible` allows it, else cuBLAS.
-
-    The choice reads shapes and dtypes only, so ``torch.compile`` and a CUDA graph fix it once per shape.
-    """
+    """``F.linear(x, weight, bias)`` through :data:`OP` when :func:`eligible` allows it, else cuBLAS
+    (decided from shapes and dtypes: fixed per shape under ``torch.compile`` and in a graph)."""
     if eligible(x, weight):
         return torch.nn.functional.linear(x, weight, bias)
     y = OP(x, weight)
@@ -250,7 +231,8 @@ def linear(x, weight, bias=None):
 
 
 class GemvLinear(torch.nn.Linear):
-    """An ``nn.Linear`` that calls the course's GEMV (``torch.ops.course.gemv``) for a single-row input, else cuBLAS."""
+    """An ``nn.Linear`` that calls the course's GEMV (``torch.ops.course.gemv``) for a single-row
+    input, else cuBLAS."""
 
     def forward(self, x):
         """:func:`linear` with this layer's weight and bias."""
@@ -258,7 +240,8 @@ class GemvLinear(torch.nn.Linear):
 
 
 def linear_shapes(model) -> list:
-    """The distinct ``(N, K)`` weight shapes of the model's linear layers, with how many layers share each."""
+    """The distinct ``(N, K)`` weight shapes of the model's linear layers, with how many layers
+    share each."""
     seen: dict = {}
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):

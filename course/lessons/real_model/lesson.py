@@ -1,40 +1,29 @@
-"""What lesson 06's notebook needs beyond the package: GPU results that may not be recorded yet, and its plots
-(the stacked split of each variant's time, the roofline with both roofs)."""
+"""What lesson 06's notebook needs beyond the package: GPU results that may not be recorded yet, and
+its plots (the stacked split of each variant's time, the roofline with both roofs)."""
 from __future__ import annotations
 
-from course.lessons.real_model.roofline import PARTS
+from course.core import reference
+from course.lessons.real_model.roofline import PARTS, ridge_point
 
 COLORS = {"floor": "0.35", "fused above floor": "tab:green", "removed by fusion": "tab:orange",
           "removed by graphs": "tab:red", "above floor, not split": "tab:purple"}
 
 
 def gpu_result(name: str, heavy: bool = True, **params):
-    """``reference.heavy(name)`` (or ``reference.run(name)`` when not ``heavy``), or None with a printed note when it
-    cannot run here and no reference exists.
-
-    The heavy experiments take minutes (compiles, transformers' own path), so on the GPU path they run live only
-    with ``COURSE_FULL=1`` and otherwise show the recorded result, captioned as such (:func:`reference.heavy`); a
-    light one (``heavy=False``, seconds) runs live on any GPU. Where the reference file is not recorded yet
-    (``python -m course bench NAME`` on a GPU writes it), the cell says that the figure awaits its first
-    recording, and the notebook goes on.
-    """
-    from course.core import reference
-
+    """``reference.heavy(name)`` (``reference.run`` when not ``heavy``), or None with a note when it
+    cannot run here and awaits its first recording."""
     try:
         return reference.heavy(name, **params) if heavy else reference.run(name, **params)
     except FileNotFoundError:
-        print(f"reference data not recorded yet for {name!r} (it awaits its first recording): on a GPU, "
-              f"`python -m course bench {name}` records it; the cells that show it are skipped until then.")
+        print(f"reference data not recorded yet for {name!r} (it awaits its first recording): on a "
+              f"GPU, `python -m course bench {name}` records it; the cells that show it are "
+              "skipped until then.")
         return None
 
 
 def plot_split(ax, parts: dict) -> None:
-    """Stacked bars, one per variant, of :func:`~course.lessons.real_model.roofline.split`'s parts (us per token).
-
-    A variant measured but not split (transformers' own path) may come as ``{"floor": f, "above floor, not
-    split": t - f}``. A negative part (a variant slower than the one it should improve on) is drawn as zero and
-    named in the bar's label, so the chart never hides it.
-    """
+    """Stacked bars of :func:`~course.lessons.real_model.roofline.split`'s parts per variant (us per
+    token); a negative part is drawn as zero and named in its label."""
     names, labelled = list(parts), set()
     for i, v in enumerate(names):
         bottom, odd = 0.0, []
@@ -48,33 +37,31 @@ def plot_split(ax, parts: dict) -> None:
             ax.bar(i, us, bottom=bottom, color=COLORS[p], label=None if p in labelled else p)
             labelled.add(p)
             bottom += us
-        total = sum(u for u in parts[v].values() if u is not None)  # the variant's own time, negative parts too
-        ax.text(i, bottom, f"{total:.0f} us" + ("\n(" + ", ".join(odd) + ")" if odd else ""), ha="center",
+        # the variant's own time, negative parts too
+        total = sum(u for u in parts[v].values() if u is not None)
+        ax.text(i, bottom, f"{total:.0f} us" + ("\n(" + ", ".join(odd) + ")" if odd else ""),
+                ha="center",
                 va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), [n if len(n) <= 22 else n[:21] + "…" for n in names], fontsize=8)
+    ax.set_xticks(range(len(names)), [n if len(n) <= 22 else n[:21] + "…" for n in names],
+                  fontsize=8)
     ax.set_ylabel("time per token [us]")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
 
 
 def plot_roofline(ax, rows: list, bandwidth_GBps: float, tflops: float | None = None) -> None:
-    """The roofline of a decode step: attainable TFLOP/s against arithmetic intensity (FLOP per byte), log-log.
-
-    ``rows`` come from :func:`~course.lessons.real_model.roofline.roofline_rows`. The memory roof is
-    ``bandwidth x intensity``; with ``tflops`` the compute roof (a flat line) and the ridge point where they
-    meet are drawn too. Each measured variant is a line of points, one per batch: the FLOP its step does over
-    the time it took. A point sits under the roofs: its distance below them is time the roofs do not explain.
-    """
-    from course.lessons.real_model.roofline import ridge_point
-
+    """The decode step's roofline (log-log): the memory roof, the compute roof and the ridge point
+    with ``tflops``, and each measured variant's points (``rows``: :func:`roofline_rows`)."""
     if not rows:
-        raise ValueError("no rows to draw: pass roofline_rows(sweep, ...) of a sweep with floor rows")
+        raise ValueError("no rows to draw: pass roofline_rows(sweep, ...) of a sweep with floor "
+                         "rows")
     xs = [r["flop_per_byte"] for r in rows]
     lo, hi = min(xs) / 2, max(xs) * 4
     if tflops:
         ridge = ridge_point(tflops, bandwidth_GBps)
         hi = max(hi, ridge * 4)
-        ax.plot([lo, ridge, hi], [bandwidth_GBps * lo / 1e3, tflops, tflops], "k-", lw=1.5, label="roofs")
+        ax.plot([lo, ridge, hi], [bandwidth_GBps * lo / 1e3, tflops, tflops], "k-", lw=1.5,
+                label="roofs")
         ax.axvline(ridge, color="k", ls=":", lw=1)
         ax.text(ridge, tflops * 1.15, f"ridge {ridge:.0f} FLOP/byte", ha="center", fontsize=8)
     else:

@@ -1,39 +1,19 @@
-"""``torch.compile(mode="reduce-overhead")`` on transformers' Llama: why its CUDA graphs were skipped, and the fix.
+"""``torch.compile(mode="reduce-overhead")`` on transformers' Llama: why its graphs were skipped,
+fixed.
 
-What ``real_model_decode`` recorded for transformers' static-cache recipe (``model.forward =
-torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, then ``generate``): "skipping cudagraphs
-due to mutated inputs (66 instances)", then "accessing tensor output of CUDAGraphs that has been overwritten by a
-subsequent run". The cause, reproduced by :func:`static_input_diagnosis` on any machine: ``generate`` makes the
-``StaticCache`` empty and the first call through the compiled forward (the prefill) allocates its tensors, inside
-the compiled region, where transformers does not mark them static (its ``StaticLayer.lazy_initialization``
-calls ``torch._dynamo.mark_static_address`` only outside tracing). The decode graph then takes every layer's
-``keys``, ``values`` and ``cumulative_length`` as ordinary inputs, and mutates them (``index_copy_``, ``add_``):
-3 x 22 layers = 66 mutated inputs whose address cudagraphs cannot trust, so it skips; and those tensors, made by
-the prefill's graph, live in CUDA-graph memory that a later run overwrites. transformers' auto-compile (``generate``
-compiles only the decode step; the prefill runs eagerly) allocates the cache outside the compiled region, and the
-analysis finds its cache static; its recorded GPU log shows the same skip all the same, which this analysis does not
-reproduce (:mod:`~course.lessons.real_model.hf_path` now keeps the inputs torch found not static in each row's log,
-so the next recording names them).
-
-:class:`ReduceOverheadStep` is the same model under ``mode="reduce-overhead"``, made to record its graph:
-
-1. the KV cache allocated before compiling (:class:`~course.lessons.real_model.decode.StaticDecoder`'s cache,
-   outside any compiled region) and every tensor the step mutates or reads by address marked static
-   (:func:`mark_static`: keys, values, the counters, the positions, the token and position buffers), so no input
-   is copied and no mutation is refused;
-2. ``torch.compiler.cudagraph_mark_step_begin()`` before each call (a new step: the last call's outputs may be
-   overwritten) and the logits cloned before they are returned, so no caller ever reads an overwritten output;
-3. fixed shapes: one batch size, ids ``[B, 1]`` and position ``[1]`` always, the mask over the whole cache.
-
-:func:`static_input_report` reads torch's own account (the ``cudagraph_static_inputs`` log) of which inputs keep
-their address; :func:`describe_sources` condenses a list of input sources for a table.
+transformers' recipe lets the compiled prefill allocate the ``StaticCache``, unmarked, so the decode
+graph mutates 3 tensors per layer that are not static: cudagraphs skips ("mutated inputs").
+:func:`static_input_diagnosis` shows it on any machine; :class:`ReduceOverheadStep` is the fix: the
+cache and buffers marked static, a step marked before each call, the output cloned, fixed shapes.
 """
 from __future__ import annotations
 
 import re
 
 import torch
+from transformers import CompileConfig, StaticCache
 
+from course.core.compiled import torch_log_messages
 from course.core.results import Result
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.model import size_of
@@ -45,14 +25,11 @@ _CACHE = re.compile(r"\.layers\[(\d+)\]\.(keys|values|cumulative_length)$")
 
 
 def mark_static(decoder, batch: int = 1, extra=()) -> int:
-    """Mark with ``torch._dynamo.mark_static_address`` what the step mutates or reads by address; returns how many.
-
-    Every layer's ``keys``, ``values`` and ``cumulative_length`` of the decoder's cache for ``batch`` (allocated
-    here, outside any compiled region, if it was not), the decoder's ``_arange`` and the tensors in ``extra``.
-    Marking twice is harmless (transformers marks the cache tensors itself when it allocates them eagerly).
-    """
+    """Mark with ``mark_static_address`` every tensor the step mutates or reads by address (the
+    cache's keys, values and counters, ``_arange``, ``extra``); how many."""
     cache = decoder.cache_for(batch)
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values,
+                                                     layer.cumulative_length)]
     tensors += [decoder._arange, *extra]
     for t in tensors:
         torch._dynamo.mark_static_address(t)
@@ -60,44 +37,43 @@ def mark_static(decoder, batch: int = 1, extra=()) -> int:
 
 
 class ReduceOverheadStep:
-    """``StaticDecoder.step`` under ``torch.compile(mode="reduce-overhead")``, with the fixes of the module doc.
-
-    ``step(ids, position)`` copies its inputs into static buffers, marks a new cudagraph step, calls the compiled
-    step and returns a clone of its logits. ``backend="aot_eager"`` compiles without inductor and without graphs
-    (the same tracing and static-input analysis; it runs on the simulator path too).
-    """
+    """``StaticDecoder.step`` under ``torch.compile(mode="reduce-overhead")``, fixed (see the module
+    doc); ``backend="aot_eager"`` runs the same tracing without graphs, on any machine."""
 
     def __init__(self, model, max_len: int = 256, batch: int = 1, backend: str = "inductor",
                  mode: str = "reduce-overhead", fullgraph: bool = True):
         self.decoder = StaticDecoder(model, max_len)
         dev = self.decoder.device
-        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=dev)  # fixed shapes, fixed addresses
+        # fixed shapes, fixed addresses
+        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.marked = mark_static(self.decoder, batch, extra=(self.ids, self.pos))
         options = {"mode": mode} if backend == "inductor" else {}
-        self.compiled = torch.compile(self.decoder.step, backend=backend, fullgraph=fullgraph, **options)
+        self.compiled = torch.compile(self.decoder.step, backend=backend, fullgraph=fullgraph,
+                                      **options)
 
     def step(self, ids, position):
-        """Logits ``[B, vocab]`` (float32, a clone) after ``ids`` at ``position``, by the compiled step."""
+        """Logits ``[B, vocab]`` (float32, a clone) after ``ids`` at ``position``, by the compiled
+        step."""
         self.ids.copy_(ids)
         self.pos.copy_(position)
-        torch.compiler.cudagraph_mark_step_begin()  # a new step: the previous call's outputs may be overwritten
+        # a new step: the previous call's outputs may be overwritten
+        torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
-            return self.compiled(self.ids, self.pos).clone()  # ours to keep: the next replay overwrites the output
+            # ours to keep: the next replay overwrites the output
+            return self.compiled(self.ids, self.pos).clone()
 
 
 def static_input_report(messages) -> list:
-    """torch's static-input analysis, one dict per compiled graph: ``{"static": [...], "non_static": [...]}``.
-
-    ``messages``: the log of the ``cudagraph_static_inputs`` artifact (``TORCH_LOGS=cudagraph_static_inputs``,
-    or :func:`course.lessons.reduce_overhead.torch_log_messages`); sources are dynamo's (``L['x'].layers[0].keys``).
-    """
+    """torch's static-input analysis per compiled graph, ``{"static": [...], "non_static": [...]}``,
+    read from the ``cudagraph_static_inputs`` log ``messages``."""
     graphs, cur = [], {"static": [], "non_static": []}
     for m in messages:
         text = str(m)
         hit = _STATIC.search(text) or _NON_STATIC.search(text)
         if hit:
-            cur["static" if text.lstrip().startswith("Adding") else "non_static"].append(hit.group(2).strip())
+            cur["static" if text.lstrip().startswith("Adding")
+                else "non_static"].append(hit.group(2).strip())
         elif _END in text:
             graphs.append(cur)
             cur = {"static": [], "non_static": []}
@@ -107,13 +83,14 @@ def static_input_report(messages) -> list:
 
 
 def cache_sources(sources) -> list:
-    """The sources among ``sources`` that are KV-cache tensors (``keys``, ``values``, ``cumulative_length``)."""
+    """The sources among ``sources`` that are KV-cache tensors (``keys``, ``values``,
+    ``cumulative_length``)."""
     return [s for s in sources if _CACHE.search(s)]
 
 
 def describe_sources(sources) -> str:
-    """``sources`` in a line: the KV-cache tensors grouped by kind ("keys, values, cumulative_length of 22 layers"),
-    the rest by their last name; "none" for an empty list."""
+    """``sources`` in a line: the KV-cache tensors grouped by kind ("keys, values, cumulative_length
+    of 22 layers"), the rest by their last name; "none" for an empty list."""
     if not sources:
         return "none"
     layers: dict = {}
@@ -136,8 +113,6 @@ def describe_sources(sources) -> str:
 
 def _decode_report(run) -> dict:
     """Run ``run()`` with the static-input log on and return the last compiled graph's report."""
-    from course.core.compiled import torch_log_messages
-
     with torch_log_messages(cudagraph_static_inputs=True) as msgs, torch.no_grad():
         run()
     graphs = static_input_report(msgs)
@@ -145,17 +120,17 @@ def _decode_report(run) -> dict:
 
 
 def _auto_compile(model, prompt) -> None:
-    """transformers' auto-compile: ``generate`` with a static cache compiles the decode step itself (here with
-    aot_eager, on any device); the model's generation config and compiled call are put back afterwards."""
-    from transformers import CompileConfig
-
+    """transformers' auto-compile: ``generate`` with a static cache compiles the decode step itself
+    (here with aot_eager, on any device); the model's generation config and compiled call are put
+    back afterwards."""
     gc, saved = model.generation_config, (model.generation_config.cache_implementation,
                                           model.generation_config.compile_config)
     config = CompileConfig(backend="aot_eager")
     config._compile_all_devices = True  # transformers' own switch: compile off CUDA too
     gc.cache_implementation, gc.compile_config = "static", config
     try:
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, min_new_tokens=2,
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2,
+                       min_new_tokens=2,
                        do_sample=False)
     finally:
         gc.cache_implementation, gc.compile_config = saved
@@ -164,26 +139,19 @@ def _auto_compile(model, prompt) -> None:
 
 
 def static_input_diagnosis(model, max_len: int = 64) -> Result:
-    """Which inputs of the decode graph keep their address: transformers' two recipes and the fixed step (live).
-
-    All are compiled with ``backend="aot_eager"`` (dynamo's tracing and AOT's static-input analysis, the part of
-    ``mode="reduce-overhead"`` that decides what cudagraphs may mutate in place; no inductor, no graphs, so it runs
-    on the simulator path too): transformers' forward recipe as ``generate`` runs it (an empty ``StaticCache``, a
-    4-token prefill through the compiled forward, then one decode token), its auto-compile (``generate`` compiles
-    the decode step; the prefill runs eagerly), and :class:`ReduceOverheadStep`. Non-static cache tensors are the
-    inputs cudagraphs refuses to mutate ("skipping cudagraphs due to mutated inputs").
-    """
-    from transformers import StaticCache
-
+    """Which inputs of the decode graph keep their address (``backend="aot_eager"``, live):
+    transformers' forward recipe, its auto-compile and :class:`ReduceOverheadStep`."""
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     try:
-        cache = StaticCache(config=model.config, max_cache_len=max_len)  # as generate makes it: empty, lazy
+        # as generate makes it: empty, lazy
+        cache = StaticCache(config=model.config, max_cache_len=max_len)
         forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
         prompt = torch.tensor([[5, 6, 7, 8]], device=dev)
 
         def hf():
-            forward(input_ids=prompt, past_key_values=cache, use_cache=True)  # the prefill allocates the cache
+            # the prefill allocates the cache
+            forward(input_ids=prompt, past_key_values=cache, use_cache=True)
             one = torch.tensor([[9]], device=dev)
             forward(input_ids=one, past_key_values=cache, use_cache=True)  # one decode token
 
@@ -191,7 +159,8 @@ def static_input_diagnosis(model, max_len: int = 64) -> Result:
         args = fixed.decoder.example_args(1, 4)
         reports = {"HF: forward compiled (its recipe)": _decode_report(hf)}
         torch._dynamo.reset()
-        reports["HF: auto-compile (its recipe)"] = _decode_report(lambda: _auto_compile(model, prompt))
+        auto = _decode_report(lambda: _auto_compile(model, prompt))
+        reports["HF: auto-compile (its recipe)"] = auto
         torch._dynamo.reset()
         reports["reduce-overhead, fixed"] = _decode_report(lambda: fixed.step(*args))
     finally:
@@ -200,14 +169,17 @@ def static_input_diagnosis(model, max_len: int = 64) -> Result:
     for name, r in reports.items():
         mutated = cache_sources(r["non_static"])
         rows.append({"variant": name, "graphs": r["graphs"], "static_inputs": len(r["static"]),
-                     "non_static_inputs": len(r["non_static"]), "non_static_cache_tensors": len(mutated),
+                     "non_static_inputs": len(r["non_static"]),
+                     "non_static_cache_tensors": len(mutated),
                      "non_static": describe_sources(r["non_static"]),
                      "cudagraphs": (f"skipped: mutated inputs ({len(mutated)} instances)" if mutated
                                     else "can record: every mutated input is static")})
     s = size_of(model)
     return Result("real_model_static_inputs",
-                  f"LlamaForCausalLM, {s.name} shape ({s.layers} layers), on {dev.type}: the decode graph's inputs as "
-                  "torch's static-input analysis sees them (backend aot_eager)",
-                  {"variant": "", "graphs": "count", "static_inputs": "count", "non_static_inputs": "count",
+                  f"LlamaForCausalLM, {s.name} shape ({s.layers} layers), on {dev.type}: the "
+                  "decode graph's inputs as torch's static-input analysis sees them (backend "
+                  "aot_eager)",
+                  {"variant": "", "graphs": "count", "static_inputs": "count",
+                   "non_static_inputs": "count",
                    "non_static_cache_tensors": "count", "non_static": "", "cudagraphs": ""}, rows,
                   params={"layers": s.layers, "max_len": max_len, "torch": torch.__version__})
