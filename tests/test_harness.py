@@ -23,6 +23,13 @@ def test_judge_names_the_first_broken_rule_and_raise_gives_it_back():
         H.Outcome(H.TODO, "not_done", "todo").raise_()
 
 
+def test_expect_keeps_a_rule_while_its_test_holds_and_words_the_defect():
+    rules = [H.expect("even", lambda t: t % 2 == 0, "odd"), H.expect("small", lambda t: t < 10, lambda t: f"{t} big")]
+    assert H.judge(4, rules) == H.Outcome(H.PASS)
+    assert (H.judge(3, rules).rule, H.judge(3, rules).message) == ("even", "odd")
+    assert (H.judge(12, rules).rule, H.judge(12, rules).message) == ("small", "12 big")
+
+
 def test_outcome_of_turns_each_ending_into_one_outcome():
     def defect():
         raise H.Defect("warm_up", "no warm-up ran", where="side")

@@ -1,7 +1,8 @@
 import pytest
 
 import course
-from course.lessons import launch_overhead as launch
+from course.lessons.launch_overhead import bench, launch
+from course.lessons.launch_overhead.checks import check_crossover
 from course.core.results import Result
 
 
@@ -18,20 +19,25 @@ def test_crossover_bytes():
 def test_check_crossover_accepts_right_and_rejects_wrong():
     res = Result("s", "S", {"bytes": "B", "host_enqueue_us": "us", "kernel_exec_us": "us"}, _rows())
     res.add_summary("crossover_bytes", launch.crossover_bytes(res.rows), "B")
-    launch.check_crossover(launch.crossover_bytes, res)
-    with pytest.raises(AssertionError, match="median"):
-        launch.check_crossover(lambda rows: 64, res)
+    from course.core import checks
+
+    checks.reset()
+    check_crossover(launch.crossover_bytes, res)
+    assert checks.status("01 crossover") == checks.PASS
+    check_crossover(lambda rows: 64, res)
+    assert checks.status("01 crossover") == checks.FAIL
+    checks.reset()
 
 
 def test_trace_rows_extracts_lanes():
     trace = {"traceEvents": [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100 + 10 * i, "dur": 4} for i in range(3)] + [
         {"ph": "X", "cat": "kernel", "name": "add_kernel", "ts": 103 + 10 * i, "dur": 2} for i in range(3)]}
-    rows = launch._trace_rows(trace, skip=1)
+    rows = bench._trace_rows(trace, skip=1)
     lanes = [r["lane"] for r in rows]
     assert lanes.count("GPU: kernel") == 2 and lanes.count("CPU: cudaLaunchKernel") == 2
     assert min(r["start_us"] for r in rows) == 0
-    assert launch._trace_rows({"traceEvents": []}) == []
+    assert bench._trace_rows({"traceEvents": []}) == []
 
 
 def test_cpu_dispatch_runs_live_everywhere():
@@ -125,7 +131,7 @@ def test_capture_calls_replays_every_call():
 
 def test_launch_costs_result_reads_the_cells_timings():
     from course.core.timing import Timing
-    from course.lessons.launch_overhead import launch_costs_result
+    from course.lessons.launch_overhead.bench import launch_costs_result
 
     def t(us):
         return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 20, "host-enqueue")
@@ -143,7 +149,7 @@ def test_tiny_kernels_compile_and_run_on_this_path():
     import numpy as np
 
     from course.core.runtime import cuda
-    from course.lessons.launch_overhead import tiny_kernels
+    from course.lessons.launch_overhead.launch import tiny_kernels
 
     empty, add_one = tiny_kernels()
     a = cuda().to_device(np.zeros(4, dtype=np.float32))
@@ -167,14 +173,14 @@ def test_sweep_result_reads_the_three_clocks_per_size():
     timings = {16: (_timing(5.0), _timing(6.0), _timing(1.0)), 1 << 20: (_timing(5.2), _timing(30.0), _timing(25.0)),
                1 << 24: (_timing(4.8), _timing(400.0), _timing(390.0))}
     facts = {"l2_bytes": 1 << 22, "peak_dram_GBps": 3350.0}
-    res = launch.sweep_result(timings, facts, 4, 24, 5)
+    res = bench.sweep_result(timings, facts, 4, 24, 5)
     assert res.column("elements") == [16, 1 << 20, 1 << 24] and res.column("bytes") == [64, 4 << 20, 64 << 20]
     assert res.column("fits_in_l2") == [True, True, False]
     assert res.rows[1]["eager_gpu_us"] == pytest.approx(30.0) and res.rows[1]["kernel_exec_q3_us"] == pytest.approx(27.5)
     assert res.value("launch_us") == pytest.approx(5.0) and res.value("crossover_bytes") == 4 << 20
     assert res.value("dram_bandwidth_GBps") == pytest.approx(2 * (64 << 20) / 390e-6 / 1e9)
     assert res.value("hardware_peak_dram_GBps") == 3350.0 and res.params["repeats"] == 5
-    no_l2 = launch.sweep_result(timings, {"l2_bytes": None, "peak_dram_GBps": None}, 4, 24, 5)
+    no_l2 = bench.sweep_result(timings, {"l2_bytes": None, "peak_dram_GBps": None}, 4, 24, 5)
     assert "dram_bandwidth_GBps" not in no_l2.summary and "hardware_peak_dram_GBps" not in no_l2.summary
 
 
@@ -190,16 +196,16 @@ def test_timeline_result_and_chrome_trace():
             with open(path, "w") as f:
                 json.dump(trace, f)
 
-    assert launch.chrome_trace(Prof()) == trace
-    res = launch.timeline_result(trace, ops=3, skip=1)
+    assert bench.chrome_trace(Prof()) == trace
+    res = bench.timeline_result(trace, ops=3, skip=1)
     assert res.params == {"ops": 3} and len(res.rows) == 6
     assert res.value("gpu_busy_fraction") == pytest.approx(6 / 22) and res.value("mean_gap_us") == pytest.approx(8.0)
     assert res.value("mean_kernel_us") == pytest.approx(2.0)
-    assert "gpu_busy_fraction" not in launch.timeline_result({"traceEvents": []}, ops=3, skip=1).summary
+    assert "gpu_busy_fraction" not in bench.timeline_result({"traceEvents": []}, ops=3, skip=1).summary
 
 
 def test_cpu_dispatch_result_finds_the_floor_and_the_doubling():
-    res = launch.cpu_dispatch_result({4: _timing(2.0), 64: _timing(1.5), 1024: _timing(2.9), 16384: _timing(3.1)}, 2, 14, 5)
+    res = bench.cpu_dispatch_result({4: _timing(2.0), 64: _timing(1.5), 1024: _timing(2.9), 16384: _timing(3.1)}, 2, 14, 5)
     assert res.value("dispatch_floor_us") == pytest.approx(1.5)
     assert res.value("size_at_twice_floor_bytes") == 16384 * 4
     assert res.rows[0]["q1_us"] == pytest.approx(1.8) and res.params["threads"] >= 1

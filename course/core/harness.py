@@ -69,6 +69,11 @@ class Rule:
     test: Callable
 
 
+def expect(name: str, ok: Callable, message) -> Rule:
+    """A rule kept while ``ok(trace)`` is true; its ✗ is ``message`` (a string, or ``f(trace)`` for one)."""
+    return Rule(name, "", lambda t: "" if ok(t) else (message(t) if callable(message) else message))
+
+
 def judge(trace, rules) -> Outcome:
     """The first broken rule of ``rules`` on ``trace`` as a failed :class:`Outcome`, else a pass."""
     for rule in rules:
