@@ -1,11 +1,11 @@
-"""Beyond the recipe (course.lessons.capture_more): partial graphs, two streams, capture error modes."""
+"""Beyond the recipe (lesson 02, section 8): partial graphs, two streams, capture error modes."""
 import pytest
 import torch
 
 import course
 from course.core import reference
-from course.lessons import capture_more
-from course.lessons.capture_more import data_dependent_loss
+from course.lessons.capture_replay import bench as capture_more
+from course.lessons.capture_replay.replay import data_dependent_loss
 
 gpu = pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 
@@ -37,7 +37,7 @@ def test_capture_modes_quick():
 
 
 def test_branch_and_fork_join_agree_on_this_path():
-    from course.lessons.capture_more import branch, fork_join
+    from course.lessons.capture_replay.replay import branch, fork_join
 
     x, w = torch.ones(2, 3), torch.eye(3)
     assert torch.equal(branch(x, w), x)
@@ -58,7 +58,7 @@ def test_run_isolated_reports_a_failure_and_a_result():
 def test_forgotten_join_is_refused():
     from course.core.isolate import run_isolated
 
-    out = run_isolated("course.lessons.capture_more", "forgotten_join", batch=8, width=64)
+    out = run_isolated("course.lessons.capture_replay.replay", "forgotten_join", batch=8, width=64)
     assert not out["captured"] and "unjoined" in out["error"]
 
 

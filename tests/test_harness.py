@@ -119,6 +119,20 @@ def test_a_call_never_captured_is_named_and_the_patches_go_back():
     assert out.rule == "not_captured" and "inc(x) never ran inside a capture" in out.message
 
 
+def test_hook_names_each_call_by_its_arguments_and_restored_puts_the_stream_back():
+    model = torch.nn.Linear(3, 2).to(course.device())
+    with H.Tracer() as t:
+        t.hook(model, lambda a, k: f"batch {a[0].shape[0]}", rows=lambda a, k: a[0].shape[0])
+        model(torch.ones(4, 3, device=course.device()))
+    assert [(e["what"], e["rows"]) for e in t.events] == [("batch 4", 4)]
+    cg = course.graphs()
+    with pytest.raises(ZeroDivisionError):
+        with H.restored():
+            cg.set_stream(cg.Stream())
+            1 / 0
+    assert cg.current_stream() == cg.default_stream()
+
+
 def _agree_worker(ctx):
     from course.core import harness as H
 
