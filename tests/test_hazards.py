@@ -13,7 +13,7 @@ import torch
 import course
 from course.core import checks, reference
 from course.lessons import what_breaks as hazards
-from course.lessons.what_breaks import dynamic, experiments, zoo
+from course.lessons.what_breaks import bench as experiments, dynamic, zoo
 from course.core.blocking import BlockingReport
 from course.lessons.what_breaks import find_static
 from course.core.results import Result
@@ -492,7 +492,7 @@ def test_lesson_03_experiments_are_its_cells():
     nb = Path(__file__).resolve().parents[1] / "solutions" / "03_what_breaks_capture.ipynb"
     for name in ("hazards_finder", "hazards_event_test", "hazards_numba", "compile_skip_reasons"):
         assert reference.get(name).fn.__module__ == cells.module_name(nb), name
-    assert reference.get("capture_recovery").fn.__module__ == "course.lessons.what_breaks.recovery"  # fresh processes
+    assert reference.get("capture_recovery").fn.__module__ == "course.lessons.what_breaks.bench"
 
 
 def test_finder_targets_are_each_hazard_and_fix_then_the_safe_functions():

@@ -40,7 +40,7 @@ CATALOG = (
           (), experiment_cells=True),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
           "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder",
-          ("course.lessons.what_breaks.recovery",), experiment_cells=True),
+          ("course.lessons.what_breaks.bench",), experiment_cells=True),
     Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
           "InfiniLM's fused inference engine, as a graph cache for a tiny decoder: keys, buckets, fallbacks, its FAQ, "
           "vs reduce-overhead",

@@ -1,15 +1,9 @@
 """A zoo of capture hazards, each with its fix: shared by notebook 03, the finder and the tests.
 
-Every entry pairs a *hazard* (a function that syncs with the host, copies between
-host and device, or reads GPU values on the host) with a *fix* that computes the
-same thing and captures cleanly. The functions are ordinary module-level
-functions, so the static finder (:func:`course.lessons.what_breaks.find_static`) can read
-their source and point at exact lines; each hazard line carries a ``# hazard``
-comment so tests can find the line the finder must report.
-
-Inputs are small and built by each entry (:meth:`Entry.hazard_args`,
-:meth:`Entry.fixed_args`) on ``course.device()``; on the simulator path they live
-on the CPU, where the fixes (and most hazards) still run eagerly.
+Every entry pairs a *hazard* (it syncs with the host, copies between host and device or reads GPU
+values on the host) with a *fix* that computes the same and captures cleanly; each hazard line
+carries a ``# hazard`` comment: the line the static finder must report. The Numba hazards
+(:data:`NUMBA`) come last. Inputs are built by each entry on ``course.device()``.
 """
 from __future__ import annotations
 
@@ -17,10 +11,16 @@ import dataclasses
 import inspect
 import io
 
+import numpy as np
 import torch
 
-from course.core.runtime import runtime, torch_device
+from course.core import numba_kernels
+from course.core.runtime import as_numba, cuda, numba_stream, runtime, torch_device
+from course.lessons.what_breaks.static import RULES, find_static
 
+
+_K: dict = {}  # the Numba kernels, compiled once (:func:`kernels`)
+ncuda = None  # numba.cuda, set by kernels(): a module global, which the simulator swaps in kernels
 LOG = io.StringIO()  # where print_hazard prints (keeps notebook output readable)
 
 
@@ -52,7 +52,7 @@ def cpu_fixed(x, w):
 
 # --- 3. .to("cpu"): InfiniCore's old embedding ---------------------------------
 def to_cpu_hazard(ids, weight):
-    """Look up rows of weight, routing the indices through the host (InfiniCore's Embedding::forward before its fix)."""
+    """Rows of weight, the indices routed through the host (InfiniCore's old Embedding::forward)."""
     ids_host = ids.to("cpu")  # hazard: InfiniCore's old indices->to(cpu_device)
     return weight.index_select(0, ids_host.to(weight.device))  # hazard: and back again
 
@@ -169,7 +169,7 @@ def h2d_pageable_fixed(x, dev_scale):
 # --- 12. torch.tensor(..., device=cuda) from host data -----------------------------
 def tensor_ctor_hazard(x):
     """Add constant offsets built from a Python list on every call."""
-    offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], device=x.device)  # hazard: built on the host, copied
+    offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], device=x.device)  # hazard: built on the host
     return x[:, :4] + offsets
 
 
@@ -243,12 +243,12 @@ class Entry:
     hazard: object
     fixed: object
     make: object  # make(generator, device, fixed: bool) -> tuple of args
-    outcome: str  # what capture does to the hazard: "error" (capture fails) or "wrong" (replays, wrong result)
+    outcome: str  # what capture does: "error" (capture fails) or "wrong" (replays, wrong result)
     rules: tuple  # the static finder's rule ids expected on the hazard
     cpu_eager: bool = True  # can the hazard run eagerly on the CPU path?
 
     def args(self, fixed: bool = False, seed: int = 0, device=None) -> tuple:
-        """Fresh inputs for the hazard (or the fix), from ``seed``, on ``device`` (default course.device())."""
+        """Fresh inputs for the hazard (or the fix) from ``seed``, on ``device`` (the course's)."""
         g = torch.Generator().manual_seed(seed)
         return self.make(g, torch.device(device) if device is not None else torch_device(), fixed)
 
@@ -257,7 +257,8 @@ class Entry:
         return self.args(False, seed, device)
 
     def fixed_args(self, seed: int = 0, device=None) -> tuple:
-        """Inputs for :attr:`fixed` (the same data; a static device buffer where the hazard used host memory)."""
+        """Inputs for :attr:`fixed` (the same data; a device buffer where the hazard used host
+        memory)."""
         return self.args(True, seed, device)
 
     def hazard_lines(self) -> list:
@@ -294,23 +295,24 @@ def _mk_pinned(g, d, fixed):
 ENTRIES = (
     Entry("item", ".item()", item_hazard, item_fixed, _mk_x, "error", ("item",)),
     Entry("cpu", ".cpu()", cpu_hazard, cpu_fixed, _mk_xw, "error", ("cpu",)),
-    Entry("to_cpu", '.to("cpu") (InfiniCore\'s old embedding)', to_cpu_hazard, to_cpu_fixed, _mk_ids_weight, "error",
-          ("to_cpu", "h2d")),
+    Entry("to_cpu", '.to("cpu") (InfiniCore\'s old embedding)', to_cpu_hazard, to_cpu_fixed,
+          _mk_ids_weight, "error", ("to_cpu", "h2d")),
     Entry("tolist", ".tolist()", tolist_hazard, tolist_fixed, _mk_x_ids, "error", ("tolist",)),
     Entry("print", "print(tensor)", print_hazard, print_fixed, _mk_xw, "error", ("print",)),
-    Entry("if_tensor", "if tensor:", if_tensor_hazard, if_tensor_fixed, _mk_x, "error", ("host_bool",)),
-    Entry("nonzero", "nonzero (data-dependent shape)", nonzero_hazard, nonzero_fixed, _mk_x, "error",
-          ("data_dependent",)),
-    Entry("masked_select", "masked_select (data-dependent shape)", masked_select_hazard, masked_select_fixed,
-          _mk_x, "error", ("data_dependent",)),
-    Entry("unique", "unique (data-dependent shape)", unique_hazard, unique_fixed, _mk_ids_weight, "error",
-          ("data_dependent",)),
-    Entry("synchronize", "torch.cuda.synchronize()", synchronize_hazard, synchronize_fixed, _mk_xw, "error",
-          ("cuda_synchronize",), cpu_eager=False),
-    Entry("h2d_pageable", "pageable host-to-device copy", h2d_pageable_hazard, h2d_pageable_fixed, _mk_h2d,
-          "error", ("h2d",)),
-    Entry("tensor_ctor", "torch.tensor(..., device=cuda)", tensor_ctor_hazard, tensor_ctor_fixed, _mk_x,
-          "error", ("tensor_ctor",)),
+    Entry("if_tensor", "if tensor:", if_tensor_hazard, if_tensor_fixed, _mk_x, "error",
+          ("host_bool",)),
+    Entry("nonzero", "nonzero (data-dependent shape)", nonzero_hazard, nonzero_fixed, _mk_x,
+          "error", ("data_dependent",)),
+    Entry("masked_select", "masked_select (data-dependent shape)", masked_select_hazard,
+          masked_select_fixed, _mk_x, "error", ("data_dependent",)),
+    Entry("unique", "unique (data-dependent shape)", unique_hazard, unique_fixed, _mk_ids_weight,
+          "error", ("data_dependent",)),
+    Entry("synchronize", "torch.cuda.synchronize()", synchronize_hazard, synchronize_fixed, _mk_xw,
+          "error", ("cuda_synchronize",), cpu_eager=False),
+    Entry("h2d_pageable", "pageable host-to-device copy", h2d_pageable_hazard, h2d_pageable_fixed,
+          _mk_h2d, "error", ("h2d",)),
+    Entry("tensor_ctor", "torch.tensor(..., device=cuda)", tensor_ctor_hazard, tensor_ctor_fixed,
+          _mk_x, "error", ("tensor_ctor",)),
     Entry("pinned_frozen", "pinned device-to-host copy (frozen values)", pinned_frozen_hazard,
           pinned_frozen_fixed, _mk_pinned, "wrong", ("capture_branch", "synchronize", "tolist"),
           cpu_eager=False),
@@ -337,7 +339,7 @@ def get(name: str) -> Entry:
 
 
 def safe_functions(seed: int = 0, device=None) -> list:
-    """(name, fn, args) for every function that must capture cleanly: the safe ones and every fix."""
+    """(name, fn, args) of every function that must capture cleanly: the safe ones, every fix."""
     dev = torch.device(device) if device is not None else torch_device()
     out = []
     for name, fn, make in SAFE:
@@ -360,13 +362,12 @@ def source(fn, mark: dict | None = None) -> str:
 
 
 def describe(name: str, row: dict | None = None, fixed_row: dict | None = None) -> str:
-    """One zoo entry as text: the hazard's source marked by the static finder, what capture did, then the fix.
+    """One zoo entry as text: the hazard's source marked by the static finder, what capture did,
+    then the fix.
 
     ``row`` / ``fixed_row`` are rows of the ``hazards_finder`` result for the hazard and
     the fix (live on a GPU, reference data otherwise); without them only the sources show.
     """
-    from course.lessons.what_breaks import RULES, find_static
-
     e = get(name)
 
     def outcome(r):
@@ -377,10 +378,136 @@ def describe(name: str, row: dict | None = None, fixed_row: dict | None = None) 
         if r.get("replay") not in (None, "", "-"):
             out += f"\n  replay with new inputs: {r['replay']}"
         if r.get("blocked") is not None:
-            out += f"\n  host waits for the GPU when called eagerly: {'yes' if r['blocked'] else 'no'}"
+            waits = "yes" if r["blocked"] else "no"
+            out += f"\n  host waits for the GPU when called eagerly: {waits}"
         return out
 
     marks = {f.line: RULES[f.rule].what for f in find_static(e.hazard)}
-    parts = [f"== {e.title} ==", f"hazard: {e.hazard.__name__}", source(e.hazard, marks), outcome(row),
-             f"fix: {e.fixed.__name__}", source(e.fixed), outcome(fixed_row)]
+    parts = [f"== {e.title} ==", f"hazard: {e.hazard.__name__}", source(e.hazard, marks),
+             outcome(row), f"fix: {e.fixed.__name__}", source(e.fixed), outcome(fixed_row)]
     return "\n".join(p for p in parts if p)
+
+
+# --- the Numba hazards: each computes 2 * x + 1 into a new tensor ------------------------
+def kernels():
+    """``(affine, scale_by, copy)``: 2 * x + 1 (:func:`course.core.numba_kernels.affine`),
+    x * w + 1, and a copy (module-level kernels, compiled once)."""
+    global ncuda
+    if not _K:
+        ncuda = cuda()
+
+        @ncuda.jit
+        def scale_by(x, w, out):
+            i = ncuda.grid(1)
+            if i < x.size:
+                out[i] = x[i] * w[i] + 1.0
+
+        @ncuda.jit
+        def copy(a, out):
+            i = ncuda.grid(1)
+            if i < a.size:
+                out[i] = a[i]
+
+        _K.update(affine=numba_kernels.affine(), scale_by=scale_by, copy=copy)
+    return _K["affine"], _K["scale_by"], _K["copy"]
+
+
+def blocks(x) -> int:
+    """Blocks of 32 threads that cover ``x``."""
+    return (x.numel() + 31) // 32
+
+
+# --- Numba 1. its default stream ------------------------------------------------
+def default_stream_hazard(x):
+    """2x+1 with a Numba kernel launched without a stream argument."""
+    affine = kernels()[0]
+    out = torch.empty_like(x)
+    affine[blocks(x), 32](as_numba(x), as_numba(out))  # hazard: Numba's default stream, not torch's
+    return out
+
+
+def default_stream_fixed(x):
+    """2x+1 launched on torch's current stream."""
+    affine = kernels()[0]
+    out = torch.empty_like(x)
+    affine[blocks(x), 32, numba_stream()](as_numba(x), as_numba(out))
+    return out
+
+
+# --- Numba 2. cuda.device_array ------------------------------------------------------
+def device_array_hazard(x):
+    """2x+1 through a scratch buffer that Numba allocates on every call."""
+    affine, _, copy = kernels()
+    tmp = cuda().device_array(x.numel(), dtype=np.float32)  # hazard: cuMemAlloc while capturing
+    out = torch.empty_like(x)
+    affine[blocks(x), 32, numba_stream()](as_numba(x), tmp)
+    copy[blocks(x), 32, numba_stream()](tmp, as_numba(out))
+    return out
+
+
+def device_array_fixed(x):
+    """The same, with the scratch buffer from torch's (capture-aware) allocator."""
+    affine, _, copy = kernels()
+    tmp = torch.empty_like(x)
+    out = torch.empty_like(x)
+    affine[blocks(x), 32, numba_stream()](as_numba(x), as_numba(tmp))
+    copy[blocks(x), 32, numba_stream()](as_numba(tmp), as_numba(out))
+    return out
+
+
+# --- Numba 3. cuda.to_device ----------------------------------------------------------
+def to_device_hazard(x):
+    """x * 2 + 1 with the factors copied from a NumPy array on every call."""
+    scale_by = kernels()[1]
+    w = cuda().to_device(np.full(x.numel(), 2.0, dtype=np.float32))  # hazard: alloc + host copy
+    out = torch.empty_like(x)
+    scale_by[blocks(x), 32, numba_stream()](as_numba(x), w, as_numba(out))
+    return out
+
+
+def to_device_fixed(x, w):
+    """The same, with the factors in a device tensor made once, before capture."""
+    scale_by = kernels()[1]
+    out = torch.empty_like(x)
+    scale_by[blocks(x), 32, numba_stream()](as_numba(x), as_numba(w), as_numba(out))
+    return out
+
+
+# --- Numba 4. the first compile inside the capture -----------------------------------
+def first_compile_hazard(x):
+    """2x+1 with a kernel defined (and so compiled) inside the function."""
+    kernels()  # sets ncuda
+
+    @ncuda.jit
+    def fresh(a, out):  # hazard: a new kernel object every call: compiled while capturing
+        i = ncuda.grid(1)
+        if i < a.size:
+            out[i] = 2.0 * a[i] + 1.0
+
+    out = torch.empty_like(x)
+    fresh[blocks(x), 32, numba_stream()](as_numba(x), as_numba(out))
+    return out
+
+
+def first_compile_fixed(x):
+    """The same with the module-level kernel, compiled once by the warm-up before capture."""
+    return default_stream_fixed(x)
+
+
+NUMBA = (  # (name, title, hazard, fix)
+    ("default_stream", "kernel launched on Numba's default stream", default_stream_hazard,
+     default_stream_fixed),
+    ("device_array", "cuda.device_array inside the capture", device_array_hazard,
+     device_array_fixed),
+    ("to_device", "cuda.to_device inside the capture", to_device_hazard, to_device_fixed),
+    ("first_compile", "a kernel's first compile inside the capture", first_compile_hazard,
+     first_compile_fixed),
+)
+
+
+def entry_args(name: str, fixed: bool, x):
+    """The arguments of a Numba entry's hazard or fix for input ``x`` (to_device's fix: the factors
+    too)."""
+    if name == "to_device" and fixed:
+        return (x, torch.full_like(x, 2.0))
+    return (x,)
