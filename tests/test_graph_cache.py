@@ -16,7 +16,7 @@ from course.lessons.graph_cache import (PRESETS, CaptureFailed, CudaGraphBackend
                                         padding_report)
 from course.core.capture import collector_paused
 from course.lessons.graph_cache.backends import Recorded, diagnose, failure_reason, host_read_watch
-from course.lessons.graph_cache.counting import CountingBackend
+from course.lessons.graph_cache.checks import CountingBackend
 from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder, numba_embedding
 
 ON_GPU = runtime().on_gpu
@@ -368,7 +368,7 @@ def test_preset_sizes_from_segments():
 
 def test_replay_trace_every_call_misses_without_buckets():
     """The seed's Q2: with exact shapes every new batch size is a miss; buckets bound the misses."""
-    from course.lessons.graph_cache.faq import replay_trace
+    from course.lessons.graph_cache.bench import replay_trace
     m = TinyDecoder(DecoderConfig(layers=1, max_seq=8, slots=8))
     trace = [1, 2, 3, 5, 6, 7, 3, 8]
     exact = replay_trace(_cache(m.step, pad_value=m.pad_values()), m, trace)
@@ -390,7 +390,7 @@ def test_launch_counts_see_the_cache_replay():
 
 
 # ----------------------------------------------------------------------------- lab 3's checks catch wrong caches
-from course.lessons.graph_cache import lab  # noqa: E402
+from course.lessons.graph_cache import checks as lab  # noqa: E402
 
 
 def _key(args, bucket):
@@ -535,7 +535,8 @@ def test_counting_backend_counts_the_graph_api_and_undoes_its_wrappers():
         g.replay()
     assert [cg.CUDAGraph.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay")] == originals
     assert (b.captures, b.replays, b.foreign, b.replaced) == (1, 1, 0, 0) and b.pools == [b.pool()]
-    assert b.forward.calls[-1]["capturing"] and not b.forward.calls[-1]["gc"] and b.forward.output is None
+    last = b.tracer.of("forward")[-1]
+    assert last["where"] == "capture" and not last["gc"] and "output" not in last, "no reference kept"
     got = b.replayed_inputs()
     assert got[0] is static[0] and got[1] is None and b.live_graphs() == 1
     if not ON_GPU:
@@ -599,7 +600,7 @@ def test_lab_check_enable_clear_fails_a_cache_that_keeps_its_graphs(capsys):
 
 
 def test_time_to_fast_sums_calls_until_the_first_fast_one():
-    from course.lessons.graph_cache.experiments import time_to_fast
+    from course.lessons.graph_cache.bench import time_to_fast
     trace = [1, 2, 1, 2, 1, 3]
     cold = [5.0, 4.0, 3.0, 0.1, 0.1, 9.0]   # size 1: compile 5, record 3, then fast; size 2: 4, then fast
     steady = [0.1, 0.1, 0.1, 0.1, 0.1, 0.2]
@@ -617,17 +618,17 @@ def test_calls_without_a_batch_run_eager():
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_trace_variant_runs_one_row_in_a_fresh_process():
     from course.core.isolate import run_isolated
-    from course.lessons.graph_cache.experiments import trace_variant
+    from course.lessons.graph_cache.bench import trace_variant
 
     assert callable(trace_variant)
-    row = run_isolated("course.lessons.graph_cache.experiments", "trace_variant", label="cache, vllm buckets",
+    row = run_isolated("course.lessons.graph_cache.bench", "trace_variant", label="cache, vllm buckets",
                        steps=12, max_batch=8, presets=["vllm"], compile_variants=False, layers=1, seed=0)
     assert row["variant"] == "cache, vllm buckets" and row["eager_calls"] == 0 and row["memory_MB"] >= 0
 
 
 # ----------------------------------------------------------------------------- one step, one number (issue 16, item 5)
 def test_step_ratios_use_the_named_rows():
-    from course.lessons.graph_cache.step import SHORT, step_ratios
+    from course.lessons.graph_cache.bench import SHORT, step_ratios
 
     def row(label, us, q1, q3):
         return {"variant": label, "us": us, "q1_us": q1, "q3_us": q3}
@@ -678,7 +679,7 @@ def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch
 
 
 def test_step_builders_list_the_variants_in_order():
-    from course.lessons.graph_cache.step import KIND, VARIANTS, step_builders
+    from course.lessons.graph_cache.bench import KIND, VARIANTS, step_builders
 
     m = TinyDecoder(DecoderConfig(layers=1, max_seq=4, slots=2))
     assert list(step_builders(m, False)) == [v[0] for v in VARIANTS[:2]]
@@ -687,7 +688,7 @@ def test_step_builders_list_the_variants_in_order():
 
 
 def test_cold_calls_keep_a_broken_compile_as_a_finding_and_raise_for_eager(monkeypatch):
-    from course.lessons.graph_cache.step import cold_calls, compiled_again
+    from course.lessons.graph_cache.bench import cold_calls, compiled_again
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     x = torch.ones(3)
@@ -716,7 +717,7 @@ def test_cold_calls_keep_a_broken_compile_as_a_finding_and_raise_for_eager(monke
 
 def test_step_reference_ratios_match_its_table():
     """The recorded graph_cache_step: its summary ratios are its table's rows (one measurement)."""
-    from course.lessons.graph_cache.step import METHOD, step_ratios
+    from course.lessons.graph_cache.bench import METHOD, step_ratios
 
     res = reference.load_reference("graph_cache_step")
     if res.params.get("timing") != METHOD:
@@ -745,7 +746,7 @@ def test_heavy_runs_live_only_when_full(monkeypatch):
 
 
 def test_step_lines_name_the_method_and_the_source():
-    from course.lessons.graph_cache.step import OLD_METHOD, step_lines
+    from course.lessons.graph_cache.bench import OLD_METHOD, step_lines
 
     res = reference.load_reference("graph_cache_step")
     text = step_lines(res)
@@ -755,7 +756,7 @@ def test_step_lines_name_the_method_and_the_source():
 
 def test_step_rows_take_times_only_from_the_one_measurement():
     from course.core.timing import Timing
-    from course.lessons.graph_cache.step import step_rows
+    from course.lessons.graph_cache.bench import step_rows
 
     facts = {k: {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""} for k in ("eager", "broken")}
     t = {"eager": Timing(2e-3, 1.9e-3, 2.1e-3, 1.8e-3, 2.2e-3, 5, 10, "cuda-events")}
@@ -766,7 +767,7 @@ def test_step_rows_take_times_only_from_the_one_measurement():
 
 def test_step_result_takes_its_ratios_from_its_own_rows():
     from course.core.timing import Timing
-    from course.lessons.graph_cache.step import METHOD, step_result
+    from course.lessons.graph_cache.bench import METHOD, step_result
 
     replay = "cache: graph_replay (eager kernels captured)"
     facts = {k: {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""} for k in ("eager", replay)}
@@ -778,26 +779,9 @@ def test_step_result_takes_its_ratios_from_its_own_rows():
     assert res.columns == reference.load_reference("graph_cache_step").columns and res.params["repeats"] == 5
 
 
-@pytest.mark.skipif(ON_GPU, reason="the refusal is for machines without a GPU")
-def test_step_timing_factors_needs_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
-    from course.lessons.graph_cache.diagnose_step import step_timing_factors
-
-    with pytest.raises(CourseEnvironmentError):
-        step_timing_factors()
-
-
-@gpu
-def test_step_timing_factors_on_gpu():
-    from course.lessons.graph_cache.diagnose_step import step_timing_factors
-
-    rows = step_timing_factors(repeats=3, layers=1)
-    assert [r["stage"] for r in rows][0] == "fresh" and all(r["us"] > 0 for r in rows)
-
-
 @gpu
 def test_step_quick_run_on_gpu_table_and_ratios_agree():
-    from course.lessons.graph_cache.step import METHOD
+    from course.lessons.graph_cache.bench import METHOD
 
     res = reference.get("graph_cache_step").fn(repeats=5, compile_variants=False, layers=1)
     eager, replay = res.rows
@@ -807,7 +791,7 @@ def test_step_quick_run_on_gpu_table_and_ratios_agree():
 
 def test_recipe_rows_and_speedup_read_old_and_new_recordings():
     from course.core.results import Result
-    from course.lessons.graph_cache import faq
+    from course.lessons.graph_cache import bench as faq
 
     old = reference.load_reference("graph_cache_seed_timing")  # recorded with the columns' first names
     rows = faq.recipe_rows(old)
@@ -836,7 +820,7 @@ def _cell_fn(name, monkeypatch):
 
 
 def test_memory_result_rebuilds_the_recording():
-    from course.lessons.graph_cache.faq import memory_result
+    from course.lessons.graph_cache.bench import memory_result
 
     rec = reference.load_reference("graph_cache_memory")
     freed = {}
@@ -866,7 +850,7 @@ def test_fallback_cell_runs_on_this_path(monkeypatch):
 
 def test_fallback_row_reads_the_stats():
     from course.core.timing import Timing
-    from course.lessons.graph_cache.faq import fallback_row
+    from course.lessons.graph_cache.bench import fallback_row
 
     stats = {"cache_size": 1, "cache_hits": 2, "cache_misses": 3, "recordings": 4, "fusion_attempts": 5,
              "fusion_successes": 6, "fusion_fallbacks": 7, "eager_calls": 8,
@@ -875,7 +859,7 @@ def test_fallback_row_reads_the_stats():
     assert row["reason"] == "a: first" and row["step_us"] == pytest.approx(5.0) and row["eager_calls"] == 8
     assert (row["cache_misses"], row["fusion_fallbacks"], row["fusion"]) == (3, 7, True)
     assert fallback_row("device", False, {**stats, "fallback_reasons": {}}, Timing(*[1e-6] * 5, 1, 1, "x"))["reason"] == ""
-    from course.lessons.graph_cache.faq import fallback_result
+    from course.lessons.graph_cache.bench import fallback_result
 
     res = fallback_result([row], steps=40, repeats=3, trace=[1, 2])
     assert res.columns == reference.load_reference("graph_cache_fallback").columns and res.rows == [row]
@@ -884,7 +868,7 @@ def test_fallback_row_reads_the_stats():
 
 def test_recipe_result_scales_one_call_to_the_recipes_calls():
     from course.core.timing import Timing
-    from course.lessons.graph_cache import faq
+    from course.lessons.graph_cache import bench as faq
 
     def row(mode, recipe_s, one_call_s):
         return {"mode": mode, "recipe_s": recipe_s, "pending_s": 0.5, "warm_s": recipe_s / 2,

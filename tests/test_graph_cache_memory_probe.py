@@ -4,10 +4,9 @@ import torch
 
 from course.core import hardware
 from course.core.runtime import CourseEnvironmentError, runtime
-from course.lessons.graph_cache import memory_ledger as ml
 from course.lessons.graph_cache import memory_probe as mp
 from course.lessons.graph_cache.backends import CudaGraphBackend
-from course.lessons.graph_cache.counting import CountingBackend
+from course.lessons.graph_cache.checks import CountingBackend
 
 ON_GPU = runtime().on_gpu
 MiB = 2**20
@@ -20,13 +19,14 @@ def test_ledger_notes_each_step_and_what_it_freed():
     led.step("calls", "three misses")
     last = led.step("clear_cache()")
     assert [r["freed_MiB"] for r in led.rows] == [0.0, -20.0, 40.0]
-    assert last == {"cache": "answer", "workspaces": "kept", "step": "clear_cache()", "what": "",
-                    "reserved_MiB": 80.0, "allocated_MiB": 40.0, "freed_MiB": 40.0}
+    assert last == {"cache": "answer", "workspaces": "kept", "inputs": "kept", "step": "clear_cache()",
+                    "what": "", "reserved_MiB": 80.0, "allocated_MiB": 40.0, "freed_MiB": 40.0}
     table = mp.format_rows(led.rows)
-    assert table.splitlines()[0].split()[:3] == ["cache", "workspaces", "step"] and "three misses" in table
+    assert table.splitlines()[0].split()[:4] == ["cache", "workspaces", "inputs", "step"] and "three misses" in table
     assert len(table.splitlines()) == 2 + 3
     releases = mp.release_table(led.rows)
-    assert releases == [{"cache": "answer", "workspaces": "kept", "release": "clear_cache()", "freed_MiB": 40.0}]
+    assert releases == [{"cache": "answer", "workspaces": "kept", "inputs": "kept", "release": "clear_cache()",
+                         "freed_MiB": 40.0}]
 
 
 def test_release_table_keeps_the_clear_and_every_release_in_order():
@@ -122,38 +122,38 @@ def _seg(stream, pool, mib, blocks=()):
 
 def test_by_stream_pool_sums_segments_per_stream_and_pool_largest_first():
     snap = [_seg(0, (0, 0), 20), _seg(9, (1, 2), 2), _seg(9, (1, 2), 32), _seg(0, (0, 0), 2), _seg(5, None, 32)]
-    got = ml.by_stream_pool(snap, {0: "default", 9: "capture"})
+    got = mp.by_stream_pool(snap, {0: "default", 9: "capture"})
     assert got == {"capture/pool (1, 2)": 34 * MiB, "stream 5/ordinary": 32 * MiB, "default/ordinary": 22 * MiB}
-    assert ml.pool_kind((0, 0)) == ml.pool_kind(None) == "ordinary" and ml.pool_kind([3, 4]) == "pool (3, 4)"
+    assert mp.pool_kind((0, 0)) == mp.pool_kind(None) == "ordinary" and mp.pool_kind([3, 4]) == "pool (3, 4)"
 
 
 def test_a_ledger_with_a_split_notes_where_each_rows_memory_lies():
-    led = ml.Ledger("answer", "released", lambda: (52 * MiB, 40 * MiB), split=lambda: {"default/ordinary": 52 * MiB})
+    led = mp.Ledger("answer", "released", lambda: (52 * MiB, 40 * MiB), split=lambda: {"default/ordinary": 52 * MiB})
     row = led.step("weight")
     assert row["where_MiB"] == {"default/ordinary": 52.0}
-    assert "in: default/ordinary 52.0" in ml.format_rows(led.rows).splitlines()[-1]
+    assert "in: default/ordinary 52.0" in mp.format_rows(led.rows).splitlines()[-1]
 
 
 def test_held_and_kept_are_measured_from_the_weights_row():
     rows = [{"step": s, "reserved_MiB": v} for s, v in [("start", 0.0), ("weight", 16.0),
                                                          ("settled, before the clear", 172.0),
                                                          ("gc + synchronize + empty_cache", 100.0)]]
-    assert ml.held_and_kept(rows) == {"held_MiB": 156.0, "kept_MiB": 84.0}
+    assert mp.held_and_kept(rows) == {"held_MiB": 156.0, "kept_MiB": 84.0}
 
 
 def test_name_block_prefers_known_tensors_then_cublas_frames_then_the_workspace_size():
     known = {1: "weight"}
-    assert ml.name_block(1, 32 * MiB, ["at::cuda::getCurrentCUDABlasHandle (x.cpp:1)"], known, 32 * MiB) == "weight"
-    assert ml.name_block(2, 8, ["getCUDABlasLtWorkspace (x.cpp:2)"], known) == "cuBLAS workspace"
-    assert ml.name_block(3, 32 * MiB, [], known, 32 * MiB) == "cuBLAS workspace (by its size)"
-    assert ml.name_block(4, 32 * MiB, ["<lambda> (p.py:3)"], known, None) == "made in the forward (no tensor)"
-    assert ml.name_block(5, 2 * MiB, [], known, 32 * MiB) == "?"
+    assert mp.name_block(1, 32 * MiB, ["at::cuda::getCurrentCUDABlasHandle (x.cpp:1)"], known, 32 * MiB) == "weight"
+    assert mp.name_block(2, 8, ["getCUDABlasLtWorkspace (x.cpp:2)"], known) == "cuBLAS workspace"
+    assert mp.name_block(3, 32 * MiB, [], known, 32 * MiB) == "cuBLAS workspace (by its size)"
+    assert mp.name_block(4, 32 * MiB, ["<lambda> (p.py:3)"], known, None) == "made in the forward (no tensor)"
+    assert mp.name_block(5, 2 * MiB, [], known, 32 * MiB) == "?"
 
 
 def test_format_segments_lists_each_segments_live_blocks():
     segs = mp.snapshot_summary([_seg(0, (0, 0), 20, [{"address": 1, "size": 16 * MiB, "state": "active_allocated"}]),
                                 _seg(7, (0, 1), 2)], {1: "weight"}, {0: "default"})
-    lines = ml.format_segments(segs)
+    lines = mp.format_segments(segs)
     assert "stream default" in lines[0] and "weight 16.0" in lines[0] and "no live block" in lines[1]
 
 
@@ -167,7 +167,7 @@ def test_stream_names_number_new_streams_and_skip_the_ones_torch_only_wraps():
 
     FakeStream.count = 0
     fake = type("T", (), {"cuda": type("C", (), {"Stream": FakeStream})})
-    names = ml.StreamNames()
+    names = mp.StreamNames()
     names.install(fake)
     names.name(0, "default")
     names.context = "call, batch 256"
@@ -214,7 +214,7 @@ def test_the_command_line_names_a_bad_run(capsys):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_workspace_facts_on_a_gpu_measure_each_product():
-    facts = ml.workspace_facts()
+    facts = mp.workspace_facts()
     assert set(facts) == {"mm float32", "addmm with bias float32", "mm bfloat16", "addmm with bias bfloat16"}
     assert all(v["kept_MiB"] >= 0 for v in facts.values())
 
@@ -232,7 +232,7 @@ def test_run_one_on_a_gpu_notes_every_step_and_frees_what_the_cache_owns():
 
 
 def test_what_stays_after_a_clear_names_the_streams_and_no_pool():
-    from course.lessons.graph_cache.lab_clear import what_stays
+    from course.lessons.graph_cache.checks import what_stays
 
     snap = [_seg(0, (0, 0), 20), _seg(0, (0, 0), 2), _seg(7, (0, 0), 32)]
     text = what_stays(72 * MiB, 70 * MiB, snap, {0: "the default stream"})
@@ -240,3 +240,21 @@ def test_what_stays_after_a_clear_names_the_streams_and_no_pool():
     assert "22.0 MiB on the default stream" in text and "32.0 MiB on stream 7" in text
     assert "0.0 MiB of it in a graph pool" in text
     assert "2.0 MiB of it in a graph pool" in what_stays(0, 2 * MiB, [_seg(9, (1, 4), 2)])
+
+
+def test_a_run_names_its_inputs_and_the_command_line_takes_them(tmp_path, capsys):
+    """Issue 44's scenario is one run: the caller's inputs made in each call and dropped (per_call)."""
+    assert ("answer", "released", "nothing", "per_call") in mp.RUNS and mp.INPUTS == ("kept", "per_call")
+    with pytest.raises(SystemExit):
+        mp.main(["--json", "x.json", "--runs", "answer:released:nothing:twice"])
+    assert "inputs" in capsys.readouterr().err
+    if not ON_GPU:  # the four-field run parses; the simulator path then refuses, as every run
+        assert mp.main(["--json", str(tmp_path / "p.json"), "--runs", "answer:released:nothing:per_call"]) == 2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_run_one_with_inputs_made_per_call_keeps_nothing_of_the_callers_or_the_caches():
+    res = mp.run_one("answer", "released", "nothing", "per_call", width=256, buckets=(16, 32))
+    assert res["facts"]["inputs"] == "per_call" and all(r["inputs"] == "per_call" for r in res["rows"])
+    after = {b["name"] for s in res["segments"] for b in s["live_blocks"]}
+    assert not any(n.startswith(("cache's", "caller's")) for n in after), after

@@ -89,8 +89,7 @@ def training_result(times: dict, match: bool, ops, N: int, D_in: int, D_out: int
     eager, replay = times["eager"], times["replay"]
     eager_loop, replay_loop = times["eager_loop"], times["replay_loop"]
     rows = [{"mode": "eager", "per_step_us": eager.us, "loop_ms": eager_loop.median * iters * 1e3},
-            {"mode": "graph "
-                     "replay", "per_step_us": replay.us,
+            {"mode": "graph replay", "per_step_us": replay.us,
                      "loop_ms": replay_loop.median * iters * 1e3}]
     res = Result("graphs_seed_step",
                  f"The CUDA Graph lesson's training step (Linear {D_in}->{D_out}, batch {N}): "
@@ -382,7 +381,8 @@ def driver_launches(lib, g, shape: str, n: int, bufs, cap_stream, repeats: int) 
     row["first_after_upload_us"] = host_us(g2.replay)
     exe = ctypes.c_void_p()
     graph = ctypes.c_void_p(g.raw_cuda_graph())
-    _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0), "cuGraphInstantiateWithFlags")
+    flags0 = lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0)
+    _check(flags0, "cuGraphInstantiateWithFlags")
     try:
         launch = lambda: _check(lib.cuGraphLaunch(exe, stream), "cuGraphLaunch")  # noqa: E731
         row["driver_flags0_first_us"] = host_us(launch)

@@ -216,7 +216,6 @@ def recovery_experiment(kinds=KINDS, timeout: float = 120.0) -> Result:
     res.add_summary("graph freed during capture: torch.cuda.graph captured",
                     bool(freed["torch.cuda.graph"]["next_capture_ok"]))
     res.add_summary("graph freed during capture: course graph() captured and replayed right",
-                    bool(freed["course "
-                               "graph()"]["next_capture_ok"] and freed["course "
+                    bool(freed["course graph()"]["next_capture_ok"] and freed["course "
                                                                        "graph()"]["replay_right"]))
     return res

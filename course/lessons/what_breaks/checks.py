@@ -319,8 +319,8 @@ def check_frozen_step_fix(rotated_fixed, fixed_args, capture_and_replay=None) ->
             kinds = [type(a).__name__ for a in args if not isinstance(a, torch.Tensor)]
             check(kinds, [expect("python_number", lambda k: not k, lambda k: (
                 f"fixed_args({seed}) gives a Python {k[0]} among the inputs: a graph reads only "
-                "tensor memory at replay, so a Python number is frozen at capture. Give the step as "
-                "a tensor"))])
+                "tensor memory at replay, so a Python number is frozen at capture. Give the step "
+                "as a tensor"))])
             got, want = rotated_fixed(*args), S.rotated(x, step)
             check(got, [
                 expect("values", lambda g: tuple(g.shape) == tuple(want.shape)
