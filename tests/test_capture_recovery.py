@@ -6,14 +6,18 @@ scenario on the recording backend too).
 """
 from __future__ import annotations
 
+import gc
+import inspect
+import weakref
+
 import pytest
 import torch
 
 from course.core import capture
-from course.core.runtime import runtime, torch_device
-from course.lessons.graph_cache import GraphCache
 from course.core.isolate import run_isolated
-from course.lessons.what_breaks import bench, recovery
+from course.core.runtime import CourseEnvironmentError, runtime, torch_device
+from course.lessons.graph_cache import GraphCache
+from course.lessons.what_breaks import bench, recovery, zoo
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (CUDA graph capture)")
@@ -86,7 +90,6 @@ def test_recovery_experiment_quick():
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
 def test_guarded_capture_needs_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
     with pytest.raises(CourseEnvironmentError):
         recovery.after_failure("host_read", True)
     with pytest.raises(CourseEnvironmentError):
@@ -132,8 +135,6 @@ def test_pool_in_use_follows_replacements():
 
 
 def test_collector_paused_keeps_the_collector_off_and_restores_it():
-    import gc
-
     was_on = gc.isenabled()
     with capture.collector_paused():
         assert not gc.isenabled(), "the collector must stay off inside the block"
@@ -167,9 +168,7 @@ def test_course_graph_is_immune_to_a_graph_freed_by_the_collector():
 @gpu
 def test_a_graph_cache_after_caches_left_in_cycles_captures_every_key():
     """The trace that failed on the H100: caches dropped inside reference cycles, then GraphCache on a trace."""
-    import gc
 
-    from course.lessons.graph_cache import GraphCache
 
     saved = gc.get_threshold()
     gc.set_threshold(50)  # the collector comes due often: inside the captures, if it may run there
@@ -192,9 +191,7 @@ def test_a_graph_cache_after_caches_left_in_cycles_captures_every_key():
 
 def test_the_freed_graph_hazard_reads_as_the_lesson_shows_it():
     """Lesson 03 prints these sources: the hazard marks its two lines, the fix captures through graph()."""
-    import inspect
 
-    from course.lessons.what_breaks import zoo
 
     hazard = zoo.source(recovery.freed_graph_hazard)
     assert hazard.count("# hazard") == 2 and "abandoned_graph_cycle" in hazard and "torch.cuda.graph" in hazard
@@ -205,9 +202,6 @@ def test_the_freed_graph_hazard_reads_as_the_lesson_shows_it():
 
 @gpu
 def test_an_abandoned_graph_cycle_is_freed_only_by_the_collector_and_the_fix_captures():
-    import gc
-    import weakref
-
     x = torch.randn(8, 32, device="cuda")
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)}

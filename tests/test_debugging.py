@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import course
-from course.core import checks, harness as H
+from course.core import checks, harness as H, reference
 from course.sim import graph as simgraph, stream as simstream
 from course.core.runtime import runtime
 from course.lessons.what_breaks import checks as D, find_static, suspects as S
@@ -241,3 +241,34 @@ def test_the_checks_called_directly(capsys):
     out = capsys.readouterr().out
     assert out.count("FAILED") == 3 and "active_rows_mean" not in out.split("✗ 03.3")[0], out
     assert isinstance(S.SUSPECTS[0], S.Suspect) and S.active_rows_mean(torch.ones(2, 3)).tolist() == [1.0] * 3
+
+
+def _normalize_rows(x):
+    peak = x.abs().amax(dim=1, keepdim=True)
+    if (peak == 0).any():
+        peak = torch.where(peak == 0, torch.ones_like(peak), peak)
+    return x / peak.cpu().to(x.device)
+
+
+def _normalize_rows_fixed(x):
+    peak = x.abs().amax(dim=1, keepdim=True)
+    return x / torch.where(peak == 0, torch.ones_like(peak), peak)
+
+
+def test_the_first_two_checks_called_directly(capsys):
+    """03.1 names a hazard the finder still sees; 03.2 names a wrong prediction with the GPU's verdict."""
+    D.check_normalize(_normalize_rows_fixed, _normalize_rows)
+    assert checks.status("03.1 make it capturable") == checks.PASS
+    D.check_normalize(_normalize_rows, _normalize_rows)
+    assert checks.status("03.1 make it capturable") == checks.FAIL
+    assert "the finder still reports" in capsys.readouterr().out
+
+    rows = {r["function"]: r for r in reference.load_reference("hazards_finder").rows}
+    right = {"tensor_ctor_hazard": "fails", "pinned_frozen_hazard": "replays wrong",
+             "unique_fixed": "captures"}
+    D.check_predictions(lambda: right, rows)
+    assert checks.status("03.2 predict the capture") == checks.PASS
+    D.check_predictions(lambda: {**right, "pinned_frozen_hazard": "captures"}, rows)
+    assert checks.status("03.2 predict the capture") == checks.FAIL
+    assert "pinned_frozen_hazard: you said 'captures', the GPU says 'replays wrong'" in \
+        capsys.readouterr().out

@@ -1,12 +1,13 @@
-"""The graph cache memory probe's bookkeeping (its GPU run is by hand), and what the backends release per stream."""
+"""The graph cache memory probe and its ledger (the GPU run is by hand), and what the backends release per stream."""
 import pytest
 import torch
 
 from course.core import hardware
-from course.core.runtime import CourseEnvironmentError, runtime
-from course.lessons.graph_cache import memory_probe as mp
-from course.lessons.graph_cache.backends import CudaGraphBackend
-from course.lessons.graph_cache.checks import CountingBackend
+from course.core.runtime import CourseEnvironmentError, graphs, runtime
+from course.lessons.graph_cache import GraphCache, memory_ledger as ml, memory_probe as mp
+from course.lessons.graph_cache.backends import CudaGraphBackend, RecordingBackend
+from course.lessons.graph_cache.cache_checks import what_stays
+from course.lessons.graph_cache.counting import CountingBackend
 
 ON_GPU = runtime().on_gpu
 MiB = 2**20
@@ -14,14 +15,14 @@ MiB = 2**20
 
 def test_ledger_notes_each_step_and_what_it_freed():
     readings = iter([(100 * MiB, 60 * MiB), (120 * MiB, 70 * MiB), (80 * MiB, 40 * MiB)])
-    led = mp.Ledger("answer", "kept", lambda: next(readings))
+    led = ml.Ledger("answer", "kept", lambda: next(readings))
     led.step("start")
     led.step("calls", "three misses")
     last = led.step("clear_cache()")
     assert [r["freed_MiB"] for r in led.rows] == [0.0, -20.0, 40.0]
     assert last == {"cache": "answer", "workspaces": "kept", "inputs": "kept", "step": "clear_cache()",
                     "what": "", "reserved_MiB": 80.0, "allocated_MiB": 40.0, "freed_MiB": 40.0}
-    table = mp.format_rows(led.rows)
+    table = ml.format_rows(led.rows)
     assert table.splitlines()[0].split()[:4] == ["cache", "workspaces", "inputs", "step"] and "three misses" in table
     assert len(table.splitlines()) == 2 + 3
     releases = mp.release_table(led.rows)
@@ -50,7 +51,7 @@ def test_snapshot_summary_names_known_tensors_workspaces_and_the_rest():
             {"stream": 5, "segment_pool_id": (0, 0), "total_size": 2 * MiB, "allocated_size": 2 * MiB,
              "blocks": [{"address": 7000, "size": 2 * MiB, "state": "active_allocated",
                          "frames": [{"name": "<lambda>", "filename": "memory_probe.py", "line": 3}]}]}]
-    segs = mp.snapshot_summary(snap, {1000: "weight"}, {0: "default", 77: "capture"})
+    segs = ml.snapshot_summary(snap, {1000: "weight"}, {0: "default", 77: "capture"})
     assert [s["stream"] for s in segs] == ["default", "capture", "stream 5"]
     assert [s["private_pool"] for s in segs] == [False, True, False]
     assert [s["total_MiB"] for s in segs] == [20.0, 32.0, 2.0]
@@ -97,9 +98,6 @@ def test_the_gpu_backend_drops_the_workspaces_before_a_capture_and_at_reset(monk
 
 @pytest.mark.skipif(ON_GPU, reason="the simulator's accounting")
 def test_pool_bytes_counts_a_static_output_still_referenced():
-    from course.core.runtime import graphs
-    from course.lessons.graph_cache.backends import RecordingBackend
-
     cg = graphs()
     backend = CountingBackend(RecordingBackend())
     fwd = backend.watch(lambda t: t * 2)
@@ -122,38 +120,38 @@ def _seg(stream, pool, mib, blocks=()):
 
 def test_by_stream_pool_sums_segments_per_stream_and_pool_largest_first():
     snap = [_seg(0, (0, 0), 20), _seg(9, (1, 2), 2), _seg(9, (1, 2), 32), _seg(0, (0, 0), 2), _seg(5, None, 32)]
-    got = mp.by_stream_pool(snap, {0: "default", 9: "capture"})
+    got = ml.by_stream_pool(snap, {0: "default", 9: "capture"})
     assert got == {"capture/pool (1, 2)": 34 * MiB, "stream 5/ordinary": 32 * MiB, "default/ordinary": 22 * MiB}
-    assert mp.pool_kind((0, 0)) == mp.pool_kind(None) == "ordinary" and mp.pool_kind([3, 4]) == "pool (3, 4)"
+    assert ml.pool_kind((0, 0)) == ml.pool_kind(None) == "ordinary" and ml.pool_kind([3, 4]) == "pool (3, 4)"
 
 
 def test_a_ledger_with_a_split_notes_where_each_rows_memory_lies():
-    led = mp.Ledger("answer", "released", lambda: (52 * MiB, 40 * MiB), split=lambda: {"default/ordinary": 52 * MiB})
+    led = ml.Ledger("answer", "released", lambda: (52 * MiB, 40 * MiB), split=lambda: {"default/ordinary": 52 * MiB})
     row = led.step("weight")
     assert row["where_MiB"] == {"default/ordinary": 52.0}
-    assert "in: default/ordinary 52.0" in mp.format_rows(led.rows).splitlines()[-1]
+    assert "in: default/ordinary 52.0" in ml.format_rows(led.rows).splitlines()[-1]
 
 
 def test_held_and_kept_are_measured_from_the_weights_row():
     rows = [{"step": s, "reserved_MiB": v} for s, v in [("start", 0.0), ("weight", 16.0),
                                                          ("settled, before the clear", 172.0),
                                                          ("gc + synchronize + empty_cache", 100.0)]]
-    assert mp.held_and_kept(rows) == {"held_MiB": 156.0, "kept_MiB": 84.0}
+    assert ml.held_and_kept(rows) == {"held_MiB": 156.0, "kept_MiB": 84.0}
 
 
 def test_name_block_prefers_known_tensors_then_cublas_frames_then_the_workspace_size():
     known = {1: "weight"}
-    assert mp.name_block(1, 32 * MiB, ["at::cuda::getCurrentCUDABlasHandle (x.cpp:1)"], known, 32 * MiB) == "weight"
-    assert mp.name_block(2, 8, ["getCUDABlasLtWorkspace (x.cpp:2)"], known) == "cuBLAS workspace"
-    assert mp.name_block(3, 32 * MiB, [], known, 32 * MiB) == "cuBLAS workspace (by its size)"
-    assert mp.name_block(4, 32 * MiB, ["<lambda> (p.py:3)"], known, None) == "made in the forward (no tensor)"
-    assert mp.name_block(5, 2 * MiB, [], known, 32 * MiB) == "?"
+    assert ml.name_block(1, 32 * MiB, ["at::cuda::getCurrentCUDABlasHandle (x.cpp:1)"], known, 32 * MiB) == "weight"
+    assert ml.name_block(2, 8, ["getCUDABlasLtWorkspace (x.cpp:2)"], known) == "cuBLAS workspace"
+    assert ml.name_block(3, 32 * MiB, [], known, 32 * MiB) == "cuBLAS workspace (by its size)"
+    assert ml.name_block(4, 32 * MiB, ["<lambda> (p.py:3)"], known, None) == "made in the forward (no tensor)"
+    assert ml.name_block(5, 2 * MiB, [], known, 32 * MiB) == "?"
 
 
 def test_format_segments_lists_each_segments_live_blocks():
-    segs = mp.snapshot_summary([_seg(0, (0, 0), 20, [{"address": 1, "size": 16 * MiB, "state": "active_allocated"}]),
+    segs = ml.snapshot_summary([_seg(0, (0, 0), 20, [{"address": 1, "size": 16 * MiB, "state": "active_allocated"}]),
                                 _seg(7, (0, 1), 2)], {1: "weight"}, {0: "default"})
-    lines = mp.format_segments(segs)
+    lines = ml.format_segments(segs)
     assert "stream default" in lines[0] and "weight 16.0" in lines[0] and "no live block" in lines[1]
 
 
@@ -167,7 +165,7 @@ def test_stream_names_number_new_streams_and_skip_the_ones_torch_only_wraps():
 
     FakeStream.count = 0
     fake = type("T", (), {"cuda": type("C", (), {"Stream": FakeStream})})
-    names = mp.StreamNames()
+    names = ml.StreamNames()
     names.install(fake)
     names.name(0, "default")
     names.context = "call, batch 256"
@@ -184,8 +182,6 @@ def test_stream_names_number_new_streams_and_skip_the_ones_torch_only_wraps():
 
 @pytest.mark.skipif(ON_GPU, reason="the caches run on the simulator's graphs here")
 def test_cache_tensors_names_the_static_inputs_and_outputs_of_both_caches():
-    from course.lessons.graph_cache import GraphCache
-
     w = torch.randn(4, 4)
     fwd = lambda t: torch.relu(t @ w) @ w  # noqa: E731
     for cache in (mp.answer_cache_class()(fwd, buckets=[2, 4]), GraphCache(fwd, buckets=[2, 4])):
@@ -200,7 +196,7 @@ def test_report_says_held_and_kept_the_workspace_facts_and_the_segments():
     run = {"rows": rows, "summary": {"held_MiB": 156.0, "kept_MiB": 84.0},
            "facts": {"after": "nothing", "torch": "2.11.0+cu130", "device": "H200",
                      "workspace_facts": {"mm float32": {"kept_MiB": 32.0, "left_after_release_MiB": 0.0}}},
-           "snapshots": {"after the clear": mp.snapshot_summary([_seg(0, (0, 0), 20)], {}, {0: "default"})}}
+           "snapshots": {"after the clear": ml.snapshot_summary([_seg(0, (0, 0), 20)], {}, {0: "default"})}}
     text = mp.report({"rows": rows, "runs": [run]})
     assert "156.0 MiB held before the clear, 84.0 MiB kept after it" in text
     assert "mm float32 32.00 MiB (0.00 left after the release)" in text and "segments reserved, after the clear" in text
@@ -214,7 +210,7 @@ def test_the_command_line_names_a_bad_run(capsys):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_workspace_facts_on_a_gpu_measure_each_product():
-    facts = mp.workspace_facts()
+    facts = ml.workspace_facts()
     assert set(facts) == {"mm float32", "addmm with bias float32", "mm bfloat16", "addmm with bias bfloat16"}
     assert all(v["kept_MiB"] >= 0 for v in facts.values())
 
@@ -232,8 +228,6 @@ def test_run_one_on_a_gpu_notes_every_step_and_frees_what_the_cache_owns():
 
 
 def test_what_stays_after_a_clear_names_the_streams_and_no_pool():
-    from course.lessons.graph_cache.checks import what_stays
-
     snap = [_seg(0, (0, 0), 20), _seg(0, (0, 0), 2), _seg(7, (0, 0), 32)]
     text = what_stays(72 * MiB, 70 * MiB, snap, {0: "the default stream"})
     assert text.startswith("clear_cache() gave back 72.0 MiB (the captures' pool held 70.0 MiB); 54.0 MiB stay")

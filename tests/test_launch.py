@@ -1,9 +1,21 @@
+import json
+import os
+import time
+
+import numpy as np
 import pytest
+import torch
 
 import course
-from course.lessons.launch_overhead import bench, launch
-from course.lessons.launch_overhead.checks import check_crossover
+from course.core import checks, reference
+from course.core.isolate import env_set
 from course.core.results import Result
+from course.core.runtime import cuda
+from course.core.timing import Timing, capture_calls, time_enqueue
+from course.lessons.launch_overhead import bench, launch
+from course.lessons.launch_overhead.bench import launch_costs_result
+from course.lessons.launch_overhead.checks import check_crossover
+from course.lessons.launch_overhead.launch import tiny_kernels
 
 
 def _rows():
@@ -19,7 +31,6 @@ def test_crossover_bytes():
 def test_check_crossover_accepts_right_and_rejects_wrong():
     res = Result("s", "S", {"bytes": "B", "host_enqueue_us": "us", "kernel_exec_us": "us"}, _rows())
     res.add_summary("crossover_bytes", launch.crossover_bytes(res.rows), "B")
-    from course.core import checks
 
     checks.reset()
     check_crossover(launch.crossover_bytes, res)
@@ -42,7 +53,6 @@ def test_trace_rows_extracts_lanes():
 
 def test_cpu_dispatch_runs_live_everywhere():
     """The cell of lesson 01 (read out of its answer version) runs live on this machine."""
-    from course.core import reference
 
     res = reference.get("cpu_dispatch").fn(max_exp=8, repeats=3)
     assert res.live and len(res.rows) == 4
@@ -52,8 +62,6 @@ def test_cpu_dispatch_runs_live_everywhere():
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_gpu_launch_experiments_quick():
-    from course.core import reference
-
     costs = reference.get("launch_costs").fn(repeats=5)
     assert costs.value("torch_launch_us") > costs.value("torch_kernel_exec_us") > 0
     sweep = reference.get("launch_sweep").fn(max_exp=16, repeats=5)
@@ -78,9 +86,7 @@ def test_outliers_names_a_point_far_off_both_neighbours():
 def test_sweep_timings_measures_sizes_in_turns_so_a_passing_disturbance_makes_no_outlier():
     """A disturbance as long as five samples: measured one size after the other it lands on five of the seven
     repeats of one size, whose median moves; measured in turns it lands on at most two repeats of any size."""
-    import time
 
-    from course.core.timing import time_enqueue
 
     def disturbed(first_call: int):
         calls = {"n": 0}
@@ -107,8 +113,6 @@ def test_sweep_timings_measures_sizes_in_turns_so_a_passing_disturbance_makes_no
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
 def test_capture_calls_needs_a_gpu_and_a_count():
-    from course.core.timing import capture_calls
-
     with pytest.raises(ValueError, match="calls must be >= 1"):
         capture_calls(lambda: None, 0)
     with pytest.raises(Exception, match="needs a real GPU"):
@@ -117,9 +121,6 @@ def test_capture_calls_needs_a_gpu_and_a_count():
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_capture_calls_replays_every_call():
-    import torch
-
-    from course.core.timing import capture_calls
 
     x = torch.zeros(4, device="cuda")
     g = capture_calls(lambda: x.add_(1.0), 5)
@@ -130,9 +131,6 @@ def test_capture_calls_replays_every_call():
 
 
 def test_launch_costs_result_reads_the_cells_timings():
-    from course.core.timing import Timing
-    from course.lessons.launch_overhead.bench import launch_costs_result
-
     def t(us):
         return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 20, "host-enqueue")
 
@@ -146,10 +144,6 @@ def test_launch_costs_result_reads_the_cells_timings():
 
 
 def test_tiny_kernels_compile_and_run_on_this_path():
-    import numpy as np
-
-    from course.core.runtime import cuda
-    from course.lessons.launch_overhead.launch import tiny_kernels
 
     empty, add_one = tiny_kernels()
     a = cuda().to_device(np.zeros(4, dtype=np.float32))
@@ -159,7 +153,6 @@ def test_tiny_kernels_compile_and_run_on_this_path():
 
 
 def _timing(us):
-    from course.core.timing import Timing
     return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 10, "x")
 
 
@@ -185,8 +178,6 @@ def test_sweep_result_reads_the_three_clocks_per_size():
 
 
 def test_timeline_result_and_chrome_trace():
-    import json
-
     trace = {"traceEvents": [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100 + 10 * i, "dur": 4} for i in range(4)] + [
         {"ph": "X", "cat": "kernel", "name": "add_kernel", "ts": 103 + 10 * i, "dur": 2} for i in range(4)]}
@@ -212,9 +203,6 @@ def test_cpu_dispatch_result_finds_the_floor_and_the_doubling():
 
 
 def test_env_set_sets_and_unsets_for_the_block_then_puts_everything_back(monkeypatch):
-    import os
-
-    from course.core.isolate import env_set
 
     monkeypatch.setenv("COURSE_T_KEEP", "old")
     monkeypatch.setenv("COURSE_T_GONE", "there")

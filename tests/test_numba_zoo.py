@@ -1,12 +1,14 @@
-"""Numba capture hazards (course.lessons.what_breaks.zoo.NUMBA): eager results, static findings, GPU captures."""
+"""Numba capture hazards (course.lessons.what_breaks.numba_zoo): eager results, static findings, GPU captures."""
 import pytest
 import torch
 
 import course
-from course.lessons.what_breaks import find_static, zoo
-from course.core import reference
+from course.core import numba_kernels, reference
+from course.core.runtime import CourseEnvironmentError, as_numba, numba_stream
+from course.lessons.what_breaks import find_static, numba_zoo
 from course.lessons.what_breaks.bench import capture_and_replay, numba_result, run_eagerly
-from course.lessons.what_breaks.zoo import NUMBA as ENTRIES, entry_args, kernels
+from course.lessons.what_breaks.numba_zoo import ENTRIES, entry_args, kernels
+from course.sim.parity_streams import _affine
 
 NAMES = [e[0] for e in ENTRIES]
 
@@ -30,7 +32,7 @@ def test_kernels_are_compiled_once_and_args_match_entries():
     assert kernels() is not None and kernels()[0] is kernels()[0]
     x = torch.zeros(4)
     assert len(entry_args("to_device", True, x)) == 2 and entry_args("device_array", False, x) == (x,)
-    assert zoo.NUMBA and callable(capture_and_replay)
+    assert numba_zoo.ENTRIES and callable(capture_and_replay)
 
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
@@ -57,8 +59,6 @@ def test_numba_result_counts_fixes_that_replay_right_and_hazards_that_break():
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="the CPU path's behaviour")
 def test_numba_experiment_says_it_needs_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
-
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
         reference.get("hazards_numba").fn()
 
@@ -73,14 +73,9 @@ def test_entries_name_their_functions():
 
 
 def test_the_shared_affine_kernel_is_compiled_once_and_computes_2x_plus_1():
-    import torch
-
-    from course.core import numba_kernels
-    from course.core.runtime import as_numba, numba_stream
-    from course.sim.parity_streams import _affine
 
     k = numba_kernels.affine()
-    assert k is numba_kernels.affine() is _affine() is zoo.kernels()[0]
+    assert k is numba_kernels.affine() is _affine() is numba_zoo.kernels()[0]
     x = torch.arange(40, dtype=torch.float32, device=course.device())
     out = torch.zeros_like(x)
     k[2, 32, numba_stream()](as_numba(x), as_numba(out))

@@ -1,5 +1,5 @@
 """Numba kernels that more than one part of the course launches: :func:`affine` (``out = 2 * x + 1``), used by lesson
-03's Numba hazards (:mod:`course.lessons.what_breaks.zoo`) and by the simulator's stream parity programs
+03's Numba hazards (:mod:`course.lessons.what_breaks.numba_zoo`) and by the simulator's stream parity programs
 (:mod:`course.sim.parity_streams`).
 
 Compiled on first use, once per process. The kernels reach ``numba.cuda`` through the module global ``ncuda``

@@ -115,39 +115,6 @@ def forgotten_join(batch: int = 64, width: int = 2048) -> dict:
             "error": "" if out.ok else clip(f"{out.error_type}: {out.error}", 240)}
 
 
-class CompileNet:
-    """Factory namespace for the small model compiled in the torch.compile experiments."""
-
-    HAZARDS = ("none", "mutates_input", "cpu_tensor", "item")
-
-    @staticmethod
-    def build(hazard: str = "none", width: int = 256, depth: int = 6):
-        """An MLP of ``depth`` Linear+ReLU layers whose forward carries ``hazard`` (one of
-        :attr:`HAZARDS`)."""
-        if hazard not in CompileNet.HAZARDS:
-            raise ValueError(f"hazard must be one of {CompileNet.HAZARDS}")
-
-        class Net(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.layers = torch.nn.ModuleList(torch.nn.Linear(width,
-                                                                  width) for _ in range(depth))
-
-            def forward(self, x):
-                if hazard == "mutates_input":
-                    x.clamp_(-3.0, 3.0)  # an in-place update of an input
-                h = x
-                for i, layer in enumerate(self.layers):
-                    h = torch.relu(layer(h))
-                    if hazard == "item" and i == depth // 2:
-                        h = h / h.abs().max().item()  # a host read: dynamo breaks the graph here
-                if hazard == "cpu_tensor":
-                    return h, h.mean().cpu()  # a device-to-host copy inside the compiled graph
-                return h
-
-        return Net().cuda()
-
-
 def amp() -> tuple:
     """``(device_type, dtype)`` for ``torch.autocast``: bfloat16 on ``"cuda"`` on a GPU, on
     ``"cpu"`` on the simulator (CPU autocast supports bfloat16; float16 autocast on the CPU is

@@ -54,6 +54,7 @@ class DecoderConfig:
 
 
 def rms_norm(x, w, eps):
+    """RMSNorm of ``x`` over its last dim, scaled by ``w``."""
     if hasattr(F, "rms_norm"):  # one op (torch >= 2.4)
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -3,8 +3,9 @@
 - :mod:`~course.lessons.what_breaks.static`: the finder's rules and its static half (reads the
   source; runs anywhere); :mod:`~course.lessons.what_breaks.dynamic`: its dynamic half (runs the
   function on a GPU).
-- :mod:`~course.lessons.what_breaks.zoo`: hazards and their fixes, one small function each, the
-  Numba ones included; :mod:`~course.lessons.what_breaks.suspects`: code the learner did not write
+- :mod:`~course.lessons.what_breaks.zoo`: hazards and their fixes, one small function each
+  (:mod:`~course.lessons.what_breaks.numba_zoo`: Numba's);
+  :mod:`~course.lessons.what_breaks.suspects`: code the learner did not write
   (03.3-03.5); :mod:`~course.lessons.what_breaks.recovery`: after each kind of failed capture, does
   the next one work?
 - :mod:`~course.lessons.what_breaks.checks`: the checks of exercises 03.1 to 03.5.

@@ -17,7 +17,7 @@ from course.core.runtime import as_numba, numba_stream, runtime
 from course.core.text import clip
 from course.core.timing import one_sample
 from course.lessons.launch_overhead.launch import tiny_kernels
-from course.lessons.what_breaks import zoo
+from course.lessons.what_breaks import numba_zoo, zoo
 from course.lessons.what_breaks.recovery import KINDS
 
 RECOVERY = "course.lessons.what_breaks.recovery"  # each recovery case runs from it, in a process
@@ -174,18 +174,19 @@ def numba_result(rows: list, n: int) -> Result:
                  rows, params={"n": n})
     fixes_ok = sum(1 for r in rows if r["kind"] == "fix" and r["replay_matches_eager"])
     broken = sum(1 for r in rows if r["kind"] == "hazard" and not r["replay_matches_eager"])
-    res.add_summary("fixes that capture and replay right", fixes_ok, f"of {len(zoo.NUMBA)}")
-    res.add_summary("hazards that fail to capture or replay wrong", broken, f"of {len(zoo.NUMBA)}")
+    of = f"of {len(numba_zoo.ENTRIES)}"
+    res.add_summary("fixes that capture and replay right", fixes_ok, of)
+    res.add_summary("hazards that fail to capture or replay wrong", broken, of)
     return res
 
 
 def run_eagerly(name: str, kind: str = "hazard"):
     """Run one entry eagerly on this path (simulator or GPU) and return its output (for tests and
     notebooks)."""
-    entry = {e[0]: e for e in zoo.NUMBA}[name]
+    entry = {e[0]: e for e in numba_zoo.ENTRIES}[name]
     fn = entry[2] if kind == "hazard" else entry[3]
     x = torch.arange(8, dtype=torch.float32, device=runtime().device)
-    return fn(*zoo.entry_args(name, kind == "fix", x)), x
+    return fn(*numba_zoo.entry_args(name, kind == "fix", x)), x
 
 
 @experiment("capture_recovery", gpu_only=True, quick={"kinds": ("host_read", "d2h_copy")})

@@ -19,9 +19,7 @@ import textwrap
 import torch
 
 
-# =====================================================================================
-# Rules: what the finder reports, why it breaks capture, and what to do instead
-# =====================================================================================
+# --- Rules: what the finder reports, why it breaks capture, and what to do instead -------------
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A kind of hazard: what the finder reports and what to do about it."""
@@ -127,9 +125,7 @@ _HOST_VALUE_PREFIXES = ("random.", "np.random.", "numpy.random.", "time.time", "
                         "time.monotonic", "datetime.")
 
 
-# =====================================================================================
-# Findings
-# =====================================================================================
+# --- Findings ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """One hazard at one line."""
@@ -162,9 +158,7 @@ class Finding:
         return head + (f"\n{'':20}{self.detail}" if self.detail else "")
 
 
-# =====================================================================================
-# Static analysis
-# =====================================================================================
+# --- Static analysis ---------------------------------------------------------------------------
 def _dotted(node) -> str | None:
     """'torch.cuda.synchronize' for a chain of attributes on a name; None otherwise."""
     parts = []
