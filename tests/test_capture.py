@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import course
 from course.core import capture
+from course.core.capture import CaptureOutcome, capture_once, reset_rng_capture_state, try_capture
+from course.core.runtime import CourseEnvironmentError, runtime, torch_device
 from course.lessons.what_breaks import zoo
-from course.core.capture import CaptureOutcome, try_capture
-from course.core.runtime import CourseEnvironmentError, runtime
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (CUDA graph capture)")
@@ -113,9 +114,6 @@ def test_recover_refuses_while_capturing():
 
 @pytest.mark.skipif(not runtime().on_gpu, reason="needs a GPU")
 def test_failed_capture_leaves_the_cuda_rng_usable():
-    import torch
-
-    from course.core.capture import reset_rng_capture_state, try_capture
     x = torch.randn(16, device="cuda")
     out = try_capture(lambda: x.sum().item())
     assert not out.ok
@@ -136,7 +134,6 @@ def test_failed_capture_leaves_the_cuda_rng_usable():
 def test_recover_puts_the_stream_back_on_either_path():
     """A failed cg.graph leaves its capture stream current (on a GPU as on the simulator); recover() puts it back
     and, on a GPU, leaves the random generator usable."""
-    import course
 
     cg = course.graphs()
     before, g = cg.current_stream(), cg.CUDAGraph()
@@ -152,9 +149,6 @@ def test_recover_puts_the_stream_back_on_either_path():
 
 def test_capture_once_captures_replays_and_leaves_the_stream_after_a_failure():
     """course.core.capture.capture_once on this machine's graphs (the simulator's, or torch.cuda's)."""
-    import course
-    from course.core.capture import capture_once
-    from course.core.runtime import torch_device
 
     cg = course.graphs()
     x = torch.ones(4, device=torch_device())

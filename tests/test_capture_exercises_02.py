@@ -16,10 +16,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+import course
 from cellrun import apply_edits, run_cells
-from course.core import checks
+from course.core import checks, reference
+from course.core.harness import judge
 from course.core.runtime import runtime
+from course.lessons.capture_replay import bench, capture_checks as cc, checks as replay_checks, replay
+from course.lessons.capture_replay.capture_checks import _pools_in_words
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "solutions" / "02_capture_and_replay.ipynb"
@@ -27,7 +32,7 @@ ON_GPU = runtime().on_gpu
 A, B, C = "02.6 capture a forward by hand", "02.7 capture a training step", "02.8 two graphs, one pool"
 ANSWER = {A: "def capture_forward(", B: "def capture_train_step(", C: "def capture_buckets("}
 CHECK = {A: "check_capture_forward(", B: "check_train_step(", C: "check_shared_pool("}
-SETUP = ("course.header()", "cg = course.graphs()", "AMP_DEVICE, AMP_DTYPE = capture_checks.amp()")
+SETUP = ("course.header()", "cg = course.graphs()", "AMP_DEVICE, AMP_DTYPE = amp()")
 
 
 def _cells() -> list:
@@ -56,7 +61,6 @@ def _fresh_checks():
     checks.reset()
     yield
     checks.reset()
-    import course
 
     cg = course.graphs()
     assert not cg.is_current_stream_capturing(), "a check left a capture under way"
@@ -87,7 +91,7 @@ _SERVE = """    static_x.copy_(x)
 # (name, exercise, edits, words the ✗ must contain)
 MUTANTS = [
     # 02.6: a forward captured by hand
-    ("no warm-up", A, _edit(_WARM_A, _WARM_A.split("\n", 3)[3]), ["never ran before its capture"]),
+    ("no warm-up", A, _edit(_WARM_A, _WARM_A.split("\n", 3)[3]), ["no warm-up ran before the capture"]),
     ("warm-up on the default stream", A, _edit(_WARM_A, _WARM_A.replace(
         "    with cg.stream(side):\n        for _ in range(3):\n            model(static_x)",
         "    for _ in range(3):\n        model(static_x)")), ["default stream"]),
@@ -117,7 +121,7 @@ MUTANTS = [
         "            cg.current_stream().wait_stream(side)\n            model(static_x)\n")), ["the join"]),
     # 02.7: a whole training step
     ("no warm-up step", B, _edit(_WARM_B, "    with cg.stream(side):\n        pass"),
-     ["never ran before its capture"]),
+     ["no warm-up ran before the capture"]),
     ("warm-up on the default stream", B, _edit(_WARM_B, "    for _ in range(3):\n"
                                                      "        train_step(model, optimizer, static_x, static_y)"),
      ["default stream"]),
@@ -146,7 +150,7 @@ MUTANTS = [
      ["overwrote", "clone"]),
     ("captures the smallest first", C, _edit("sorted(sizes, reverse=True)", "sorted(sizes)"), ["largest first"]),
     ("no warm-up", C, _edit("            for _ in range(3):\n                model(static_x)",
-                            "            pass"), ["never ran before its capture"]),
+                            "            pass"), ["no warm-up ran before the capture"]),
     ("rebinds the static input instead of copy_", C, _edit(_SERVE, _SERVE.replace("static_x.copy_(x)",
                                                                                   "static_x = x")),
      ["is not model(x)"]),
@@ -220,8 +224,6 @@ def test_a_capture_refused_before_the_model_ran_leads_with_its_error(tmp_path):
 
 
 def test_separate_pools_are_said_in_words():
-    from course.lessons.capture_checks import _pools_in_words
-
     assert _pools_in_words({16: (2, 0), 64: (1, 0)}) == "each graph (batches 16, 64) has a pool of its own"
     assert _pools_in_words({8: (0, 1), 16: (0, 1), 64: (3, 0)}) == ("batches 8, 16 share one pool; the batch-64 graph "
                                                                     "has a pool of its own")
@@ -244,7 +246,6 @@ def test_learner_version_says_not_done_yet(tmp_path):
 
 def test_rules_name_the_stack_the_sweep_was_recorded_on():
     """The lesson's rules say which software the recorded replay host times hold for: the sweep's provenance."""
-    from course.core import reference
 
     prov = reference.load_reference("graphs_kernel_sweep").provenance
     nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
@@ -258,55 +259,41 @@ def test_rules_name_the_stack_the_sweep_was_recorded_on():
 
 # ----------------------------------------------------------------------------- the checks' own tools
 def test_train_step_trains_with_autocast_and_capturable_adam():
-    import torch
-
-    import course
-    from course.lessons import capture_checks as cc
 
     course.graphs()  # on the simulator: capturable optimizers may then run on the CPU (course.sim.optim)
-    model = cc.mlp(seed=3)
-    opt = torch.optim.Adam(model.parameters(), lr=cc.LR, capturable=True)
+    model = cc.small_mlp(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=replay.LR, capturable=True)
     x, y = torch.randn(8, 16, device=model[0].weight.device), torch.randn(8, 4, device=model[0].weight.device)
     before = [p.detach().clone() for p in model.parameters()]
-    loss = cc.train_step(model, opt, x, y)
+    loss = replay.train_step(model, opt, x, y)
     assert loss.dtype == torch.float32 and loss.ndim == 0
-    assert float(cc.train_loss(model, x, y).detach()) >= 0
+    assert float(replay.train_loss(model, x, y).detach()) >= 0
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    device_type, dtype = cc.amp()
+    device_type, dtype = replay.amp()
     assert device_type == ("cuda" if ON_GPU else "cpu") and dtype == torch.bfloat16
-    assert torch.equal(cc.mlp(seed=3)[0].weight, cc.mlp(seed=3)[0].weight)
+    assert torch.equal(cc.small_mlp(seed=3)[0].weight, cc.small_mlp(seed=3)[0].weight)
 
 
-def test_watch_sees_streams_captures_and_steps():
-    import torch
-
-    import course
-    from course.lessons import capture_checks as cc
+def test_the_tracer_sees_streams_captures_and_steps():
 
     cg = course.graphs()
-    model = cc.mlp(seed=4)
+    model = cc.small_mlp(seed=4)
     x = torch.zeros(8, 16, device=course.device())
-    watch = cc.Watch(model, optimizers=True)
-    try:
-        assert watch.recipe_problem() is not None  # never ran during a capture
+    with cc.watching(model, cc._step_rules, optimizers=True) as t:
+        assert judge(t, cc._forward_rules(t)).rule == "not_captured"
         model(x)  # on the default stream
         with torch.no_grad():
             g = cg.CUDAGraph()
             with cg.graph(g):
                 model(x)
-        assert "default stream" in watch.recipe_problem()
-    finally:
-        watch.close()
+        out = judge(t, cc._forward_rules(t))
+        assert out.rule == "warm_up" and "default stream" in out.message
     model(x)
-    assert len(watch.calls) == 2, "close() removes the hooks"
-    assert [c["capturing"] for c in watch.calls] == [False, True]
-    assert watch.calls[0]["default"] and not watch.calls[1]["default"] and watch.calls[0]["batch"] == 8
+    assert len(t.of(cc.MODEL)) == 2, "the hooks go when the block ends"
+    assert [e["where"] for e in t.of(cc.MODEL)] == ["default", "capture"] and t.of(cc.MODEL)[0]["batch"] == 8
 
 
 def test_restored_puts_the_stream_back_after_an_error():
-    import course
-    from course.lessons import capture_checks as cc
-
     cg = course.graphs()
     side = cg.Stream()
     with pytest.raises(ZeroDivisionError):
@@ -316,19 +303,108 @@ def test_restored_puts_the_stream_back_after_an_error():
     assert cg.current_stream() == cg.default_stream()
 
 
-def test_step_problem_names_a_non_capturable_step_inside_a_capture():
-    import torch
+def test_a_non_capturable_step_inside_a_capture_is_named():
 
-    from course.lessons import capture_checks as cc
-
-    model = cc.mlp(seed=2)
-    watch = cc.Watch(model, optimizers=True)
-    try:
-        opt = torch.optim.Adam(model.parameters(), lr=cc.LR)
+    model = cc.small_mlp(seed=2)
+    with cc.watching(model, cc._step_rules, optimizers=True) as t:
+        opt = torch.optim.Adam(model.parameters(), lr=replay.LR)
         model(torch.randn(4, 16, device=model[0].weight.device)).sum().backward()
-        opt.step()  # outside a capture: nothing to say
-        assert watch.steps and watch.steps[-1]["capturable"] is False and watch.step_problem() is None
-        watch.steps.append({**watch.steps[-1], "capturing": True})  # the same step, as a capture would see it
-        assert "capturable is False" in watch.step_problem() and "Adam(..., capturable=True)" in watch.step_problem()
-    finally:
-        watch.close()
+        opt.step()  # outside a capture: nothing to say about capturable
+    steps = t.of("step")
+    assert steps and steps[-1]["capturable"] is False
+    t.events.append({**steps[-1], "where": "capture"})  # the same step, as a capture would see it
+    out = judge(t, [r for r in cc._step_rules(t) if r.name == "capturable"])
+    assert "capturable is False" in out.message and "Adam(..., capturable=True)" in out.message
+
+
+# ----------------------------------------------------------------------------- 02.1-02.5, called directly
+def _verdict(capsys, name: str):
+    """The exercise's status and what its check printed."""
+    return checks.status(name), capsys.readouterr().out
+
+
+def test_the_sweep_checks_pass_the_fit_and_name_a_wrong_number(capsys):
+    sweep = reference.load_reference("graphs_kernel_sweep")
+    saving = bench.per_kernel_slopes(sweep)["saving_us_per_kernel"]
+    replay_checks.check_per_kernel_saving(lambda s: saving, sweep)
+    assert _verdict(capsys, "02.1 saving per kernel")[0] == checks.PASS
+    replay_checks.check_per_kernel_saving(lambda s: 2 * saving, sweep)
+    status, out = _verdict(capsys, "02.1 saving per kernel")
+    assert status == checks.FAIL and "us per kernel, expected" in out
+
+    b = bench.per_kernel_slopes(sweep)["replay_us_per_kernel"]
+    rows = [r for r in sweep.rows if r["kernels"] >= 16]
+    a = sum(r["replay_us"] - b * r["kernels"] for r in rows) / len(rows)
+    replay_checks.check_replay_prediction(lambda s, n: a + b * n, sweep)
+    assert _verdict(capsys, "02.4 predict, then measure")[0] == checks.PASS
+    replay_checks.check_replay_prediction(lambda s, n: 1.0, sweep)
+    status, out = _verdict(capsys, "02.4 predict, then measure")
+    assert status == checks.FAIL and "the fit of the sweep gives" in out
+
+
+def test_break_even_checks_every_row_with_a_saving(capsys):
+    new_shape = reference.load_reference("graphs_new_shape")
+    right = lambda r: (r["warmup_ms"] + r["capture_ms"]) * 1000 / (r["eager_us"] - r["replay_us"])  # noqa: E731
+    replay_checks.check_break_even(right, new_shape)
+    assert _verdict(capsys, "02.2 break-even replays")[0] == checks.PASS
+    replay_checks.check_break_even(lambda r: right(r) / 1000, new_shape)  # ms over us
+    status, out = _verdict(capsys, "02.2 break-even replays")
+    assert status == checks.FAIL and "replays, expected" in out
+
+
+def _captured_layer():
+    """Section 1's graph on this path: ``(model, static_x, static_y, g)``."""
+    cg = course.graphs()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8).to(course.device())
+    static_x = torch.zeros(16, 64, device=course.device())
+    with torch.no_grad():
+        model(static_x)
+        g = cg.CUDAGraph()
+        with cg.graph(g):
+            static_y = model(static_x)
+    return model, static_x, static_y, g
+
+
+def test_replay_with_names_a_result_the_next_replay_overwrote(capsys):
+    model, static_x, static_y, g = _captured_layer()
+
+    def right(x):
+        static_x.copy_(x)
+        g.replay()
+        return static_y.clone()
+
+    def not_cloned(x):
+        static_x.copy_(x)
+        g.replay()
+        return static_y
+
+    replay_checks.check_replay_with(right, model)
+    assert _verdict(capsys, "02.3 replay with new data")[0] == checks.PASS
+    replay_checks.check_replay_with(not_cloned, model)
+    status, out = _verdict(capsys, "02.3 replay with new data")
+    assert status == checks.FAIL and "was it overwritten?" in out
+
+
+def test_serve_names_an_input_never_copied_in(capsys):
+    model, static_x, static_y, g = _captured_layer()
+
+    def forward(x):
+        with torch.no_grad():
+            return model(x)
+
+    def serve(requests, copy_in=True):
+        out = []
+        for x in requests:
+            if copy_in:
+                static_x.copy_(x)
+            g.replay()
+            out.append(static_y.clone())
+        return out
+
+    replay_checks.check_serve(serve, forward)
+    assert _verdict(capsys, "02.5 diagnose a wrong replay")[0] == checks.PASS
+    static_x.zero_()
+    replay_checks.check_serve(lambda reqs: serve(reqs, copy_in=False), forward)
+    status, out = _verdict(capsys, "02.5 diagnose a wrong replay")
+    assert status == checks.FAIL and "still reads the old input memory" in out

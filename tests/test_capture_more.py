@@ -1,11 +1,13 @@
-"""Beyond the recipe (course.lessons.capture_more): partial graphs, two streams, capture error modes."""
+"""Beyond the recipe (lesson 02, section 8): partial graphs, two streams, capture error modes."""
 import pytest
 import torch
 
 import course
 from course.core import reference
-from course.lessons import capture_more
-from course.lessons.capture_more import data_dependent_loss
+from course.core.isolate import run_isolated
+from course.core.timing import Timing
+from course.lessons.capture_replay import bench as capture_more
+from course.lessons.capture_replay.replay import branch, data_dependent_loss, fork_join
 
 gpu = pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 
@@ -37,8 +39,6 @@ def test_capture_modes_quick():
 
 
 def test_branch_and_fork_join_agree_on_this_path():
-    from course.lessons.capture_more import branch, fork_join
-
     x, w = torch.ones(2, 3), torch.eye(3)
     assert torch.equal(branch(x, w), x)
     if course.runtime().on_gpu:
@@ -47,8 +47,6 @@ def test_branch_and_fork_join_agree_on_this_path():
 
 
 def test_run_isolated_reports_a_failure_and_a_result():
-    from course.core.isolate import run_isolated
-
     assert run_isolated("course.core.hardware", "peak_dram_gbps", memory_clock_khz=1e6, bus_width_bits=8) == 2.0
     with pytest.raises(RuntimeError, match="failed in its own process"):
         run_isolated("course.core.hardware", "peak_dram_gbps", memory_clock_khz=0, bus_width_bits=8)
@@ -56,16 +54,12 @@ def test_run_isolated_reports_a_failure_and_a_result():
 
 @gpu
 def test_forgotten_join_is_refused():
-    from course.core.isolate import run_isolated
-
-    out = run_isolated("course.lessons.capture_more", "forgotten_join", batch=8, width=64)
+    out = run_isolated("course.lessons.capture_replay.replay", "forgotten_join", batch=8, width=64)
     assert not out["captured"] and "unjoined" in out["error"]
 
 
 # ----------------------------------------------------------------------------- the cells' bookkeeping, on recordings
 def _t(us, q1=None, q3=None):
-    from course.core.timing import Timing
-
     q1, q3 = (us if q1 is None else q1), (us if q3 is None else q3)
     return Timing(us * 1e-6, q1 * 1e-6, q3 * 1e-6, q1 * 1e-6, q3 * 1e-6, 15, 10, "cuda-events")
 

@@ -6,13 +6,18 @@ scenario on the recording backend too).
 """
 from __future__ import annotations
 
+import gc
+import inspect
+import weakref
+
 import pytest
 import torch
 
 from course.core import capture
-from course.core.runtime import runtime, torch_device
+from course.core.isolate import run_isolated
+from course.core.runtime import CourseEnvironmentError, runtime, torch_device
 from course.lessons.graph_cache import GraphCache
-from course.lessons.what_breaks import recovery
+from course.lessons.what_breaks import bench, recovery, zoo
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (CUDA graph capture)")
@@ -79,17 +84,16 @@ def test_guarded_graph_raises_the_body_error_and_restores_the_stream():
 
 @gpu
 def test_recovery_experiment_quick():
-    res = recovery.recovery_experiment(kinds=("host_read", "d2h_copy"))
+    res = bench.recovery_experiment(kinds=("host_read", "d2h_copy"))
     assert res.value("captures_after_failure_ok") is True, res.rows
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
 def test_guarded_capture_needs_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
     with pytest.raises(CourseEnvironmentError):
         recovery.after_failure("host_read", True)
     with pytest.raises(CourseEnvironmentError):
-        recovery.recovery_experiment()
+        bench.recovery_experiment()
 
 
 @gpu
@@ -131,8 +135,6 @@ def test_pool_in_use_follows_replacements():
 
 
 def test_collector_paused_keeps_the_collector_off_and_restores_it():
-    import gc
-
     was_on = gc.isenabled()
     with capture.collector_paused():
         assert not gc.isenabled(), "the collector must stay off inside the block"
@@ -152,23 +154,21 @@ def test_collector_paused_keeps_the_collector_off_and_restores_it():
 @pytest.mark.parametrize("by_hand", [False, True])
 def test_a_graph_freed_by_the_collector_during_a_capture_breaks_torch_cuda_graph(by_hand):
     """The hazard reproduced: a graph held by a dead reference cycle, collected in the middle of a capture."""
-    row = recovery.run_isolated(recovery.__name__, "freed_during_capture", timeout=120, guarded=False,
+    row = run_isolated(recovery.__name__, "freed_during_capture", timeout=120, guarded=False,
                                 by_hand=by_hand)
     assert not row["next_capture_ok"] and row["failure"], row
 
 
 @gpu
 def test_course_graph_is_immune_to_a_graph_freed_by_the_collector():
-    row = recovery.run_isolated(recovery.__name__, "freed_during_capture", timeout=120, guarded=True)
+    row = run_isolated(recovery.__name__, "freed_during_capture", timeout=120, guarded=True)
     assert row["next_capture_ok"] and row["replay_right"] and not row["failure"], row
 
 
 @gpu
 def test_a_graph_cache_after_caches_left_in_cycles_captures_every_key():
     """The trace that failed on the H100: caches dropped inside reference cycles, then GraphCache on a trace."""
-    import gc
 
-    from course.lessons.graph_cache import GraphCache
 
     saved = gc.get_threshold()
     gc.set_threshold(50)  # the collector comes due often: inside the captures, if it may run there
@@ -191,22 +191,17 @@ def test_a_graph_cache_after_caches_left_in_cycles_captures_every_key():
 
 def test_the_freed_graph_hazard_reads_as_the_lesson_shows_it():
     """Lesson 03 prints these sources: the hazard marks its two lines, the fix captures through graph()."""
-    import inspect
 
-    from course.lessons.what_breaks import zoo
 
     hazard = zoo.source(recovery.freed_graph_hazard)
     assert hazard.count("# hazard") == 2 and "abandoned_graph_cycle" in hazard and "torch.cuda.graph" in hazard
     fixed = inspect.getsource(recovery.freed_graph_fixed)
-    assert "from course.core.capture import graph" in fixed and "# hazard" not in fixed
+    assert "capture_with_collection(graph, x, by_hand)" in fixed and "# hazard" not in fixed
     assert "cycle[\"self\"] = cycle" in inspect.getsource(recovery.abandoned_graph_cycle)
 
 
 @gpu
 def test_an_abandoned_graph_cycle_is_freed_only_by_the_collector_and_the_fix_captures():
-    import gc
-    import weakref
-
     x = torch.randn(8, 32, device="cuda")
     gc.collect()
     before = {id(o) for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph)}

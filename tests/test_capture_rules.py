@@ -40,7 +40,7 @@ def rules() -> dict:
 def test_the_page_names_its_sources_and_covers_every_topic():
     text = PAGE.read_text(encoding="utf-8")
     for name, url in SOURCES.items():
-        assert f"[" in text and url in text, f"CAPTURE_RULES.md must link {name}: {url}"
+        assert "[" in text and url in text, f"CAPTURE_RULES.md must link {name}: {url}"
     titles = " ".join(rules()).lower()
     missing = [t for t in TOPICS if t not in titles]
     assert not missing, f"rules missing from CAPTURE_RULES.md's section titles: {missing}"

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import course
-from course.core import capturecheck, checks
+from course.core import checks, harness as H, reference
 from course.sim import graph as simgraph, stream as simstream
 from course.core.runtime import runtime
-from course.lessons.what_breaks import debugging as D, find_static, suspects as S
+from course.lessons.what_breaks import checks as D, find_static, suspects as S
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSON = ROOT / "solutions" / "03_what_breaks_capture.ipynb"
@@ -48,7 +48,7 @@ def test_the_course_capture_gives_the_gpu_verdict(suspect):
     verdict, error = D.reference_capture(suspect.fn, suspect.args)
     assert verdict == suspect.verdict, (verdict, error)
     if error is not None:
-        cause = capturecheck.root_cause(error)
+        cause = H.root_cause(error)
         assert suspect.error in str(cause)
         frames = [f for f in __import__("traceback").extract_tb(cause.__traceback__) if f.filename == S.__file__]
         assert (frames[-1].name, frames[-1].lineno) == suspect.hazard_line()
@@ -62,74 +62,14 @@ def test_suspects_hide_from_the_static_finder_and_their_inputs_change():
     assert S.get("sharpened").hazard_line() == ("_temperature", S._temperature.__code__.co_firstlineno + 2)
     with pytest.raises(KeyError, match="no suspect"):
         S.get("nope")
-    assert capturecheck.first_line(RuntimeError("a\nb")) == "RuntimeError: a"
+    assert H.first_line(RuntimeError("a\nb")) == "RuntimeError: a"
 
 
-def test_watched_sees_each_slip_of_a_capture():
-    cg = course.graphs()
-    x = torch.ones(3, device=course.device())
-    w = capturecheck.Watched(lambda t: t * 2)
-    with pytest.raises(AssertionError, match="never ran inside a capture"):
-        capturecheck.assert_captured_well(w)
-    g = cg.CUDAGraph()
-    with cg.graph(g):
-        out = w(x)
-    assert w.captured() and w.static == (x,) and w.output is out
-    with pytest.raises(AssertionError, match="without a warm-up"):
-        capturecheck.assert_captured_well(w)
-    w.calls.insert(0, {"default": True, "capturing": False, "gc": True})
-    with pytest.raises(AssertionError, match="default stream"):
-        capturecheck.assert_captured_well(w)
-    w.calls[0]["default"] = False
-    with pytest.raises(AssertionError, match="garbage collector"):
-        capturecheck.assert_captured_well(w)
-    w.calls[-1]["gc"] = False
-    capturecheck.assert_captured_well(w)
-
-
-def test_watched_with_streams_names_a_missing_fork_or_join_and_puts_the_events_back():
-    from course.core.capture import collector_paused
-    from course.core.stream_order import FORK, JOIN
-
-    cg = course.graphs()
-    record = cg.Event.record
-    for fork, join, want in ((True, True, None), (False, True, FORK), (True, False, JOIN)):
-        x = torch.ones(3, device=course.device())
-        w = capturecheck.Watched(lambda t: t * 2, streams=True)
-        try:
-            side = cg.Stream()
-            if fork:
-                side.wait_stream(cg.current_stream())
-            with cg.stream(side):
-                w(x)
-            if join:
-                cg.current_stream().wait_stream(side)
-            g = cg.CUDAGraph()
-            with collector_paused(), cg.graph(g):
-                w(x)
-        finally:
-            w.close()
-        assert w.stream_problem() == want and cg.Event.record is record
-        if want is None:
-            capturecheck.assert_captured_well(w)
-        else:
-            with pytest.raises(AssertionError, match=want.split(":")[0][:40]):
-                capturecheck.assert_captured_well(w)
-    assert capturecheck.Watched(lambda t: t).stream_problem() is None
-    try:
-        try:
-            raise ValueError("first")
-        except ValueError:
-            raise RuntimeError("second")  # noqa: B904 - a chain, as capture_end makes one
-    except RuntimeError as e:
-        assert str(capturecheck.root_cause(e)) == "first"
-
-
-def test_probe_records_how_it_was_called():
-    p = D.Probe()
-    out = p(*p.args())
-    assert p.calls == [{"default": True, "capturing": False, "gc": True}] and p.static is None
-    assert torch.equal(out, torch.relu(p.args()[0] @ p.w) + 1)
+def test_the_probe_has_no_hazard_and_new_inputs_per_seed():
+    fn, make_args = D.probe()
+    x, w = make_args(0)
+    assert torch.equal(fn(x, w), torch.relu(x @ w) + 1)
+    assert not torch.equal(make_args(1)[0], x) and make_args(1)[1] is w
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         D.legacy_softmax(torch.zeros(2))
@@ -150,7 +90,8 @@ def run_exercises(edits=(), until: str = "") -> dict:
     """The lesson's header and import cells, then the cells of 03.3 to 03.5 (answers and checks), with ``edits``;
     exercise name -> (status, printed output)."""
     cells = _cells()
-    first = next(i for i, c in enumerate(cells) if "from course.lessons.what_breaks import debugging" in _src(c))
+    first = next(i for i, c in enumerate(cells)
+                 if "from course.lessons.what_breaks import checks as hazard_checks, suspects" in _src(c))
     setup = [_src(c) for c in cells[:3]] + [_src(cells[first])]
     steps = [_src(c) for c in cells[first + 1:]
              if "### BEGIN SOLUTION" in _src(c) or "check" in c.get("metadata", {}).get("tags", [])]
@@ -208,7 +149,7 @@ MUTANTS = [
                                    "return bool(finder.find_static(fn))")], SYNC, ["sharpened", "helpers"]),
     # 03.4: the learner's capture, and their reading of its error
     ("no warm-up", [("        fn(*static)  # the warm-up, on a side stream\n", "        pass\n")], CAP,
-     ["without a warm-up"]),
+     ["no warm-up ran before the capture"]),
     ("warm-up on the default stream", [("    with cg.stream(side):\n        fn(*static)",
                                         "    if True:\n        fn(*static)")], CAP, ["default stream", "side stream"]),
     ("collector on during the capture", [("with collector_paused(), cg.graph(g):", "with cg.graph(g):")], CAP,
@@ -277,7 +218,7 @@ def test_the_checks_called_directly(capsys):
         return any(D.SYNC_WARNING in str(w.message) for w in caught)
 
     def failing_line(error):
-        cause = capturecheck.root_cause(error)
+        cause = H.root_cause(error)
         frames = [f for f in __import__("traceback").extract_tb(cause.__traceback__) if f.filename == S.__file__]
         return frames[-1].name, frames[-1].lineno
 
@@ -300,3 +241,34 @@ def test_the_checks_called_directly(capsys):
     out = capsys.readouterr().out
     assert out.count("FAILED") == 3 and "active_rows_mean" not in out.split("✗ 03.3")[0], out
     assert isinstance(S.SUSPECTS[0], S.Suspect) and S.active_rows_mean(torch.ones(2, 3)).tolist() == [1.0] * 3
+
+
+def _normalize_rows(x):
+    peak = x.abs().amax(dim=1, keepdim=True)
+    if (peak == 0).any():
+        peak = torch.where(peak == 0, torch.ones_like(peak), peak)
+    return x / peak.cpu().to(x.device)
+
+
+def _normalize_rows_fixed(x):
+    peak = x.abs().amax(dim=1, keepdim=True)
+    return x / torch.where(peak == 0, torch.ones_like(peak), peak)
+
+
+def test_the_first_two_checks_called_directly(capsys):
+    """03.1 names a hazard the finder still sees; 03.2 names a wrong prediction with the GPU's verdict."""
+    D.check_normalize(_normalize_rows_fixed, _normalize_rows)
+    assert checks.status("03.1 make it capturable") == checks.PASS
+    D.check_normalize(_normalize_rows, _normalize_rows)
+    assert checks.status("03.1 make it capturable") == checks.FAIL
+    assert "the finder still reports" in capsys.readouterr().out
+
+    rows = {r["function"]: r for r in reference.load_reference("hazards_finder").rows}
+    right = {"tensor_ctor_hazard": "fails", "pinned_frozen_hazard": "replays wrong",
+             "unique_fixed": "captures"}
+    D.check_predictions(lambda: right, rows)
+    assert checks.status("03.2 predict the capture") == checks.PASS
+    D.check_predictions(lambda: {**right, "pinned_frozen_hazard": "captures"}, rows)
+    assert checks.status("03.2 predict the capture") == checks.FAIL
+    assert "pinned_frozen_hazard: you said 'captures', the GPU says 'replays wrong'" in \
+        capsys.readouterr().out

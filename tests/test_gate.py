@@ -174,7 +174,7 @@ def test_a_check_named_by_a_module_constant_is_declared_too():
     gate then fails an answer version whose check never reported (lab 4.5 and 02.6-02.8 were unseen before)."""
     import ast
 
-    from course.lessons import capture_checks
+    from course.lessons.capture_replay import capture_checks
     from course.lessons.real_model import checks as real_model
 
     known = G.course_checks()

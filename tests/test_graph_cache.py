@@ -9,15 +9,29 @@ import pytest
 import torch
 
 import course
-from course.core import reference
-from course.core.runtime import runtime
-from course.lessons.graph_cache import (PRESETS, CaptureFailed, CudaGraphBackend, GraphCache, RecordingBackend,
-                                        bucket_sizes, decode_trace, default_backend, key_str, next_bucket,
-                                        padding_report)
+from course.core import checks, reference, timing
 from course.core.capture import collector_paused
-from course.lessons.graph_cache.backends import Recorded, diagnose, failure_reason, host_read_watch
+from course.core.isolate import run_isolated
+from course.core.profiling import launch_counts
+from course.core.results import Result
+from course.core.runtime import runtime
+from course.core.timing import Timing
+from course.lessons.graph_cache import (CaptureFailed, CudaGraphBackend, GraphCache, PRESETS,
+                                        RecordingBackend, bench as faq, bucket_sizes, cache_checks,
+                                        checks as lab, decode_trace, default_backend, key_str,
+                                        next_bucket, padding_report)
+from course.lessons.graph_cache.backends import (Recorded, diagnose, failure_reason,
+                                                 host_read_watch, tensor_bytes)
+from course.lessons.graph_cache.bench import (fallback_result, fallback_row, memory_result,
+                                              replay_trace, time_to_fast, trace_variant)
+from course.lessons.graph_cache.buckets import Preset
 from course.lessons.graph_cache.counting import CountingBackend
-from course.lessons.graph_cache.decoder import DecoderConfig, TinyDecoder, numba_embedding
+from course.lessons.graph_cache.cache import CacheBase
+from course.lessons.graph_cache.decoder import (DecoderConfig, DecoderWeights, TinyDecoder, kv_groups,
+                                                numba_embedding, rms_norm)
+from course.lessons.graph_cache.step import (KIND, METHOD, OLD_METHOD, SHORT, VARIANTS, cold_calls,
+                                             compiled_again, step_builders, step_lines,
+                                             step_ratios, step_result, step_rows)
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
@@ -275,6 +289,26 @@ def test_decoder_step_matches_the_uncached_reference():
     assert torch.equal(e, m.tok[toks])
 
 
+
+def test_the_decoders_helpers_match_their_formulas_and_its_weights_have_no_step():
+    x, w = torch.randn(3, 8), torch.randn(8)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    assert torch.allclose(rms_norm(x, w, 1e-5), want, atol=1e-5)
+    kv = torch.randn(2, 2, 4)  # [batch, kv_heads, head_dim]
+    grouped = kv_groups(kv, 4)
+    assert grouped.shape == (2, 4, 4) and torch.equal(grouped[:, 1], kv[:, 0])
+    assert torch.equal(grouped[:, 2], kv[:, 1])
+    weights = DecoderWeights(DecoderConfig(layers=1, max_seq=8, slots=2))
+    assert not hasattr(weights, "step") and hasattr(TinyDecoder, "step")
+
+
+def test_the_cache_base_holds_everything_but_the_call():
+    base = CacheBase(lambda x: x * 2, buckets=[2, 4])
+    assert not callable(base) and base.get_stats()["cache_misses"] == 0
+    c = GraphCache(lambda x: x * 2, buckets=[2, 4], backend=RecordingBackend())
+    c(torch.ones(3, device=DEV))
+    assert c.get_stats()["cache_misses"] == 1
+
 def test_decoder_through_the_cache_matches_eager_and_padding_stays_out():
     cfg = DecoderConfig(layers=1, max_seq=8, slots=6)
     eager, cached, leaky = TinyDecoder(cfg), TinyDecoder(cfg), TinyDecoder(cfg)
@@ -361,14 +395,12 @@ def test_cuda_backend_clear_cache_frees_separate_pools():
 
 
 def test_preset_sizes_from_segments():
-    from course.lessons.graph_cache.buckets import Preset
     p = Preset("toy", ((1, 2, 1), (8, None, 8)), "a test")
     assert p.sizes(20) == [1, 2, 8, 16] and p.sizes(1) == [1]
 
 
 def test_replay_trace_every_call_misses_without_buckets():
     """The seed's Q2: with exact shapes every new batch size is a miss; buckets bound the misses."""
-    from course.lessons.graph_cache.faq import replay_trace
     m = TinyDecoder(DecoderConfig(layers=1, max_seq=8, slots=8))
     trace = [1, 2, 3, 5, 6, 7, 3, 8]
     exact = replay_trace(_cache(m.step, pad_value=m.pad_values()), m, trace)
@@ -379,7 +411,6 @@ def test_replay_trace_every_call_misses_without_buckets():
 
 @gpu
 def test_launch_counts_see_the_cache_replay():
-    from course.core.profiling import launch_counts
     m = TinyDecoder()
     args = m.example_args(2, 0)
     c = GraphCache(m.step)
@@ -390,9 +421,6 @@ def test_launch_counts_see_the_cache_replay():
 
 
 # ----------------------------------------------------------------------------- lab 3's checks catch wrong caches
-from course.lessons.graph_cache import lab  # noqa: E402
-
-
 def _key(args, bucket):
     return tuple(("tensor", (bucket, *a.shape[1:]), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor)
                  else ("value", a) for a in args)
@@ -485,11 +513,36 @@ def _bugged(bug):
     return lambda fn, **kw: _LabCache(fn, bug=bug, **kw)
 
 
+def test_the_lessons_checks_called_directly(capsys):
+    """04.1 names a preset that is not the fewest graphs within 10 % waste; 04.2 a wrong count."""
+    checks.reset()
+    traces = (decode_trace(60, 64, seed=1), decode_trace(60, 64, mean_new=4, seed=2))
+
+    def choose(trace):
+        reports = {n: padding_report(trace, bucket_sizes(n, 64)) for n in PRESETS}
+        fits = {n: r for n, r in reports.items() if r["waste"] <= 0.10}
+        return min(fits, key=lambda n: (fits[n]["graphs"], fits[n]["waste"])) if fits else None
+
+    assert lab.check_choice(choose, traces) == choose(traces[0])
+    assert checks.status("04.1 choose a preset") == checks.PASS
+    wrong = next(n for n in PRESETS if n != choose(traces[0]))
+    lab.check_choice(lambda trace: wrong, traces)
+    assert checks.status("04.1 choose a preset") == checks.FAIL
+    assert f"you chose {wrong!r}" in capsys.readouterr().out
+    right = {"cache_misses": 3, "cache_hits": 4, "eager_calls": 1, "padded_rows": 4}
+    lab.check_stats(lambda: right)
+    assert checks.status("04.2 predict the statistics") == checks.PASS
+    lab.check_stats(lambda: {**right, "padded_rows": 0})
+    assert checks.status("04.2 predict the statistics") == checks.FAIL
+    assert "padded_rows: you said 0, the cache counted 4" in capsys.readouterr().out
+    checks.reset()
+
+
 def test_lab_checks_pass_the_answer(capsys):
     lab.check_key(_key)
     lab.check_static(_make_static, _copy_in)
     lab.check_copy_out(_copy_out)
-    for check in (lab.check_miss_and_hit, lab.check_buckets, lab.check_fallback, lab.check_enable_clear):
+    for check in (cache_checks.check_miss_and_hit, cache_checks.check_buckets, cache_checks.check_fallback, cache_checks.check_enable_clear):
         check(_LabCache)
     out = capsys.readouterr().out
     assert out.count(": passed") == 7 and "FAILED" not in out and "CRASHED" not in out, out
@@ -502,10 +555,10 @@ def test_lab_checks_pass_the_answer(capsys):
     (lab.check_static, (_make_static, lambda s, a, n, p: _copy_in(s, a, n, p, refill=False)), "pad_value"),
     (lab.check_copy_out, (lambda out, n, b, copy=True: tuple(o[:n] if o.shape[0] == b else o for o in out)
                           if isinstance(out, tuple) else out[:n],), "Clone"),
-    (lab.check_miss_and_hit, (_bugged("eager_hit"),), "does a hit call the forward eagerly"),
-    (lab.check_miss_and_hit, (_bugged("no_copy_in"),), "copied"),
-    (lab.check_miss_and_hit, (_bugged("no_clone"),), "overwritten"),
-    (lab.check_buckets, (_bugged("no_refill"),), "slots holds [3] where its pad_value is 10"),
+    (cache_checks.check_miss_and_hit, (_bugged("eager_hit"),), "does a hit call the forward eagerly"),
+    (cache_checks.check_miss_and_hit, (_bugged("no_copy_in"),), "copied"),
+    (cache_checks.check_miss_and_hit, (_bugged("no_clone"),), "overwritten"),
+    (cache_checks.check_buckets, (_bugged("no_refill"),), "slots holds [3] where its pad_value is 10"),
 ])
 def test_lab_checks_diagnose_wrong_caches(check, args, message, capsys):
     check(*args)  # a wrong answer is a printed ✗ (exercise() does not raise unless asked to)
@@ -535,7 +588,8 @@ def test_counting_backend_counts_the_graph_api_and_undoes_its_wrappers():
         g.replay()
     assert [cg.CUDAGraph.__dict__.get(n) for n in ("capture_begin", "capture_end", "replay")] == originals
     assert (b.captures, b.replays, b.foreign, b.replaced) == (1, 1, 0, 0) and b.pools == [b.pool()]
-    assert b.forward.calls[-1]["capturing"] and not b.forward.calls[-1]["gc"] and b.forward.output is None
+    last = b.tracer.of("forward")[-1]
+    assert last["where"] == "capture" and not last["gc"] and "output" not in last, "no reference kept"
     got = b.replayed_inputs()
     assert got[0] is static[0] and got[1] is None and b.live_graphs() == 1
     if not ON_GPU:
@@ -543,7 +597,7 @@ def test_counting_backend_counts_the_graph_api_and_undoes_its_wrappers():
     del g, got, out
     assert b.live_graphs() == 0 and b.replayed_inputs()[0] is static[0]
     if not ON_GPU:
-        assert lab.reserved_now(b) == 0, "a freed graph gives its bytes back"
+        assert cache_checks.reserved_now(b) == 0, "a freed graph gives its bytes back"
     b.reset_pool()
     assert b.pool_resets == 1
 
@@ -563,7 +617,6 @@ def test_a_failed_capture_into_the_backends_pool_retires_it():
 
 
 def test_recording_backend_counts_what_live_recordings_hold():
-    from course.lessons.graph_cache.backends import tensor_bytes
     assert tensor_bytes((torch.ones(3), [torch.ones(2, dtype=torch.int64)], {"k": torch.ones(1)}, "x")) == 32
     b = RecordingBackend()
     recs = [b.capture(lambda x: x * 2, [torch.ones(4)]) for _ in range(2)]
@@ -590,16 +643,15 @@ class _HoardingCache(_LabCache):
 
 
 def test_lab_check_enable_clear_fails_a_cache_that_keeps_its_graphs(capsys):
-    lab.check_enable_clear(_HoardingCache)
+    cache_checks.check_enable_clear(_HoardingCache)
     out = capsys.readouterr().out
     assert "lab 3.7 enable and clear: FAILED" in out and "did not come back" in out, out
     assert "still references the old entries" in out
-    lab.check_enable_clear(_LabCache)
+    cache_checks.check_enable_clear(_LabCache)
     assert "✓ lab 3.7 enable and clear: passed" in capsys.readouterr().out
 
 
 def test_time_to_fast_sums_calls_until_the_first_fast_one():
-    from course.lessons.graph_cache.experiments import time_to_fast
     trace = [1, 2, 1, 2, 1, 3]
     cold = [5.0, 4.0, 3.0, 0.1, 0.1, 9.0]   # size 1: compile 5, record 3, then fast; size 2: 4, then fast
     steady = [0.1, 0.1, 0.1, 0.1, 0.1, 0.2]
@@ -616,18 +668,14 @@ def test_calls_without_a_batch_run_eager():
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_trace_variant_runs_one_row_in_a_fresh_process():
-    from course.core.isolate import run_isolated
-    from course.lessons.graph_cache.experiments import trace_variant
-
     assert callable(trace_variant)
-    row = run_isolated("course.lessons.graph_cache.experiments", "trace_variant", label="cache, vllm buckets",
+    row = run_isolated("course.lessons.graph_cache.bench", "trace_variant", label="cache, vllm buckets",
                        steps=12, max_batch=8, presets=["vllm"], compile_variants=False, layers=1, seed=0)
     assert row["variant"] == "cache, vllm buckets" and row["eager_calls"] == 0 and row["memory_MB"] >= 0
 
 
 # ----------------------------------------------------------------------------- one step, one number (issue 16, item 5)
 def test_step_ratios_use_the_named_rows():
-    from course.lessons.graph_cache.step import SHORT, step_ratios
 
     def row(label, us, q1, q3):
         return {"variant": label, "us": us, "q1_us": q1, "q3_us": q3}
@@ -646,7 +694,6 @@ def test_step_ratios_use_the_named_rows():
 def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch):
     """The step experiment (lesson 04's cell) times every variant in ONE time_interleaved call; the table's times are
     that call's Timings, the summary ratios are computed from the table, and the profiler runs only after all timing."""
-    from course.core import timing
 
     fn = reference.get("graph_cache_step").fn
     assert fn.__module__.startswith("course_cells."), "graph_cache_step should be defined in lesson 04's cell"
@@ -678,7 +725,6 @@ def test_step_table_and_ratios_come_from_one_interleaved_measurement(monkeypatch
 
 
 def test_step_builders_list_the_variants_in_order():
-    from course.lessons.graph_cache.step import KIND, VARIANTS, step_builders
 
     m = TinyDecoder(DecoderConfig(layers=1, max_seq=4, slots=2))
     assert list(step_builders(m, False)) == [v[0] for v in VARIANTS[:2]]
@@ -687,7 +733,6 @@ def test_step_builders_list_the_variants_in_order():
 
 
 def test_cold_calls_keep_a_broken_compile_as_a_finding_and_raise_for_eager(monkeypatch):
-    from course.lessons.graph_cache.step import cold_calls, compiled_again
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     x = torch.ones(3)
@@ -716,7 +761,6 @@ def test_cold_calls_keep_a_broken_compile_as_a_finding_and_raise_for_eager(monke
 
 def test_step_reference_ratios_match_its_table():
     """The recorded graph_cache_step: its summary ratios are its table's rows (one measurement)."""
-    from course.lessons.graph_cache.step import METHOD, step_ratios
 
     res = reference.load_reference("graph_cache_step")
     if res.params.get("timing") != METHOD:
@@ -727,25 +771,22 @@ def test_step_reference_ratios_match_its_table():
 
 
 def test_heavy_runs_live_only_when_full(monkeypatch):
-    from course.core import reference as R
-
     calls = []
-    monkeypatch.setattr(R, "run", lambda name, **p: calls.append(name) or "live")
-    monkeypatch.delenv(R.ENV_FULL, raising=False)
-    assert not R.full_run()
+    monkeypatch.setattr(reference, "run", lambda name, **p: calls.append(name) or "live")
+    monkeypatch.delenv(reference.ENV_FULL, raising=False)
+    assert not reference.full_run()
     if not course.runtime().on_gpu:  # simulator: reference data, as reference.run gives it
-        assert R.heavy("graph_cache_step") == "live" and calls == ["graph_cache_step"]
-    monkeypatch.setattr(R, "runtime", lambda: type("RT", (), {"on_gpu": True})())
-    monkeypatch.setattr(R, "gpu_count", lambda: 1)
-    rec = R.heavy("graph_cache_trace")
+        assert reference.heavy("graph_cache_step") == "live" and calls == ["graph_cache_step"]
+    monkeypatch.setattr(reference, "runtime", lambda: type("RT", (), {"on_gpu": True})())
+    monkeypatch.setattr(reference, "gpu_count", lambda: 1)
+    rec = reference.heavy("graph_cache_trace")
     assert not rec.live and "COURSE_FULL=1" in rec.caption() and "recorded on" in rec.caption()
-    assert R.heavy("graph_cache_trace", full=True) == "live"
-    monkeypatch.setenv(R.ENV_FULL, "1")
-    assert R.full_run() and R.heavy("graph_cache_trace") == "live"
+    assert reference.heavy("graph_cache_trace", full=True) == "live"
+    monkeypatch.setenv(reference.ENV_FULL, "1")
+    assert reference.full_run() and reference.heavy("graph_cache_trace") == "live"
 
 
 def test_step_lines_name_the_method_and_the_source():
-    from course.lessons.graph_cache.step import OLD_METHOD, step_lines
 
     res = reference.load_reference("graph_cache_step")
     text = step_lines(res)
@@ -754,9 +795,6 @@ def test_step_lines_name_the_method_and_the_source():
 
 
 def test_step_rows_take_times_only_from_the_one_measurement():
-    from course.core.timing import Timing
-    from course.lessons.graph_cache.step import step_rows
-
     facts = {k: {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""} for k in ("eager", "broken")}
     t = {"eager": Timing(2e-3, 1.9e-3, 2.1e-3, 1.8e-3, 2.2e-3, 5, 10, "cuda-events")}
     rows = step_rows(["eager", "broken"], facts, t, {"eager": {"graph_launches": 0.0, "kernel_launches": 77.0}})
@@ -765,9 +803,6 @@ def test_step_rows_take_times_only_from_the_one_measurement():
 
 
 def test_step_result_takes_its_ratios_from_its_own_rows():
-    from course.core.timing import Timing
-    from course.lessons.graph_cache.step import METHOD, step_result
-
     replay = "cache: graph_replay (eager kernels captured)"
     facts = {k: {"first_3_calls_s": 0.1, "matches_eager": True, "skip_reason": ""} for k in ("eager", replay)}
     t = {"eager": Timing(2e-3, 1.9e-3, 2.1e-3, 0, 1, 5, 10, "cuda-events"),
@@ -778,26 +813,8 @@ def test_step_result_takes_its_ratios_from_its_own_rows():
     assert res.columns == reference.load_reference("graph_cache_step").columns and res.params["repeats"] == 5
 
 
-@pytest.mark.skipif(ON_GPU, reason="the refusal is for machines without a GPU")
-def test_step_timing_factors_needs_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
-    from course.lessons.graph_cache.diagnose_step import step_timing_factors
-
-    with pytest.raises(CourseEnvironmentError):
-        step_timing_factors()
-
-
-@gpu
-def test_step_timing_factors_on_gpu():
-    from course.lessons.graph_cache.diagnose_step import step_timing_factors
-
-    rows = step_timing_factors(repeats=3, layers=1)
-    assert [r["stage"] for r in rows][0] == "fresh" and all(r["us"] > 0 for r in rows)
-
-
 @gpu
 def test_step_quick_run_on_gpu_table_and_ratios_agree():
-    from course.lessons.graph_cache.step import METHOD
 
     res = reference.get("graph_cache_step").fn(repeats=5, compile_variants=False, layers=1)
     eager, replay = res.rows
@@ -806,9 +823,6 @@ def test_step_quick_run_on_gpu_table_and_ratios_agree():
 
 
 def test_recipe_rows_and_speedup_read_old_and_new_recordings():
-    from course.core.results import Result
-    from course.lessons.graph_cache import faq
-
     old = reference.load_reference("graph_cache_seed_timing")  # recorded with the columns' first names
     rows = faq.recipe_rows(old)
     assert rows and all("recipe_ms" in r and "recipe_warm_ms" in r for r in rows)
@@ -836,7 +850,6 @@ def _cell_fn(name, monkeypatch):
 
 
 def test_memory_result_rebuilds_the_recording():
-    from course.lessons.graph_cache.faq import memory_result
 
     rec = reference.load_reference("graph_cache_memory")
     freed = {}
@@ -865,9 +878,6 @@ def test_fallback_cell_runs_on_this_path(monkeypatch):
 
 
 def test_fallback_row_reads_the_stats():
-    from course.core.timing import Timing
-    from course.lessons.graph_cache.faq import fallback_row
-
     stats = {"cache_size": 1, "cache_hits": 2, "cache_misses": 3, "recordings": 4, "fusion_attempts": 5,
              "fusion_successes": 6, "fusion_fallbacks": 7, "eager_calls": 8,
              "fallback_reasons": {"k1": "b: later", "k2": "a: first", "k3": "b: later"}}
@@ -875,7 +885,6 @@ def test_fallback_row_reads_the_stats():
     assert row["reason"] == "a: first" and row["step_us"] == pytest.approx(5.0) and row["eager_calls"] == 8
     assert (row["cache_misses"], row["fusion_fallbacks"], row["fusion"]) == (3, 7, True)
     assert fallback_row("device", False, {**stats, "fallback_reasons": {}}, Timing(*[1e-6] * 5, 1, 1, "x"))["reason"] == ""
-    from course.lessons.graph_cache.faq import fallback_result
 
     res = fallback_result([row], steps=40, repeats=3, trace=[1, 2])
     assert res.columns == reference.load_reference("graph_cache_fallback").columns and res.rows == [row]
@@ -883,9 +892,6 @@ def test_fallback_row_reads_the_stats():
 
 
 def test_recipe_result_scales_one_call_to_the_recipes_calls():
-    from course.core.timing import Timing
-    from course.lessons.graph_cache import faq
-
     def row(mode, recipe_s, one_call_s):
         return {"mode": mode, "recipe_s": recipe_s, "pending_s": 0.5, "warm_s": recipe_s / 2,
                 "correct": Timing(one_call_s, one_call_s * 0.9, one_call_s * 1.1, 0, 1, 3, 10, "cuda-events")}

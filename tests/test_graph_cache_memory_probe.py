@@ -1,12 +1,12 @@
-"""The graph cache memory probe's bookkeeping (its GPU run is by hand), and what the backends release per stream."""
+"""The graph cache memory probe and its ledger (the GPU run is by hand), and what the backends release per stream."""
 import pytest
 import torch
 
 from course.core import hardware
-from course.core.runtime import CourseEnvironmentError, runtime
-from course.lessons.graph_cache import memory_ledger as ml
-from course.lessons.graph_cache import memory_probe as mp
-from course.lessons.graph_cache.backends import CudaGraphBackend
+from course.core.runtime import CourseEnvironmentError, graphs, runtime
+from course.lessons.graph_cache import GraphCache, memory_ledger as ml, memory_probe as mp
+from course.lessons.graph_cache.backends import CudaGraphBackend, RecordingBackend
+from course.lessons.graph_cache.cache_checks import what_stays
 from course.lessons.graph_cache.counting import CountingBackend
 
 ON_GPU = runtime().on_gpu
@@ -15,18 +15,19 @@ MiB = 2**20
 
 def test_ledger_notes_each_step_and_what_it_freed():
     readings = iter([(100 * MiB, 60 * MiB), (120 * MiB, 70 * MiB), (80 * MiB, 40 * MiB)])
-    led = mp.Ledger("answer", "kept", lambda: next(readings))
+    led = ml.Ledger("answer", "kept", lambda: next(readings))
     led.step("start")
     led.step("calls", "three misses")
     last = led.step("clear_cache()")
     assert [r["freed_MiB"] for r in led.rows] == [0.0, -20.0, 40.0]
-    assert last == {"cache": "answer", "workspaces": "kept", "step": "clear_cache()", "what": "",
-                    "reserved_MiB": 80.0, "allocated_MiB": 40.0, "freed_MiB": 40.0}
-    table = mp.format_rows(led.rows)
-    assert table.splitlines()[0].split()[:3] == ["cache", "workspaces", "step"] and "three misses" in table
+    assert last == {"cache": "answer", "workspaces": "kept", "inputs": "kept", "step": "clear_cache()",
+                    "what": "", "reserved_MiB": 80.0, "allocated_MiB": 40.0, "freed_MiB": 40.0}
+    table = ml.format_rows(led.rows)
+    assert table.splitlines()[0].split()[:4] == ["cache", "workspaces", "inputs", "step"] and "three misses" in table
     assert len(table.splitlines()) == 2 + 3
     releases = mp.release_table(led.rows)
-    assert releases == [{"cache": "answer", "workspaces": "kept", "release": "clear_cache()", "freed_MiB": 40.0}]
+    assert releases == [{"cache": "answer", "workspaces": "kept", "inputs": "kept", "release": "clear_cache()",
+                         "freed_MiB": 40.0}]
 
 
 def test_release_table_keeps_the_clear_and_every_release_in_order():
@@ -50,7 +51,7 @@ def test_snapshot_summary_names_known_tensors_workspaces_and_the_rest():
             {"stream": 5, "segment_pool_id": (0, 0), "total_size": 2 * MiB, "allocated_size": 2 * MiB,
              "blocks": [{"address": 7000, "size": 2 * MiB, "state": "active_allocated",
                          "frames": [{"name": "<lambda>", "filename": "memory_probe.py", "line": 3}]}]}]
-    segs = mp.snapshot_summary(snap, {1000: "weight"}, {0: "default", 77: "capture"})
+    segs = ml.snapshot_summary(snap, {1000: "weight"}, {0: "default", 77: "capture"})
     assert [s["stream"] for s in segs] == ["default", "capture", "stream 5"]
     assert [s["private_pool"] for s in segs] == [False, True, False]
     assert [s["total_MiB"] for s in segs] == [20.0, 32.0, 2.0]
@@ -97,9 +98,6 @@ def test_the_gpu_backend_drops_the_workspaces_before_a_capture_and_at_reset(monk
 
 @pytest.mark.skipif(ON_GPU, reason="the simulator's accounting")
 def test_pool_bytes_counts_a_static_output_still_referenced():
-    from course.core.runtime import graphs
-    from course.lessons.graph_cache.backends import RecordingBackend
-
     cg = graphs()
     backend = CountingBackend(RecordingBackend())
     fwd = backend.watch(lambda t: t * 2)
@@ -151,7 +149,7 @@ def test_name_block_prefers_known_tensors_then_cublas_frames_then_the_workspace_
 
 
 def test_format_segments_lists_each_segments_live_blocks():
-    segs = mp.snapshot_summary([_seg(0, (0, 0), 20, [{"address": 1, "size": 16 * MiB, "state": "active_allocated"}]),
+    segs = ml.snapshot_summary([_seg(0, (0, 0), 20, [{"address": 1, "size": 16 * MiB, "state": "active_allocated"}]),
                                 _seg(7, (0, 1), 2)], {1: "weight"}, {0: "default"})
     lines = ml.format_segments(segs)
     assert "stream default" in lines[0] and "weight 16.0" in lines[0] and "no live block" in lines[1]
@@ -184,8 +182,6 @@ def test_stream_names_number_new_streams_and_skip_the_ones_torch_only_wraps():
 
 @pytest.mark.skipif(ON_GPU, reason="the caches run on the simulator's graphs here")
 def test_cache_tensors_names_the_static_inputs_and_outputs_of_both_caches():
-    from course.lessons.graph_cache import GraphCache
-
     w = torch.randn(4, 4)
     fwd = lambda t: torch.relu(t @ w) @ w  # noqa: E731
     for cache in (mp.answer_cache_class()(fwd, buckets=[2, 4]), GraphCache(fwd, buckets=[2, 4])):
@@ -200,7 +196,7 @@ def test_report_says_held_and_kept_the_workspace_facts_and_the_segments():
     run = {"rows": rows, "summary": {"held_MiB": 156.0, "kept_MiB": 84.0},
            "facts": {"after": "nothing", "torch": "2.11.0+cu130", "device": "H200",
                      "workspace_facts": {"mm float32": {"kept_MiB": 32.0, "left_after_release_MiB": 0.0}}},
-           "snapshots": {"after the clear": mp.snapshot_summary([_seg(0, (0, 0), 20)], {}, {0: "default"})}}
+           "snapshots": {"after the clear": ml.snapshot_summary([_seg(0, (0, 0), 20)], {}, {0: "default"})}}
     text = mp.report({"rows": rows, "runs": [run]})
     assert "156.0 MiB held before the clear, 84.0 MiB kept after it" in text
     assert "mm float32 32.00 MiB (0.00 left after the release)" in text and "segments reserved, after the clear" in text
@@ -232,11 +228,27 @@ def test_run_one_on_a_gpu_notes_every_step_and_frees_what_the_cache_owns():
 
 
 def test_what_stays_after_a_clear_names_the_streams_and_no_pool():
-    from course.lessons.graph_cache.lab_clear import what_stays
-
     snap = [_seg(0, (0, 0), 20), _seg(0, (0, 0), 2), _seg(7, (0, 0), 32)]
     text = what_stays(72 * MiB, 70 * MiB, snap, {0: "the default stream"})
     assert text.startswith("clear_cache() gave back 72.0 MiB (the captures' pool held 70.0 MiB); 54.0 MiB stay")
     assert "22.0 MiB on the default stream" in text and "32.0 MiB on stream 7" in text
     assert "0.0 MiB of it in a graph pool" in text
     assert "2.0 MiB of it in a graph pool" in what_stays(0, 2 * MiB, [_seg(9, (1, 4), 2)])
+
+
+def test_a_run_names_its_inputs_and_the_command_line_takes_them(tmp_path, capsys):
+    """Issue 44's scenario is one run: the caller's inputs made in each call and dropped (per_call)."""
+    assert ("answer", "released", "nothing", "per_call") in mp.RUNS and mp.INPUTS == ("kept", "per_call")
+    with pytest.raises(SystemExit):
+        mp.main(["--json", "x.json", "--runs", "answer:released:nothing:twice"])
+    assert "inputs" in capsys.readouterr().err
+    if not ON_GPU:  # the four-field run parses; the simulator path then refuses, as every run
+        assert mp.main(["--json", str(tmp_path / "p.json"), "--runs", "answer:released:nothing:per_call"]) == 2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_run_one_with_inputs_made_per_call_keeps_nothing_of_the_callers_or_the_caches():
+    res = mp.run_one("answer", "released", "nothing", "per_call", width=256, buckets=(16, 32))
+    assert res["facts"]["inputs"] == "per_call" and all(r["inputs"] == "per_call" for r in res["rows"])
+    after = {b["name"] for s in res["segments"] for b in s["live_blocks"]}
+    assert not any(n.startswith(("cache's", "caller's")) for n in after), after

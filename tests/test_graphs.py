@@ -1,18 +1,22 @@
-"""course.lessons.capture_replay and reduce_overhead: capture/replay experiments (GPU) and their helpers and reference data (CPU)."""
+"""Lesson 02 (course.lessons.capture_replay): capture/replay experiments (GPU), their helpers and reference data (CPU)."""
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 
 import pytest
+import torch
 
-from course.core import reference
-from course.core.compiled import torch_log_messages
+from course.core import cells, reference
+from course.core.compiled import reset_compile, torch_log_messages
 from course.core.profiling import launch_counts
-from course.core.text import condense
-from course.lessons import capture_replay, reduce_overhead, replay_launch
 from course.core.results import Result
-from course.core.runtime import runtime
+from course.core.runtime import CourseEnvironmentError, runtime
+from course.core.text import condense
+from course.core.timing import Timing
+from course.lessons.capture_replay import bench, compiled, driver, replay
+from course.tools import catalog
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU")
@@ -27,7 +31,7 @@ def _sweep(eager, replay, ks=(1, 16, 32, 64)):
 
 
 def test_per_kernel_slopes_recover_a_known_line():
-    fit = capture_replay.per_kernel_slopes(_sweep(lambda k: 10 + 5.0 * k, lambda k: 8 + 1.5 * k))
+    fit = bench.per_kernel_slopes(_sweep(lambda k: 10 + 5.0 * k, lambda k: 8 + 1.5 * k))
     assert fit["eager_us_per_kernel"] == pytest.approx(5.0)
     assert fit["replay_us_per_kernel"] == pytest.approx(1.5)
     assert fit["saving_us_per_kernel"] == pytest.approx(3.5)
@@ -35,13 +39,13 @@ def test_per_kernel_slopes_recover_a_known_line():
 
 def test_per_kernel_slopes_ignore_small_counts():
     # below 16 kernels the fit must not look: a wild value at k=1 changes nothing
-    fit = capture_replay.per_kernel_slopes(_sweep(lambda k: 1000.0 if k == 1 else 5.0 * k, lambda k: 1.0 * k))
+    fit = bench.per_kernel_slopes(_sweep(lambda k: 1000.0 if k == 1 else 5.0 * k, lambda k: 1.0 * k))
     assert fit["eager_us_per_kernel"] == pytest.approx(5.0)
 
 
 def test_fit_slope_of_a_flat_line_is_zero():
-    assert capture_replay._fit_slope([1, 2, 3], [4, 4, 4]) == 0.0
-    assert capture_replay._fit_slope([2, 2], [1, 5]) == 0.0
+    assert bench._fit_slope([1, 2, 3], [4, 4, 4]) == 0.0
+    assert bench._fit_slope([2, 2], [1, 5]) == 0.0
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -52,27 +56,23 @@ def test_experiments_registered_with_valid_quick_params(name):
 
 
 def test_kernel_chain_launches_n_adds():
-    import torch
-
     buf = torch.zeros(3)
-    capture_replay.kernel_chain(buf, 5)()
+    replay.kernel_chain(buf, 5)()
     assert buf.tolist() == [5.0, 5.0, 5.0]
 
 
 def test_log_condensing_keeps_the_reason():
     msg = "Recompiling function forward in a.py:3\n  triggered by:\n  - 0/0: tensor 'x' size mismatch at index 0"
-    assert reduce_overhead._recompile_reason(msg) == "recompiled: tensor 'x' size mismatch at index 0"
+    assert compiled._recompile_reason(msg) == "recompiled: tensor 'x' size mismatch at index 0"
     assert condense("a\n\n b\n c\n d\n e") == "a / b / c / d"
 
 
 def test_compile_net_rejects_unknown_hazards():
     with pytest.raises(ValueError, match="one of"):
-        reduce_overhead.CompileNet.build("nope")
+        compiled.CompileNet.build("nope")
 
 
 def test_torch_log_messages_collects_and_restores():
-    import logging
-
     with torch_log_messages(perf_hints=True, not_an_artifact=True) as msgs:
         logging.getLogger("torch._inductor").warning("skipping cudagraphs due to a test")
     assert msgs == ["skipping cudagraphs due to a test"]
@@ -94,8 +94,6 @@ def test_sim_path_loads_reference_or_explains(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
 def test_experiments_refuse_to_run_without_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
-
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
         reference.get("graphs_kernel_sweep").fn(counts=(1,))
 
@@ -137,10 +135,8 @@ def test_frozen_checks_all_as_expected():
 
 @gpu
 def test_training_step_capture_helpers():
-    import torch
-
-    x, y, model, opt = capture_replay.training_setup(8, 32, 16)
-    g, loss = capture_replay.capture_training_step(model, opt, x, y)
+    x, y, model, opt = replay.training_setup(8, 32, 16)
+    g, loss = replay.capture_training_step(model, opt, x, y)
     w0 = model.weight.detach().clone()
     g.replay()
     torch.cuda.synchronize()
@@ -160,12 +156,10 @@ def test_compile_experiments_quick():
 
 @gpu
 def test_mlp_and_op_count():
-    import torch
-
-    net = capture_replay.mlp(64, 2)
+    net = replay.mlp(64, 2)
     x = torch.randn(4, 64, device="cuda")
     assert net(x).shape == (4, 64)
-    ops = capture_replay.gpu_ops_per_call(lambda: net(x))
+    ops = bench.gpu_ops_per_call(lambda: net(x))
     assert ops is None or ops >= 4  # two matmuls (+ bias) and two ReLUs at least
 
 
@@ -176,18 +170,14 @@ def test_condense_cuts_machine_paths():
 
 
 def _timing(us):
-    from course.core.timing import Timing
-
     return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 15, 10, "cuda-events")
 
 
 def test_compile_skip_row_reads_the_measurements_and_the_log():
-    from course.core.compiled import reset_compile
-
     reset_compile()  # torch's counters at zero: the row reads them
     msgs = ["skipping cudagraphs due to mutated inputs (1 instances)\nFound from File \"/w/net.py\", line 3",
             "Graph break in user code at /w/net.py:9", "skipping cudagraphs due to something else"]
-    row = reduce_overhead.compile_skip_row("mutates_input", 1.5, {"graph_launches": 0, "kernel_launches": 12},
+    row = compiled.compile_skip_row("mutates_input", 1.5, {"graph_launches": 0, "kernel_launches": 12},
                                            {"compiled": _timing(300.0), "eager": _timing(100.0)}, msgs)
     assert row["hazard"] == "mutates_input" and row["first_call_s"] == 1.5
     assert row["compiled_us"] == pytest.approx(300.0) and row["eager_q3_us"] == pytest.approx(110.0)
@@ -195,33 +185,31 @@ def test_compile_skip_row_reads_the_measurements_and_the_log():
     assert row["graph_break_reason"].startswith("Graph break") and row["graph_breaks"] == 1  # one logged, none counted
     assert row["cudagraph_skips"] == 0 and row["kernel_launches"] == 12 and row["partitions"] == ""
     assert row["difference_is_noise"] is False and "no CUDA graph" in row["why_slower"]
-    same = reduce_overhead.compile_skip_row("none", 0.1, {"graph_launches": 1, "kernel_launches": 0},
+    same = compiled.compile_skip_row("none", 0.1, {"graph_launches": 1, "kernel_launches": 0},
                                             {"compiled": _timing(100.0), "eager": _timing(101.0)}, [])
     assert same["difference_is_noise"] is True and same["why_slower"] == "" and same["skip_reason"] == ""
 
 
 def test_compile_skip_result_keeps_params_and_the_clean_ratio():
     def row(hazard):
-        return reduce_overhead.compile_skip_row(hazard, 0.1, {"graph_launches": 1, "kernel_launches": 0},
+        return compiled.compile_skip_row(hazard, 0.1, {"graph_launches": 1, "kernel_launches": 0},
                                                 {"compiled": _timing(50.0), "eager": _timing(150.0)}, [])
 
-    res = reduce_overhead.compile_skip_result([row("item"), row("none")], ("item", "none"), 256, 6, 32, 15)
+    res = compiled.compile_skip_result([row("item"), row("none")], ("item", "none"), 256, 6, 32, 15)
     assert res.value("clean model: eager / compiled") == pytest.approx(3.0) and res.name == "compile_skip_reasons"
     assert res.params["hazards"] == ["item", "none"] and res.params["repeats"] == 15 and "torch" in res.params
-    assert "clean model: eager / compiled" not in reduce_overhead.compile_skip_result([], ("item",), 256, 6, 32, 15).summary
+    assert "clean model: eager / compiled" not in compiled.compile_skip_result([], ("item",), 256, 6, 32, 15).summary
 
 
 def test_why_slower_reads_the_row():
     row = {"compiled_us": 300.0, "eager_us": 200.0, "graph_launches": 0, "cudagraph_skips": 1, "graph_breaks": 0}
-    assert "no CUDA graph" in reduce_overhead.why_slower(row)
-    assert "graph break" in reduce_overhead.why_slower({**row, "graph_launches": 2, "graph_breaks": 1})
-    assert reduce_overhead.why_slower({**row, "compiled_us": 100.0}) == ""
+    assert "no CUDA graph" in compiled.why_slower(row)
+    assert "graph break" in compiled.why_slower({**row, "graph_launches": 2, "graph_breaks": 1})
+    assert compiled.why_slower({**row, "compiled_us": 100.0}) == ""
 
 
 @gpu
 def test_launch_counts_sees_a_graph_launch():
-    import torch
-
     x = torch.zeros(16, device="cuda")
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
@@ -238,19 +226,17 @@ def test_launch_counts_sees_a_graph_launch():
 # ----------------------------------------------------------------------------- what a replay's host time depends on
 def test_replay_launch_slope_fits_microseconds_per_node():
     rows = [{"nodes": n, "a": 5.0 + 0.5 * n, "b": None} for n in (4, 16, 64)]
-    assert replay_launch.slope(rows, "a") == pytest.approx(0.5)
-    assert replay_launch.slope(rows, "b") != replay_launch.slope(rows, "b")  # nan: no values to fit
+    assert driver.slope(rows, "a") == pytest.approx(0.5)
+    assert driver.slope(rows, "b") != driver.slope(rows, "b")  # nan: no values to fit
 
 
 def test_replay_launch_driver_is_found_or_says_why():
-    lib, why = replay_launch.driver()
+    lib, why = driver.driver()
     assert (lib is not None and why == "") or (lib is None and why)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU path's behaviour")
 def test_replay_launch_needs_a_gpu_and_awaits_its_recording_here():
-    from course.core.runtime import CourseEnvironmentError
-
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
         reference.get("graphs_replay_launch").fn(counts=(4,))
     assert reference.available("graphs_replay_launch") == reference.reference_path("graphs_replay_launch").exists()
@@ -259,8 +245,6 @@ def test_replay_launch_needs_a_gpu_and_awaits_its_recording_here():
 
 @gpu
 def test_replay_launch_quick_measures_every_variant():
-    import torch
-
     with pytest.raises(ValueError, match="multiples of"):
         reference.get("graphs_replay_launch").fn(counts=(6,))
     res = _quick("graphs_replay_launch")
@@ -269,28 +253,26 @@ def test_replay_launch_quick_measures_every_variant():
         assert r["first_us"] > 0 and r["repeat_us"] > 0 and r["repeat_capture_stream_us"] > 0
     if res.params["notes"] == "":  # the driver and torch's raw graph handles were there
         assert all(r["first_after_upload_us"] and r["driver_flags0_repeat_us"] for r in res.rows)
-    bufs = [torch.zeros(8, device="cuda") for _ in range(replay_launch.BRANCHES)]
-    g = replay_launch.capture("fork", 8, bufs, torch.cuda.Stream(), keep_graph=False)
+    bufs = [torch.zeros(8, device="cuda") for _ in range(driver.BRANCHES)]
+    g = driver.capture("fork", 8, bufs, torch.cuda.Stream(), keep_graph=False)
     for b in bufs:
         b.zero_()
-    assert replay_launch.host_us(g.replay) > 0
+    assert driver.host_us(g.replay) > 0
     torch.cuda.synchronize()
     assert sum(float(b[0]) for b in bufs) == 8
-    lib, notes = replay_launch.launch_driver((4,))
+    lib, notes = driver.launch_driver((4,))
     if lib is not None:
         cap = torch.cuda.Stream()
-        g = replay_launch.capture("chain", 4, bufs, cap, keep_graph=True)
-        cols = replay_launch.driver_launches(lib, g, "chain", 4, bufs, cap, 3)
+        g = driver.capture("chain", 4, bufs, cap, keep_graph=True)
+        cols = driver.driver_launches(lib, g, "chain", 4, bufs, cap, 3)
         assert set(cols) == {"first_after_upload_us", "driver_flags0_first_us", "driver_flags0_repeat_us"}
-        assert all(v > 0 for v in cols.values()) and replay_launch.ctypes_call_us(lib, 3) > 0
+        assert all(v > 0 for v in cols.values()) and driver.ctypes_call_us(lib, 3) > 0
 
 
 # ----------------------------------------------------------------------------- the cells' bookkeeping, on recordings
 # Each experiment's code stands in lesson 02's cell; the module turns its measurements into the table. Fed the
 # recorded medians and quartiles back, the bookkeeping must give the recording's own rows and summary.
 def _t(us, q1=None, q3=None):
-    from course.core.timing import Timing
-
     q1, q3 = (us if q1 is None else q1), (us if q3 is None else q3)
     return Timing(us * 1e-6, q1 * 1e-6, q3 * 1e-6, q1 * 1e-6, q3 * 1e-6, 15, 10, "cuda-events")
 
@@ -308,10 +290,6 @@ def _same(got, want, title=True):
 
 
 def test_experiment_cells_of_lesson_02_load_and_refuse_without_a_gpu_by_name():
-    from course.core import cells
-    from course.core.runtime import CourseEnvironmentError
-    from course.tools import catalog
-
     names = ("graphs_kernel_sweep", "graphs_seed_step", "graphs_new_shape", "graphs_frozen", "graphs_replay_launch",
              "compile_new_shapes", "graphs_make_graphed_callables", "graphs_two_streams", "graphs_capture_modes")
     nb = [p for p in catalog.experiment_notebooks() if p.name == "02_capture_and_replay.ipynb"]
@@ -328,7 +306,7 @@ def test_sweep_result_gives_the_recording_back():
     want = reference.load_reference("graphs_kernel_sweep")
     rows = [{"kernels": r["kernels"], "eager": _t(r["eager_us"]), "replay": _t(r["replay_us"]),
              "launch": _t(r["replay_launch_us"])} for r in want.rows]
-    _same(capture_replay.sweep_result(rows, want.params["counts"], 1024, 15), want)
+    _same(bench.sweep_result(rows, want.params["counts"], 1024, 15), want)
 
 
 def test_training_result_gives_the_recording_back():
@@ -337,9 +315,9 @@ def test_training_result_gives_the_recording_back():
     iters = want.params["iters"]
     times = {"eager": _t(eager["per_step_us"]), "replay": _t(replay["per_step_us"]),
              "eager_loop": _t(eager["loop_ms"] * 1e3 / iters), "replay_loop": _t(replay["loop_ms"] * 1e3 / iters)}
-    got = capture_replay.training_result(times, True, want.value("GPU operations per step"), 64, 1024, 1024, iters, 7)
+    got = bench.training_result(times, True, want.value("GPU operations per step"), 64, 1024, 1024, iters, 7)
     _same(got, want, title=False)  # recorded before its title was reworded
-    unchecked = capture_replay.training_result(times, False, None, 64, 1024, 1024, iters, 7)
+    unchecked = bench.training_result(times, False, None, 64, 1024, 1024, iters, 7)
     assert unchecked.value("replayed weights match eager training") is False
     assert "GPU operations per step" not in unchecked.summary
 
@@ -352,21 +330,21 @@ def test_new_shape_rows_and_result_give_the_recording_back():
         cap["graph"] = object()  # a row keeps numbers only, never the graph
         times = {"eager": _t(r["eager_us"], r["eager_q1_us"], r["eager_q3_us"]),
                  "replay": _t(r["replay_us"], r["replay_q1_us"], r["replay_q3_us"])}
-        rows.append(capture_replay.new_shape_row(cap, times))
+        rows.append(bench.new_shape_row(cap, times))
     shared = {"reserved": want.value("memory reserved, one shared pool"),
               "allocated": want.value("memory allocated, one shared pool")}
-    _same(capture_replay.new_shape_result(rows, shared, [1, 8, 64, 512], 1024, 4, 15), want)
-    assert capture_replay.pool_totals([{"pool_reserved_mib": 2.0, "pool_allocated_mib": 0.5, "graph": None}] * 3) == \
+    _same(bench.new_shape_result(rows, shared, [1, 8, 64, 512], 1024, 4, 15), want)
+    assert bench.pool_totals([{"pool_reserved_mib": 2.0, "pool_allocated_mib": 0.5, "graph": None}] * 3) == \
         {"reserved": 6.0, "allocated": 1.5}
 
 
 def test_new_shape_row_claims_no_break_even_inside_the_noise_or_without_a_saving():
     cap = {"batch": 8, "warmup_ms": 1.0, "capture_ms": 1.0, "pool_reserved_mib": 2.0, "pool_allocated_mib": 1.0}
-    clear = capture_replay.new_shape_row(cap, {"eager": _t(30.0, 29.0, 31.0), "replay": _t(10.0, 9.0, 11.0)})
+    clear = bench.new_shape_row(cap, {"eager": _t(30.0, 29.0, 31.0), "replay": _t(10.0, 9.0, 11.0)})
     assert clear["break_even_replays"] == pytest.approx(2000 / 20.0) and clear["saving_is_noise"] is False
-    noisy = capture_replay.new_shape_row(cap, {"eager": _t(11.0, 5.0, 20.0), "replay": _t(10.0, 5.0, 20.0)})
+    noisy = bench.new_shape_row(cap, {"eager": _t(11.0, 5.0, 20.0), "replay": _t(10.0, 5.0, 20.0)})
     assert noisy["saving_is_noise"] is True and noisy["break_even_replays"] is None
-    slower = capture_replay.new_shape_row(cap, {"eager": _t(10.0, 9.9, 10.1), "replay": _t(30.0, 29.9, 30.1)})
+    slower = bench.new_shape_row(cap, {"eager": _t(10.0, 9.9, 10.1), "replay": _t(30.0, 29.9, 30.1)})
     assert slower["break_even_replays"] is None
 
 
@@ -379,48 +357,48 @@ def _frozen_seen(want):
 
 def test_frozen_result_gives_the_recording_back():
     want = reference.load_reference("graphs_frozen")
-    _same(capture_replay.frozen_result(_frozen_seen(want)), want)
+    _same(bench.frozen_result(_frozen_seen(want)), want)
 
 
-@pytest.mark.parametrize("key", [k for k, *_ in capture_replay.FROZEN_CHECKS])
+@pytest.mark.parametrize("key", [k for k, *_ in bench.FROZEN_CHECKS])
 def test_frozen_result_names_each_check_that_went_otherwise(key):
     want = reference.load_reference("graphs_frozen")
     seen = _frozen_seen(want)
     seen[key] = {"shape": None, "counter": (4, 14)}.get(key, False)
-    got = capture_replay.frozen_result(seen)
+    got = bench.frozen_result(seen)
     bad = [r for r in got.rows if not r["as_expected"]]
     assert len(bad) == 1 and got.value("checks as expected") == 7
-    i = [k for k, *_ in capture_replay.FROZEN_CHECKS].index(key)
+    i = [k for k, *_ in bench.FROZEN_CHECKS].index(key)
     assert bad[0]["check"] == want.rows[i]["check"] and bad[0]["what_happened"] != want.rows[i]["what_happened"]
     if key == "shape":  # the copy went through: the lesson says only what was expected
         assert bad[0]["what_happened"] == "no error" and bad[0]["lesson"] == "shapes are fixed"
     del seen[key]
     with pytest.raises(KeyError, match=key):
-        capture_replay.frozen_result(seen)
+        bench.frozen_result(seen)
 
 
 def test_launch_rows_and_result_give_the_recording_back():
     want = reference.load_reference("graphs_replay_launch")
     rows = []
     for r in want.rows:
-        row = replay_launch.launch_row(r["shape"], r["nodes"], r["replay_correct"], r["first_us"],
+        row = driver.launch_row(r["shape"], r["nodes"], r["replay_correct"], r["first_us"],
                                        _t(r["repeat_us"], r["repeat_q1_us"], r["repeat_q3_us"]),
                                        _t(r["repeat_capture_stream_us"]))
         assert row["first_after_upload_us"] is None and row["driver_flags0_repeat_us"] is None
         row.update({k: r[k] for k in ("first_after_upload_us", "driver_flags0_first_us", "driver_flags0_repeat_us")})
         rows.append(row)
-    got = replay_launch.launch_result(rows, want.params["counts"], want.params["repeats"], want.params["notes"],
+    got = driver.launch_result(rows, want.params["counts"], want.params["repeats"], want.params["notes"],
                                       want.value("ctypes call"))
     _same(got, want)
-    without = replay_launch.launch_result(rows, want.params["counts"], 25, "no driver", None)
+    without = driver.launch_result(rows, want.params["counts"], 25, "no driver", None)
     assert "ctypes call" not in without.summary and not any("driver" in k for k in without.summary)
-    assert replay_launch.ctypes_call_us(None, 5) is None
+    assert driver.ctypes_call_us(None, 5) is None
 
 
 def test_launch_driver_refuses_counts_the_fork_cannot_split():
     with pytest.raises(ValueError, match="multiples of 4"):
-        replay_launch.launch_driver((4, 6))
-    lib, notes = replay_launch.launch_driver((4, 8))
+        driver.launch_driver((4, 6))
+    lib, notes = driver.launch_driver((4, 8))
     assert (lib is None) == bool(notes)
 
 
@@ -428,16 +406,16 @@ def test_shape_call_row_reads_counters_and_logs():
     before, after = {"unique_graphs": 1}, {"unique_graphs": 2}
     msgs = ["Recompiling function forward in a.py:3\n  triggered by:\n  - 0/0: tensor 'x' size mismatch at index 0",
             "Recording function 0 of graph recording id 1", "unrelated"]
-    row = reduce_overhead.shape_call_row(4, 16, True, 0.25, before, after, msgs)
+    row = compiled.shape_call_row(4, 16, True, 0.25, before, after, msgs)
     assert row == {"call": 4, "batch": 16, "new_shape": True, "call_ms": 250.0, "graphs_compiled": 1,
                    "graphs_recorded": 1,
                    "log": "recompiled: tensor 'x' size mismatch at index 0 | recorded 1 CUDA graph(s)"}
-    assert reduce_overhead.shape_call_row(0, 8, True, 1.0, {"unique_graphs": 0}, after, [])["log"] == "compiled"
-    assert reduce_overhead.shape_call_row(1, 8, False, 1e-3, after, after, [])["log"] == ""
+    assert compiled.shape_call_row(0, 8, True, 1.0, {"unique_graphs": 0}, after, [])["log"] == "compiled"
+    assert compiled.shape_call_row(1, 8, False, 1e-3, after, after, [])["log"] == ""
 
 
 def test_new_shapes_result_gives_the_recording_back():
     want = reference.load_reference("compile_new_shapes")
-    got = reduce_overhead.new_shapes_result(want.rows, want.params["batches"], want.params["calls_per_shape"], 256)
+    got = compiled.new_shapes_result(want.rows, want.params["batches"], want.params["calls_per_shape"], 256)
     assert got.params["torch"]  # the version that ran, whatever it is
     _same(got, want)

@@ -23,6 +23,13 @@ def test_judge_names_the_first_broken_rule_and_raise_gives_it_back():
         H.Outcome(H.TODO, "not_done", "todo").raise_()
 
 
+def test_expect_keeps_a_rule_while_its_test_holds_and_words_the_defect():
+    rules = [H.expect("even", lambda t: t % 2 == 0, "odd"), H.expect("small", lambda t: t < 10, lambda t: f"{t} big")]
+    assert H.judge(4, rules) == H.Outcome(H.PASS)
+    assert (H.judge(3, rules).rule, H.judge(3, rules).message) == ("even", "odd")
+    assert (H.judge(12, rules).rule, H.judge(12, rules).message) == ("small", "12 big")
+
+
 def test_outcome_of_turns_each_ending_into_one_outcome():
     def defect():
         raise H.Defect("warm_up", "no warm-up ran", where="side")
@@ -110,6 +117,20 @@ def test_a_call_never_captured_is_named_and_the_patches_go_back():
     assert cg.Event.record is record
     out = H.judge(t, H.capture_rules("inc", "inc(x)"))
     assert out.rule == "not_captured" and "inc(x) never ran inside a capture" in out.message
+
+
+def test_hook_names_each_call_by_its_arguments_and_restored_puts_the_stream_back():
+    model = torch.nn.Linear(3, 2).to(course.device())
+    with H.Tracer() as t:
+        t.hook(model, lambda a, k: f"batch {a[0].shape[0]}", rows=lambda a, k: a[0].shape[0])
+        model(torch.ones(4, 3, device=course.device()))
+    assert [(e["what"], e["rows"]) for e in t.events] == [("batch 4", 4)]
+    cg = course.graphs()
+    with pytest.raises(ZeroDivisionError):
+        with H.restored():
+            cg.set_stream(cg.Stream())
+            1 / 0
+    assert cg.current_stream() == cg.default_stream()
 
 
 def _agree_worker(ctx):

@@ -6,18 +6,24 @@ import inspect
 import json
 import os
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import course
-from course.core import checks, reference
-from course.lessons import what_breaks as hazards
-from course.lessons.what_breaks import dynamic, experiments, zoo
+import course.sim.stream as stream
+from course.core import cells, checks, reference
 from course.core.blocking import BlockingReport
-from course.lessons.what_breaks import find_static
+from course.core.capture import CaptureOutcome
 from course.core.results import Result
 from course.core.runtime import CourseEnvironmentError, runtime
+from course.core.timing import Timing
+from course.lessons import what_breaks as hazards
+from course.lessons.what_breaks import bench as experiments, dynamic, find_static, zoo
+from course.lessons.what_breaks.dynamic import is_library_file
+from course.lessons.what_breaks.static import Finding
 
 ON_GPU = runtime().on_gpu
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a real GPU (the dynamic finder runs CUDA)")
@@ -299,6 +305,9 @@ def test_describe_uses_a_reference_row():
                  "blocked": False}
     text = zoo.describe("item", row, fixed_row)
     assert "AcceleratorError: CUDA error: x" in text and "captured" in text and "<-- .item()" in text
+    short = zoo.describe("item", row, fixed_row, sources=False)  # the notebook's cell shows the code
+    line = zoo.get("item").hazard_lines()[0]
+    assert f"the finder: line {line}: .item()" in short and " | " not in short and "captured" in short
 
 
 # ---------------------------------------------------------------------------------------
@@ -485,14 +494,11 @@ def test_finder_reports_a_function_that_fails_without_capture():
 # lesson 03's experiments stand in its cells; their bookkeeping here (CPU) and their checks (GPU)
 # ---------------------------------------------------------------------------------------
 def test_lesson_03_experiments_are_its_cells():
-    from pathlib import Path
-
-    from course.core import cells
 
     nb = Path(__file__).resolve().parents[1] / "solutions" / "03_what_breaks_capture.ipynb"
     for name in ("hazards_finder", "hazards_event_test", "hazards_numba", "compile_skip_reasons"):
         assert reference.get(name).fn.__module__ == cells.module_name(nb), name
-    assert reference.get("capture_recovery").fn.__module__ == "course.lessons.what_breaks.recovery"  # fresh processes
+    assert reference.get("capture_recovery").fn.__module__ == "course.lessons.what_breaks.bench"
 
 
 def test_finder_targets_are_each_hazard_and_fix_then_the_safe_functions():
@@ -509,15 +515,10 @@ def test_finder_targets_are_each_hazard_and_fix_then_the_safe_functions():
 
 
 def _finding(line, source, rule="item"):
-    from course.lessons.what_breaks.static import Finding
-
     return Finding(rule, line, "/x/zoo.py", "y.item()", source)
 
 
 def _report(static, findings, *, captured, replay, blocked=True):
-    from types import SimpleNamespace
-
-    from course.core.capture import CaptureOutcome
 
     cap = CaptureOutcome(True) if captured else CaptureOutcome(False, "RuntimeError", "not permitted")
     d = hazards.DynamicReport(findings, BlockingReport(20.5, 21.0, blocked), cap, replay, 1)
@@ -557,8 +558,6 @@ def test_finder_result_counts_flagged_hazards_and_safe_functions():
 
 
 def test_event_test_result_reads_the_cells_measurements():
-    from course.core.timing import Timing
-
     def host(us):
         return Timing(us * 1e-6, us * 1e-6, us * 1e-6, us * 1e-6, us * 1e-6, 5, 1, "host-enqueue")
 
@@ -594,7 +593,5 @@ def test_lesson_03_cell_experiments_say_they_need_a_gpu():
 
 def test_simulator_frames_are_the_courses_not_the_learners():
     """A frame inside the simulator package (course/sim/) is a tool's frame, so a fallback names the learner's line."""
-    import course.sim.stream as stream
-    from course.lessons.what_breaks.dynamic import is_library_file
     assert is_library_file(stream.__file__)
     assert not is_library_file(__file__)

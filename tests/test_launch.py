@@ -1,8 +1,21 @@
+import json
+import os
+import time
+
+import numpy as np
 import pytest
+import torch
 
 import course
-from course.lessons import launch_overhead as launch
+from course.core import checks, reference
+from course.core.isolate import env_set
 from course.core.results import Result
+from course.core.runtime import cuda
+from course.core.timing import Timing, capture_calls, time_enqueue
+from course.lessons.launch_overhead import bench, launch
+from course.lessons.launch_overhead.bench import launch_costs_result
+from course.lessons.launch_overhead.checks import check_crossover
+from course.lessons.launch_overhead.launch import tiny_kernels
 
 
 def _rows():
@@ -18,25 +31,28 @@ def test_crossover_bytes():
 def test_check_crossover_accepts_right_and_rejects_wrong():
     res = Result("s", "S", {"bytes": "B", "host_enqueue_us": "us", "kernel_exec_us": "us"}, _rows())
     res.add_summary("crossover_bytes", launch.crossover_bytes(res.rows), "B")
-    launch.check_crossover(launch.crossover_bytes, res)
-    with pytest.raises(AssertionError, match="median"):
-        launch.check_crossover(lambda rows: 64, res)
+
+    checks.reset()
+    check_crossover(launch.crossover_bytes, res)
+    assert checks.status("01 crossover") == checks.PASS
+    check_crossover(lambda rows: 64, res)
+    assert checks.status("01 crossover") == checks.FAIL
+    checks.reset()
 
 
 def test_trace_rows_extracts_lanes():
     trace = {"traceEvents": [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100 + 10 * i, "dur": 4} for i in range(3)] + [
         {"ph": "X", "cat": "kernel", "name": "add_kernel", "ts": 103 + 10 * i, "dur": 2} for i in range(3)]}
-    rows = launch._trace_rows(trace, skip=1)
+    rows = bench._trace_rows(trace, skip=1)
     lanes = [r["lane"] for r in rows]
     assert lanes.count("GPU: kernel") == 2 and lanes.count("CPU: cudaLaunchKernel") == 2
     assert min(r["start_us"] for r in rows) == 0
-    assert launch._trace_rows({"traceEvents": []}) == []
+    assert bench._trace_rows({"traceEvents": []}) == []
 
 
 def test_cpu_dispatch_runs_live_everywhere():
     """The cell of lesson 01 (read out of its answer version) runs live on this machine."""
-    from course.core import reference
 
     res = reference.get("cpu_dispatch").fn(max_exp=8, repeats=3)
     assert res.live and len(res.rows) == 4
@@ -46,8 +62,6 @@ def test_cpu_dispatch_runs_live_everywhere():
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_gpu_launch_experiments_quick():
-    from course.core import reference
-
     costs = reference.get("launch_costs").fn(repeats=5)
     assert costs.value("torch_launch_us") > costs.value("torch_kernel_exec_us") > 0
     sweep = reference.get("launch_sweep").fn(max_exp=16, repeats=5)
@@ -72,9 +86,7 @@ def test_outliers_names_a_point_far_off_both_neighbours():
 def test_sweep_timings_measures_sizes_in_turns_so_a_passing_disturbance_makes_no_outlier():
     """A disturbance as long as five samples: measured one size after the other it lands on five of the seven
     repeats of one size, whose median moves; measured in turns it lands on at most two repeats of any size."""
-    import time
 
-    from course.core.timing import time_enqueue
 
     def disturbed(first_call: int):
         calls = {"n": 0}
@@ -101,8 +113,6 @@ def test_sweep_timings_measures_sizes_in_turns_so_a_passing_disturbance_makes_no
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="simulator behaviour")
 def test_capture_calls_needs_a_gpu_and_a_count():
-    from course.core.timing import capture_calls
-
     with pytest.raises(ValueError, match="calls must be >= 1"):
         capture_calls(lambda: None, 0)
     with pytest.raises(Exception, match="needs a real GPU"):
@@ -111,9 +121,6 @@ def test_capture_calls_needs_a_gpu_and_a_count():
 
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_capture_calls_replays_every_call():
-    import torch
-
-    from course.core.timing import capture_calls
 
     x = torch.zeros(4, device="cuda")
     g = capture_calls(lambda: x.add_(1.0), 5)
@@ -124,9 +131,6 @@ def test_capture_calls_replays_every_call():
 
 
 def test_launch_costs_result_reads_the_cells_timings():
-    from course.core.timing import Timing
-    from course.lessons.launch_overhead import launch_costs_result
-
     def t(us):
         return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 20, "host-enqueue")
 
@@ -140,10 +144,6 @@ def test_launch_costs_result_reads_the_cells_timings():
 
 
 def test_tiny_kernels_compile_and_run_on_this_path():
-    import numpy as np
-
-    from course.core.runtime import cuda
-    from course.lessons.launch_overhead import tiny_kernels
 
     empty, add_one = tiny_kernels()
     a = cuda().to_device(np.zeros(4, dtype=np.float32))
@@ -153,7 +153,6 @@ def test_tiny_kernels_compile_and_run_on_this_path():
 
 
 def _timing(us):
-    from course.core.timing import Timing
     return Timing(us * 1e-6, us * 0.9e-6, us * 1.1e-6, us * 0.8e-6, us * 1.2e-6, 5, 10, "x")
 
 
@@ -167,20 +166,18 @@ def test_sweep_result_reads_the_three_clocks_per_size():
     timings = {16: (_timing(5.0), _timing(6.0), _timing(1.0)), 1 << 20: (_timing(5.2), _timing(30.0), _timing(25.0)),
                1 << 24: (_timing(4.8), _timing(400.0), _timing(390.0))}
     facts = {"l2_bytes": 1 << 22, "peak_dram_GBps": 3350.0}
-    res = launch.sweep_result(timings, facts, 4, 24, 5)
+    res = bench.sweep_result(timings, facts, 4, 24, 5)
     assert res.column("elements") == [16, 1 << 20, 1 << 24] and res.column("bytes") == [64, 4 << 20, 64 << 20]
     assert res.column("fits_in_l2") == [True, True, False]
     assert res.rows[1]["eager_gpu_us"] == pytest.approx(30.0) and res.rows[1]["kernel_exec_q3_us"] == pytest.approx(27.5)
     assert res.value("launch_us") == pytest.approx(5.0) and res.value("crossover_bytes") == 4 << 20
     assert res.value("dram_bandwidth_GBps") == pytest.approx(2 * (64 << 20) / 390e-6 / 1e9)
     assert res.value("hardware_peak_dram_GBps") == 3350.0 and res.params["repeats"] == 5
-    no_l2 = launch.sweep_result(timings, {"l2_bytes": None, "peak_dram_GBps": None}, 4, 24, 5)
+    no_l2 = bench.sweep_result(timings, {"l2_bytes": None, "peak_dram_GBps": None}, 4, 24, 5)
     assert "dram_bandwidth_GBps" not in no_l2.summary and "hardware_peak_dram_GBps" not in no_l2.summary
 
 
 def test_timeline_result_and_chrome_trace():
-    import json
-
     trace = {"traceEvents": [
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100 + 10 * i, "dur": 4} for i in range(4)] + [
         {"ph": "X", "cat": "kernel", "name": "add_kernel", "ts": 103 + 10 * i, "dur": 2} for i in range(4)]}
@@ -190,25 +187,22 @@ def test_timeline_result_and_chrome_trace():
             with open(path, "w") as f:
                 json.dump(trace, f)
 
-    assert launch.chrome_trace(Prof()) == trace
-    res = launch.timeline_result(trace, ops=3, skip=1)
+    assert bench.chrome_trace(Prof()) == trace
+    res = bench.timeline_result(trace, ops=3, skip=1)
     assert res.params == {"ops": 3} and len(res.rows) == 6
     assert res.value("gpu_busy_fraction") == pytest.approx(6 / 22) and res.value("mean_gap_us") == pytest.approx(8.0)
     assert res.value("mean_kernel_us") == pytest.approx(2.0)
-    assert "gpu_busy_fraction" not in launch.timeline_result({"traceEvents": []}, ops=3, skip=1).summary
+    assert "gpu_busy_fraction" not in bench.timeline_result({"traceEvents": []}, ops=3, skip=1).summary
 
 
 def test_cpu_dispatch_result_finds_the_floor_and_the_doubling():
-    res = launch.cpu_dispatch_result({4: _timing(2.0), 64: _timing(1.5), 1024: _timing(2.9), 16384: _timing(3.1)}, 2, 14, 5)
+    res = bench.cpu_dispatch_result({4: _timing(2.0), 64: _timing(1.5), 1024: _timing(2.9), 16384: _timing(3.1)}, 2, 14, 5)
     assert res.value("dispatch_floor_us") == pytest.approx(1.5)
     assert res.value("size_at_twice_floor_bytes") == 16384 * 4
     assert res.rows[0]["q1_us"] == pytest.approx(1.8) and res.params["threads"] >= 1
 
 
 def test_env_set_sets_and_unsets_for_the_block_then_puts_everything_back(monkeypatch):
-    import os
-
-    from course.core.isolate import env_set
 
     monkeypatch.setenv("COURSE_T_KEEP", "old")
     monkeypatch.setenv("COURSE_T_GONE", "there")

@@ -87,7 +87,7 @@ LAB3_MUTANTS = [
      ["reference cycle", "garbage collector"]),
     # the learner's own capture (step 4)
     ("no warm-up", _one("            self.fn(*static)  # the warm-up, on a side stream\n", "            pass\n"), K4,
-     ["without a warm-up"]),
+     ["no warm-up ran before the capture"]),
     ("warm-up on the default stream", _one("        with cg.stream(side):\n", "        if True:\n"), K4,
      ["warm-up ran on the default stream"]),
     ("collector on during the capture", _one("with collector_paused(), cg.graph(g, pool=self.backend.pool()):",

@@ -3,10 +3,12 @@ import pytest
 import torch
 
 import course
+from course.core import numba_kernels, reference
+from course.core.runtime import CourseEnvironmentError, as_numba, numba_stream
 from course.lessons.what_breaks import find_static, numba_zoo
-from course.core import reference
-from course.lessons.what_breaks.numba_zoo import (ENTRIES, capture_and_replay, entry_args, kernels, numba_result,
-                                                  run_eagerly)
+from course.lessons.what_breaks.bench import capture_and_replay, numba_result, run_eagerly
+from course.lessons.what_breaks.numba_zoo import ENTRIES, entry_args, kernels
+from course.parity.streams import _affine
 
 NAMES = [e[0] for e in ENTRIES]
 
@@ -57,8 +59,6 @@ def test_numba_result_counts_fixes_that_replay_right_and_hazards_that_break():
 
 @pytest.mark.skipif(course.runtime().on_gpu, reason="the CPU path's behaviour")
 def test_numba_experiment_says_it_needs_a_gpu():
-    from course.core.runtime import CourseEnvironmentError
-
     with pytest.raises(CourseEnvironmentError, match="needs a real GPU"):
         reference.get("hazards_numba").fn()
 
@@ -73,11 +73,6 @@ def test_entries_name_their_functions():
 
 
 def test_the_shared_affine_kernel_is_compiled_once_and_computes_2x_plus_1():
-    import torch
-
-    from course.core import numba_kernels
-    from course.core.runtime import as_numba, numba_stream
-    from course.parity.streams import _affine
 
     k = numba_kernels.affine()
     assert k is numba_kernels.affine() is _affine() is numba_zoo.kernels()[0]

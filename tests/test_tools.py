@@ -247,7 +247,7 @@ def test_doctor_row_and_render_html():
 @pytest.mark.skipif(not course.runtime().on_gpu, reason="needs a GPU")
 def test_sleep_calibration_and_graph_time_per_op():
     import torch
-    from course.lessons.launch_overhead import graph_time_per_op
+    from course.lessons.launch_overhead.launch import graph_time_per_op
     assert blocking.sleep_cycles_per_ms() > 1e5  # GPU clocks run at hundreds of MHz
     x = torch.zeros(16, device="cuda")
     per_op, timing = graph_time_per_op(lambda: x.add_(1), ops=4, repeats=3)

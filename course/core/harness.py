@@ -8,11 +8,14 @@ ranks agree on one outcome through :func:`agree`. No message is ever parsed: the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from typing import Callable
 
+from course.core.capture import collector_paused, reset_rng_capture_state
 from course.core.checks import CRASH, FAIL, PASS, SKIP, TODO
+from course.core.runtime import graphs
 from course.core.stream_order import StreamOrder
 
 SIDE_RECIPE = ("s = cg.Stream(); s.wait_stream(cg.current_stream()); with cg.stream(s): ...; "
@@ -67,6 +70,11 @@ class Rule:
     name: str
     title: str
     test: Callable
+
+
+def expect(name: str, ok: Callable, message) -> Rule:
+    """A rule kept while ``ok(trace)`` is true; its ✗ is ``message`` (a string, or ``f(trace)``)."""
+    return Rule(name, "", lambda t: "" if ok(t) else (message(t) if callable(message) else message))
 
 
 def judge(trace, rules) -> Outcome:
@@ -186,10 +194,12 @@ class Tracer:
         watched.__name__ = name
         return watched
 
-    def hook(self, module, what: str = "forward", **read) -> None:
-        """Note every forward of ``module``; ``read`` maps a field to ``f(args, kwargs)`` kept with it."""
+    def hook(self, module, what="forward", **read) -> None:
+        """Note every forward of ``module``; ``read`` maps a field to ``f(args, kwargs)`` kept with
+        it; ``what`` is the calls' name, or ``what(args, kwargs)`` names each one."""
         def pre(mod, args, kwargs):
-            self.note(what, **{k: f(args, kwargs) for k, f in read.items()})
+            name = what(args, kwargs) if callable(what) else what
+            self.note(name, **{k: f(args, kwargs) for k, f in read.items()})
 
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
 
@@ -246,3 +256,28 @@ def capture_rules(what: str, call: str, lazy: str = LAZY) -> list:
             "the garbage collector was on during your capture: a graph it frees in the middle of a capture breaks "
             "that capture (lesson 03, 'A graph freed during another capture'). Capture inside collector_paused()")),
     ]
+
+
+@contextlib.contextmanager
+def restored():
+    """However the learner's capture ends, the notebook goes on: the current stream put back, no
+    simulated capture left under way, a GPU's random generators out of capture mode; garbage
+    collected first and the collector off meanwhile (a graph freed inside a capture breaks it)."""
+    gc.collect()
+    cg = graphs()
+    before = cg.current_stream()
+    try:
+        with collector_paused():
+            yield
+    except BaseException:
+        if getattr(cg, "SIMULATED", False):
+            from course.sim.graph import end_all_captures  # the simulator's, on its path only
+
+            end_all_captures()
+        else:
+            with contextlib.suppress(RuntimeError):
+                cg.synchronize()
+            reset_rng_capture_state()
+        raise
+    finally:
+        cg.set_stream(before)

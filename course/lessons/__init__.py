@@ -1,12 +1,9 @@
 """One module (or small package) per lesson, named for the lesson's idea.
 
 - 01 :mod:`~course.lessons.launch_overhead`: launch cost vs kernel time, the size sweep, the timeline.
-- 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``;
-  :mod:`~course.lessons.capture_more`: partial graphs, two streams, error modes;
-  :mod:`~course.lessons.replay_launch`: what a replay's host time depends on;
-  :mod:`~course.lessons.capture_checks`: the checks of the exercises where the learner writes the capture
-  (:mod:`~course.lessons.capture_watch`: the hooks they watch the learner's code with).
-- 02/03 :mod:`~course.lessons.reduce_overhead`: the graphs ``torch.compile(mode="reduce-overhead")`` makes.
+- 02 :mod:`~course.lessons.capture_replay`: capture and replay with ``torch.cuda.CUDAGraph``, the
+  graphs ``torch.compile(mode="reduce-overhead")`` makes (each lesson package: its idea module,
+  ``checks`` and ``bench``).
 - 03 :mod:`~course.lessons.what_breaks`: the capture-hazard finder, its zoo and its experiments.
 - 04 and lab 3 :mod:`~course.lessons.graph_cache`: a shape-keyed graph cache for an inference engine.
 - 05 :mod:`~course.lessons.sharding`: a sharded embedding table, captured over several GPUs.

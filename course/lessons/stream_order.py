@@ -1,5 +1,4 @@
-"""Where the stream-order reader used to live: it is :mod:`course.core.stream_order` now (lessons 02 and 06 and lab 2
-use it); its public names stay importable from here."""
+"""The stream-order reader's old address: it is :mod:`course.core.stream_order` now."""
 from course.core.stream_order import FORK, JOIN, StreamOrder  # noqa: F401
 
 __all__ = ["FORK", "JOIN", "StreamOrder"]

@@ -45,11 +45,11 @@ CATALOG = (
           (), experiment_cells=True),
     Entry("notebooks/03_what_breaks_capture.ipynb", "What breaks capture", "lesson",
           "host syncs, device-to-host copies, .item(): a zoo of hazards and a finder",
-          ("course.lessons.what_breaks.recovery",), experiment_cells=True),
+          ("course.lessons.what_breaks.bench",), experiment_cells=True),
     Entry("notebooks/04_graph_cache.ipynb", "A shape-keyed CUDA-graph cache", "lesson",
           "InfiniLM's fused inference engine, as a graph cache for a tiny "
           "decoder: keys, buckets, fallbacks, its FAQ, vs reduce-overhead",
-          ("course.lessons.graph_cache.experiments",), experiment_cells=True),
+          ("course.lessons.graph_cache.bench",), experiment_cells=True),
     Entry("labs/lab1_embedding_kernel.ipynb", "Lab 1: an embedding kernel in Numba CUDA", "lab",
           "write the lookup kernel, then a faster one; checked against F.embedding",
           ("course.embedding.bench", "course.embedding.launch_cost", "course.embedding.access")),

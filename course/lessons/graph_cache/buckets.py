@@ -1,4 +1,5 @@
-"""Batch-size buckets: the sizes real engines capture, stored as data with their source, and padding math.
+"""Batch-size buckets: the sizes real engines capture, stored as data with their source, and padding
+math.
 
 An engine that keeps one CUDA graph per batch size cannot capture every size, so it captures a
 list of sizes and pads each batch up to the next one (:func:`next_bucket`); above the largest it
@@ -15,7 +16,8 @@ import random
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """A bucket list: ``segments`` are (start, stop inclusive, step) runs; ``cap`` limits the largest size."""
+    """A bucket list: ``segments`` are (start, stop inclusive, step) runs; ``cap`` limits the
+    largest size."""
 
     name: str
     segments: tuple
@@ -38,19 +40,22 @@ PRESETS = {
         "range(256, max + 1, 16)",
         "max = min(2 * max_num_seqs, 512)"),
     "sglang": Preset(
-        "sglang", ((1, 2, 1), (4, 4, 1), (8, 8, 1), (12, 12, 1), (16, 256, 8), (272, 496, 16), (512, None, 32)),
-        "SGLang cuda_graph_bs default: [1, 2, 4, 8, 12] + range(16, 257, 8) + range(272, 512, 16) + "
-        "range(512, max + 1, 32)",
+        "sglang", ((1, 2, 1), (4, 4, 1), (8, 8, 1), (12, 12, 1), (16, 256, 8), (272, 496, 16),
+                   (512, None, 32)),
+        "SGLang cuda_graph_bs default: [1, 2, 4, 8, 12] + range(16, 257, 8) + range(272, 512, 16) "
+        "+ range(512, max + 1, 32)",
         "max = cuda_graph_max_bs"),
     "trtllm": Preset(
         "trtllm", ((1, 2, 1), (4, 4, 1), (8, 128, 8), (192, None, 64)),
-        "TensorRT-LLM cuda_graph_config batch sizes with padding enabled: 1, 2, 4, 8..128 step 8, then step 64",
+        "TensorRT-LLM cuda_graph_config batch sizes with padding enabled: 1, 2, 4, 8..128 step 8, "
+        "then step 64",
         "max = cuda_graph_config.max_batch_size"),
 }
 
 
 def bucket_sizes(preset: str, max_size: int) -> list:
-    """Sizes to capture for ``preset`` ("exact", "pow2" or a key of :data:`PRESETS`) up to ``max_size``.
+    """Sizes to capture for ``preset`` ("exact", "pow2" or a key of :data:`PRESETS`) up to
+    ``max_size``.
 
     "exact" means no bucketing (every batch size gets its own graph): it returns ``[]``, which
     :class:`~course.lessons.graph_cache.cache.GraphCache` reads as "key on the exact size".
@@ -62,12 +67,14 @@ def bucket_sizes(preset: str, max_size: int) -> list:
     if preset == "pow2":
         return [1 << i for i in range(max_size.bit_length()) if 1 << i <= max_size]
     if preset not in PRESETS:
-        raise KeyError(f"unknown preset {preset!r}: use 'exact', 'pow2' or one of {sorted(PRESETS)}")
+        raise KeyError(f"unknown preset {preset!r}: use 'exact', 'pow2' or one of "
+                       f"{sorted(PRESETS)}")
     return PRESETS[preset].sizes(max_size)
 
 
 def next_bucket(n: int, sizes) -> int | None:
-    """The smallest size in ``sizes`` that is >= ``n``; ``n`` itself when ``sizes`` is empty (exact); None above."""
+    """The smallest size in ``sizes`` that is >= ``n``; ``n`` itself when ``sizes`` is empty
+    (exact); None above."""
     if n < 1:
         raise ValueError(f"a batch has at least one row, got {n}")
     if not sizes:
@@ -101,7 +108,8 @@ def padding_report(trace, sizes) -> dict:
 
 def decode_trace(steps: int = 300, max_batch: int = 64, mean_new: float = 1.5, mean_len: int = 30,
                  seed: int = 0) -> list:
-    """Batch sizes of ``steps`` decode steps of a toy server: requests arrive, decode a while, leave.
+    """Batch sizes of ``steps`` decode steps of a toy server: requests arrive, decode a while,
+    leave.
 
     Each step a few requests arrive (Poisson-like, mean ``mean_new``) while the batch has room
     (``max_batch``); each request decodes for a random number of tokens (mean ``mean_len``).

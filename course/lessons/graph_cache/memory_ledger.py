@@ -1,32 +1,32 @@
-"""The memory probe's bookkeeping: a row per step, the allocator's segments by stream and pool, named streams and
-blocks, and what one stream's first matrix products keep (:mod:`course.lessons.graph_cache.memory_probe` runs them).
-
-Everything here reads numbers it is given (a reader, a snapshot) except :class:`StreamNames` (it wraps
-``torch.cuda.Stream`` so the streams a cache makes get names) and :func:`workspace_facts` (GPU only).
+"""The memory probe's ledger (:mod:`.memory_probe`): the rows of a run, where the reserved memory
+lies (the allocator's segments by stream and pool) and a name for every live block.
 """
 from __future__ import annotations
 
 import os
 
+import torch
+
 MiB = 2**20
 
 
 class Ledger:
-    """The rows of one run: ``step(name)`` reads ``read()`` -> (reserved, allocated) bytes and notes the change.
+    """The rows of one run: ``step(name)`` reads ``read()`` -> (reserved, allocated) bytes and notes
+    the change; ``split`` (a step's ``{"stream/pool": bytes}``) says where each row's memory
+    lies."""
 
-    ``split``, when given, maps a step to ``{"stream/pool": bytes}`` (:func:`by_stream_pool` of a snapshot): each row
-    then says where its reserved memory lies.
-    """
-
-    def __init__(self, cache: str, workspaces: str, read, split=None):
-        self.cache, self.workspaces, self.read, self.split, self.rows = cache, workspaces, read, split, []
+    def __init__(self, cache: str, workspaces: str, read, split=None, inputs: str = "kept"):
+        self.cache, self.workspaces, self.inputs = cache, workspaces, inputs
+        self.read, self.split, self.rows = read, split, []
 
     def step(self, step: str, what: str = "") -> dict:
-        """Append and return the row of ``step``: reserved and allocated MiB, and the MiB freed since the last row."""
+        """Append and return the row of ``step``: reserved and allocated MiB, the MiB freed
+        since."""
         reserved, allocated = self.read()
         prev = self.rows[-1]["reserved_MiB"] if self.rows else reserved / MiB
-        row = {"cache": self.cache, "workspaces": self.workspaces, "step": step, "what": what,
-               "reserved_MiB": reserved / MiB, "allocated_MiB": allocated / MiB, "freed_MiB": prev - reserved / MiB}
+        row = {"cache": self.cache, "workspaces": self.workspaces, "inputs": self.inputs,
+               "step": step, "what": what, "reserved_MiB": reserved / MiB,
+               "allocated_MiB": allocated / MiB, "freed_MiB": prev - reserved / MiB}
         if self.split is not None:
             row["where_MiB"] = {k: v / MiB for k, v in self.split().items()}
         self.rows.append(row)
@@ -34,33 +34,39 @@ class Ledger:
 
 
 def format_rows(rows) -> str:
-    """The rows as a fixed-width table (one line per step; a second, indented line: where the reserved MiB lie)."""
-    head = f"{'cache':<11} {'workspaces':<10} {'step':<34} {'reserved':>9} {'allocated':>9} {'freed':>7}  what"
+    """The rows as a fixed-width table (a line per step; an indented one: where its MiB lie)."""
+    head = (f"{'cache':<11} {'workspaces':<10} {'inputs':<8} {'step':<34} {'reserved':>9} "
+            f"{'allocated':>9} {'freed':>7}  what")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['cache']:<11} {r['workspaces']:<10} {r['step']:<34} {r['reserved_MiB']:>9.1f} "
-                     f"{r['allocated_MiB']:>9.1f} {r['freed_MiB']:>7.1f}  {r['what']}")
+        lines.append(f"{r['cache']:<11} {r['workspaces']:<10} {r.get('inputs', 'kept'):<8} "
+                     f"{r['step']:<34} {r['reserved_MiB']:>9.1f} {r['allocated_MiB']:>9.1f} "
+                     f"{r['freed_MiB']:>7.1f}  {r['what']}")
         if r.get("where_MiB"):
-            lines.append(" " * 12 + "in: " + ", ".join(f"{k} {v:.1f}" for k, v in r["where_MiB"].items()))
+            where = ", ".join(f"{k} {v:.1f}" for k, v in r["where_MiB"].items())
+            lines.append(" " * 12 + "in: " + where)
     return "\n".join(lines)
 
 
 def held_and_kept(rows, baseline: str = "weight", before: str = "settled, before the clear",
                   after: str = "gc + synchronize + empty_cache") -> dict:
-    """The run in the terms of a caller whose baseline is taken after ``baseline`` (the weight allocated first):
-    ``{"held_MiB"}`` reserved before the clear above it, ``{"kept_MiB"}`` still reserved above it after the clear."""
+    """The run in the terms of a caller whose baseline is taken after ``baseline`` (the weight
+    allocated first): ``{"held_MiB"}`` reserved before the clear above it, ``{"kept_MiB"}`` still
+    reserved above it after the clear."""
     at = {r["step"]: r["reserved_MiB"] for r in rows}
     return {"held_MiB": at[before] - at[baseline], "kept_MiB": at[after] - at[baseline]}
 
 
 def pool_kind(pool) -> str:
-    """``"ordinary"`` for the allocator's own memory (no pool or pool id (0, 0)), else ``"pool (a, b)"``."""
+    """``"ordinary"`` for the allocator's own memory (no pool or pool id (0, 0)), else ``"pool (a,
+    b)"``."""
     pool = tuple(pool) if isinstance(pool, (tuple, list)) else pool
     return "ordinary" if not pool or pool == (0, 0) else f"pool {pool}"
 
 
 def by_stream_pool(snapshot, streams: dict) -> dict:
-    """``{"<stream name>/<pool kind>": reserved bytes}`` of a ``torch.cuda.memory_snapshot()``, largest first."""
+    """``{"<stream name>/<pool kind>": reserved bytes}`` of a ``torch.cuda.memory_snapshot()``,
+    largest first."""
     out: dict = {}
     for seg in snapshot:
         name = streams.get(seg.get("stream"), f"stream {seg.get('stream')}")
@@ -70,7 +76,8 @@ def by_stream_pool(snapshot, streams: dict) -> dict:
 
 
 def _frames(block, n: int = 6) -> list:
-    """The allocating frames of a snapshot block, innermost first, without the allocator's own frames."""
+    """The allocating frames of a snapshot block, innermost first, without the allocator's own
+    frames."""
     out = []
     for f in block.get("frames") or []:
         name, file = f.get("name", ""), f.get("filename", "")
@@ -82,9 +89,11 @@ def _frames(block, n: int = 6) -> list:
     return out
 
 
-def name_block(address, size: int, frames: list, known: dict, workspace_bytes: int | None = None) -> str:
-    """What a live block is: ``known[address]`` (a tensor the probe named), "cuBLAS workspace" (a cuBLAS frame
-    allocated it, or, unnamed, it has exactly ``workspace_bytes``), "made in the forward (no tensor)", or "?"."""
+def name_block(address, size: int, frames: list, known: dict,
+               workspace_bytes: int | None = None) -> str:
+    """What a live block is: ``known[address]`` (a tensor the probe named), "cuBLAS workspace" (a
+    cuBLAS frame allocated it, or, unnamed, it has exactly ``workspace_bytes``), "made in the
+    forward (no tensor)", or "?"."""
     if address in known:
         return known[address]
     if any("blas" in f.lower() for f in frames):
@@ -94,11 +103,13 @@ def name_block(address, size: int, frames: list, known: dict, workspace_bytes: i
     return "made in the forward (no tensor)" if any("<lambda>" in f for f in frames) else "?"
 
 
-def snapshot_summary(snapshot, known: dict, streams: dict, workspace_bytes: int | None = None) -> list:
-    """One dict per reserved segment of ``torch.cuda.memory_snapshot()``: stream, pool, sizes, its live blocks.
+def snapshot_summary(snapshot, known: dict, streams: dict,
+                     workspace_bytes: int | None = None) -> list:
+    """One dict per reserved segment of ``torch.cuda.memory_snapshot()``: stream, pool, sizes, its
+    live blocks.
 
-    ``known``: data pointer -> name of a tensor the probe made; ``streams``: stream handle -> name. Each live block is
-    named by :func:`name_block`.
+    ``known``: data pointer -> name of a tensor the probe made; ``streams``: stream handle -> name.
+    Each live block is named by :func:`name_block`.
     """
     segs = []
     for seg in snapshot:
@@ -108,12 +119,14 @@ def snapshot_summary(snapshot, known: dict, streams: dict, workspace_bytes: int 
                 continue
             frames = _frames(b)
             blocks.append({"size_MiB": b["size"] / MiB, "frames": frames,
-                           "name": name_block(b.get("address"), b["size"], frames, known, workspace_bytes)})
+                           "name": name_block(b.get("address"), b["size"], frames, known,
+                                              workspace_bytes)})
         pool = seg.get("segment_pool_id")
         segs.append({"stream": streams.get(seg.get("stream"), f"stream {seg.get('stream')}"),
                      "pool": list(pool) if isinstance(pool, (tuple, list)) else pool,
                      "private_pool": pool_kind(pool) != "ordinary",
-                     "total_MiB": seg["total_size"] / MiB, "allocated_MiB": seg.get("allocated_size", 0) / MiB,
+                     "total_MiB": seg["total_size"] / MiB,
+                     "allocated_MiB": seg.get("allocated_size", 0) / MiB,
                      "live_blocks": blocks})
     return segs
 
@@ -122,14 +135,17 @@ def format_segments(segments) -> list:
     """One line per segment: its size, stream, pool and live blocks (name and MiB)."""
     lines = []
     for seg in segments:
-        names = ", ".join(f"{b['name']} {b['size_MiB']:.1f}" for b in seg["live_blocks"]) or "no live block"
-        lines.append(f"  {seg['total_MiB']:7.1f} MiB  stream {seg['stream']:<28} pool {seg['pool']}  live: {names}")
+        names = ", ".join(f"{b['name']} "
+                          f"{b['size_MiB']:.1f}" for b in seg["live_blocks"]) or "no live block"
+        lines.append(f"  {seg['total_MiB']:7.1f} MiB  stream {seg['stream']:<28} pool "
+                     f"{seg['pool']}  live: {names}")
     return lines
 
 
 class StreamNames:
-    """Stream handle -> name: "default", "capture", and every ``torch.cuda.Stream()`` made while installed, numbered
-    in order with the step it was made in (``context``), e.g. "side 2 (call, batch 512)"."""
+    """Stream handle -> name: "default", "capture", and every ``torch.cuda.Stream()`` made while
+    installed, numbered in order with the step it was made in (``context``), e.g. "side 2 (call,
+    batch 512)"."""
 
     def __init__(self):
         self.names: dict = {}
@@ -149,14 +165,15 @@ class StreamNames:
         return self.names[handle]
 
     def install(self, torch) -> None:
-        """Replace ``torch.cuda.Stream`` by a subclass that reports each new stream to :meth:`made` (GPU); streams
-        torch only wraps (``current_stream()`` passes ``stream_id``) are not new and are not counted."""
+        """Replace ``torch.cuda.Stream`` by a subclass that reports each new stream to :meth:`made`
+        (GPU); streams torch only wraps (``current_stream()`` passes ``stream_id``) are not new and
+        are not counted."""
         base, names = torch.cuda.Stream, self
 
         class NamedStream(base):
             def __new__(cls, *args, **kwargs):
                 s = super().__new__(cls, *args, **kwargs)
-                if "stream_id" not in kwargs:  # a new stream, not torch wrapping one it has (current_stream())
+                if "stream_id" not in kwargs:  # new, not one torch wraps (current_stream())
                     names.made(s.cuda_stream)
                 return s
 
@@ -174,13 +191,12 @@ class StreamNames:
 def workspace_facts() -> dict:
     """What a fresh side stream's first product keeps allocated beyond its output, and what
     ``torch._C._cuda_clearCublasWorkspaces()`` then gives back (GPU): for ``a @ b`` (cuBLAS) and for
-    ``torch.addmm(bias, a, b)`` (with a bias torch takes cuBLASLt's path), each in float32 and bfloat16.
+    ``torch.addmm(bias, a, b)`` (with a bias torch takes cuBLASLt's path), each in float32 and
+    bfloat16.
 
-    ``{"<op> <dtype>": {"kept_MiB", "left_after_release_MiB"}}``: a kept workspace the release does not free
-    (e.g. cuBLASLt's) shows up as ``left_after_release_MiB`` > 0.
+    ``{"<op> <dtype>": {"kept_MiB", "left_after_release_MiB"}}``: a kept workspace the release does
+    not free (e.g. cuBLASLt's) shows up as ``left_after_release_MiB`` > 0.
     """
-    import torch
-
     facts = {}
     ops = {"mm": lambda a, b, c: a @ b, "addmm with bias": lambda a, b, c: torch.addmm(c, a, b)}
     for dtype in (torch.float32, torch.bfloat16):
@@ -201,6 +217,6 @@ def workspace_facts() -> dict:
             torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.synchronize()
             left = torch.cuda.memory_allocated() - base
-            facts[f"{op_name} {str(dtype).replace('torch.', '')}"] = {"kept_MiB": kept / MiB,
-                                                                      "left_after_release_MiB": left / MiB}
+            name = f"{op_name} {str(dtype).replace('torch.', '')}"
+            facts[name] = {"kept_MiB": kept / MiB, "left_after_release_MiB": left / MiB}
     return facts

@@ -23,13 +23,16 @@ import time
 import traceback
 import warnings
 
+import torch
+
+from course.core.blocking import host_blocking
+from course.core.capture import exception_frames, require_gpu, try_capture
+from course.core.checks import flat_tensors, same_result
 from course.core.runtime import runtime
 from course.lessons.what_breaks.static import Finding, _target, find_static
 
 
 def _library_dirs() -> tuple:
-    import torch
-
     dirs = {os.path.dirname(torch.__file__)}
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         p = sysconfig.get_paths().get(key)
@@ -37,15 +40,17 @@ def _library_dirs() -> tuple:
             dirs.add(p)
     here = os.path.dirname(os.path.abspath(__file__))
     pkg = os.path.dirname(os.path.dirname(here))
-    tools = tuple(os.path.join(here, f) for f in ("static.py", "dynamic.py", "experiments.py", "__init__.py"))
-    for part in ("core", "sim"):  # the toolkit and the simulator are the course's tools, never the learner's line
+    tools = tuple(os.path.join(here, f)
+                  for f in ("static.py", "dynamic.py", "bench.py", "__init__.py"))
+    for part in ("core", "sim"):  # the course's toolkit and simulator: never the learner's line
         folder = os.path.join(pkg, part)
         tools += tuple(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
     return tuple(sorted(dirs)), tools
 
 
 def is_library_file(filename: str) -> bool:
-    """True for frames that are not 'user code': torch, the standard library, site-packages, the course's tools."""
+    """True for frames that are not 'user code': torch, the standard library, site-packages, the
+    course's tools."""
     if not filename or filename.startswith("<frozen") or filename.startswith("<string"):
         return True
     dirs, tools = _library_dirs()
@@ -66,13 +71,12 @@ def user_frame(frames):
 
 
 def sync_debug_events(fn) -> list:
-    """Run ``fn()`` once under ``torch.cuda.set_sync_debug_mode("warn")``; one dict per sync warning.
+    """Run ``fn()`` once under ``torch.cuda.set_sync_debug_mode("warn")``; one dict per sync
+    warning.
 
     Each dict has the warning ``message`` and the user ``frame`` (filename, lineno,
     function, line) that was running when torch warned, found from the live stack.
     """
-    import torch
-
     events = []
 
     def hook(message, category, filename, lineno, file=None, line=None):
@@ -81,7 +85,8 @@ def sync_debug_events(fn) -> list:
             return  # e.g. the one-time "sync debug mode is a prototype" notice
         stack = traceback.extract_stack(sys._getframe(1))
         frames = [(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack]
-        events.append({"message": text.split("(Triggered internally")[0].strip(), "frame": user_frame(frames)})
+        message = text.split("(Triggered internally")[0].strip()
+        events.append({"message": message, "frame": user_frame(frames)})
 
     prev = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
@@ -96,13 +101,12 @@ def sync_debug_events(fn) -> list:
 
 
 def blocking_with_line(fn, *, sleep_ms: float = 20.0):
-    """:func:`course.core.blocking.host_blocking` plus the user line the host waited on (if it blocked).
+    """:func:`course.core.blocking.host_blocking` plus the user line the host waited on (if it
+    blocked).
 
     A line tracer records when each user line starts; the line that took most of
     the queued GPU sleep is the one that waited. Returns (BlockingReport, frame or None).
     """
-    from course.core.blocking import host_blocking
-
     events = []
 
     def local(frame, event, arg):
@@ -113,7 +117,8 @@ def blocking_with_line(fn, *, sleep_ms: float = 20.0):
 
     def global_tracer(frame, event, arg):
         if event == "call" and not is_library_file(frame.f_code.co_filename):
-            events.append((time.perf_counter(), frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            events.append((time.perf_counter(), frame.f_code.co_filename, frame.f_lineno,
+                           frame.f_code.co_name))
             return local
         return None
 
@@ -137,7 +142,8 @@ def blocking_with_line(fn, *, sleep_ms: float = 20.0):
 
 
 def waiting_line(events, threshold_s: float):
-    """The traced event (time, file, line, function) whose line was running when ``threshold_s`` had passed.
+    """The traced event (time, file, line, function) whose line was running when ``threshold_s`` had
+    passed.
 
     ``events`` are the tracer's line starts in order (the first is the call). The host
     waited on the line during which the elapsed time crossed the queued GPU sleep; using
@@ -155,8 +161,6 @@ def waiting_line(events, threshold_s: float):
 
 def _perturb(args, seed: int = 1234):
     """Give every CUDA tensor argument new values in place; return the saved originals."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     saved = []
     for a in args:
@@ -171,8 +175,6 @@ def _perturb(args, seed: int = 1234):
 
 
 def _restore(saved) -> None:
-    import torch
-
     with torch.no_grad():
         for a, old in saved:
             a.copy_(old)
@@ -190,13 +192,13 @@ class DynamicReport:
 
 
 def eager_failure(exc: BaseException) -> Finding:
-    """A finding for a function that raises when simply called (no capture involved), at the user's line."""
-    from course.core.capture import exception_frames
-
+    """A finding for a function that raises when simply called (no capture involved), at the user's
+    line."""
     fr = user_frame(exception_frames(exc))
-    return Finding("fails", fr[1] if fr else None, fr[0] if fr else None, fr[3] if fr else "", "eager",
-                   f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (it fails without "
-                   "any capture: fix that first; the other checks did not run)")
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return Finding("fails", fr[1] if fr else None, fr[0] if fr else None, fr[3] if fr else "",
+                   "eager", f"{type(exc).__name__}: {first} (it fails without any capture: fix "
+                   "that first; the other checks did not run)")
 
 
 def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -> DynamicReport:
@@ -211,16 +213,12 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
     ``fn`` should be free of side effects beyond its return value (the replay check
     calls it again). Needs a GPU.
     """
-    from course.core.capture import require_gpu, try_capture
-    from course.core.checks import flat_tensors, same_result
-    import torch
-
     require_gpu("the dynamic hazard finder")
     call = lambda: fn(*args)  # noqa: E731
     try:
         call()  # eager warm-up: lazy init must not be reported as a hazard
         torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - the function is broken before any capture: that is the finding
+    except Exception as e:  # noqa: BLE001 - broken before any capture: that is the finding
         return DynamicReport([eager_failure(e)], None, None, None, 0)
     findings = []
 
@@ -231,20 +229,22 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
         per_line.setdefault((fr[0], fr[1]), [fr, 0, ev["message"]])[1] += 1
     for (file, line), (fr, count, message) in per_line.items():
         times = f"{count} times" if count > 1 else "once"
-        findings.append(Finding("sync", line, file, fr[3], "sync-debug", f"torch warned {times}: {message}"))
+        findings.append(Finding("sync", line, file, fr[3], "sync-debug",
+                                f"torch warned {times}: {message}"))
 
     report, frame = blocking_with_line(call, sleep_ms=sleep_ms)
     if report.blocked:
         findings.append(Finding("blocks", frame[1] if frame else None, frame[0] if frame else None,
                                 frame[3] if frame else "", "host-blocking",
-                                f"returned after {report.host_return_ms:.1f} ms, with the GPU busy for "
-                                f"{report.gpu_busy_ms:.1f} ms: the host waited"))
+                                f"returned after {report.host_return_ms:.1f} ms, with the GPU busy "
+                                f"for {report.gpu_busy_ms:.1f} ms: the host waited"))
 
     outcome = try_capture(call)
     replay = None
     if not outcome.ok:
         fr = user_frame(outcome.frames)
-        findings.append(Finding("capture", fr[1] if fr else None, fr[0] if fr else None, fr[3] if fr else "",
+        findings.append(Finding("capture", fr[1] if fr else None, fr[0] if fr else None,
+                                fr[3] if fr else "",
                                 "capture", f"{outcome.error_type}: {outcome.error}"))
     elif replay_check:
         saved = _perturb(args)
@@ -258,11 +258,14 @@ def find_dynamic(fn, *args, sleep_ms: float = 20.0, replay_check: bool = True) -
             _restore(saved)
         if not replay:
             try:
-                file, line = inspect.getsourcefile(_target(fn)), inspect.getsourcelines(_target(fn))[1]
+                target = _target(fn)
+                file, line = inspect.getsourcefile(target), inspect.getsourcelines(target)[1]
             except (OSError, TypeError):
                 file, line = None, None
-            findings.append(Finding("frozen", line, file, f"def {getattr(fn, '__name__', '?')}(...)", "replay",
-                                    "replay with new inputs differs from eager: values were frozen at capture"))
+            findings.append(Finding("frozen", line, file,
+                                    f"def {getattr(fn, '__name__', '?')}(...)", "replay",
+                                    "replay with new inputs differs from eager: values were frozen "
+                                    "at capture"))
     outcome.graph = None
     outcome.output = None
     torch.cuda.synchronize()
@@ -290,15 +293,17 @@ class HazardReport:
 
     def lines(self, source: str | None = None) -> list:
         """Sorted distinct line numbers reported (by one source, or all)."""
-        return sorted({f.line for f in self.findings if f.line is not None and (source is None or f.source == source)})
+        return sorted({f.line for f in self.findings
+                       if f.line is not None and (source is None or f.source == source)})
 
     def __str__(self) -> str:
-        head = f"{self.name}: " + (f"{len(self.findings)} finding(s)" if self.flagged else "no hazards found")
+        head = f"{self.name}: " + (f"{len(self.findings)} finding(s)" if self.flagged
+                                   else "no hazards found")
         body = [str(f) for f in self.findings]
         if self.dynamic and self.dynamic.blocking is not None:
             b = self.dynamic.blocking
-            body.append(f"{'':20}host returned after {b.host_return_ms:.2f} ms; GPU busy {b.gpu_busy_ms:.2f} ms; "
-                        f"capture: {self.dynamic.capture}")
+            body.append(f"{'':20}host returned after {b.host_return_ms:.2f} ms; GPU busy "
+                        f"{b.gpu_busy_ms:.2f} ms; capture: {self.dynamic.capture}")
         if self.note:
             body.append(f"{'':20}({self.note})")
         return "\n".join([head] + body)
@@ -316,9 +321,10 @@ def find_hazards(fn, *args, dynamic: bool | None = None, sleep_ms: float = 20.0,
     if dynamic is None:
         dynamic = on_gpu
     if dynamic and not on_gpu:
-        from course.core.capture import require_gpu
         require_gpu("the dynamic hazard finder")
     if not dynamic:
-        note = "" if on_gpu else "static only: the dynamic checks need a GPU (see the reference results)"
+        note = "" if on_gpu else ("static only: the dynamic checks need a GPU (see the reference "
+                                  "results)")
         return HazardReport(name, static, None, note)
-    return HazardReport(name, static, find_dynamic(fn, *args, sleep_ms=sleep_ms, replay_check=replay_check))
+    return HazardReport(name, static,
+                        find_dynamic(fn, *args, sleep_ms=sleep_ms, replay_check=replay_check))

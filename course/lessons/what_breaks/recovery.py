@@ -1,49 +1,36 @@
-"""After a failed capture, does the next one work? Each kind of failure the course teaches, raw and guarded.
+"""After a failed capture, does the next one work? Each kind of failure the course teaches, raw and
+guarded, each case in a fresh process (``capture_recovery`` in :mod:`.bench` runs them).
 
-A graph cache captures many keys into one shared memory pool; one key that cannot be captured
-must cost that key only. :func:`after_failure` makes one capture of a failing step fail, then
-captures a good step into the same pool and replays it on new data:
-
-- ``torch.cuda.graph`` (raw), followed by :func:`course.core.capture.recover` (the random generator
-  reset, the queue drained): measured on an H100 with torch 2.11, an *invalidated* capture (a host
-  read, a Numba allocation, a random op followed by a host read, a side stream never joined) leaves
-  the allocators recording into the pool, so the next capture into it fails ("already recording to
-  mempool_id"); a device-to-host copy that torch refuses before CUDA sees it leaves no trace;
-- :func:`course.core.capture.graph` (guarded): the same failures, then the same good capture.
-
-One more hazard leaves no failing line in the step at all: a graph freed *during* another capture
-(:func:`freed_graph_hazard`). A dead reference cycle that still holds a captured graph is destroyed
-whenever Python's garbage collector runs; if that happens while another capture is in progress, the
-graph's destructor calls CUDA and the capture in progress is invalidated. ``torch.cuda.graph`` no
-longer collects garbage before capturing; :func:`course.core.capture.graph` keeps the collector off
-until the capture ends (:func:`freed_graph_fixed` is the same code through it).
-
-Each case runs in a fresh process (:mod:`course.core.isolate`), since a raw failure poisons the
-process it happens in; a last row makes every kind fail in turn in one process, guarded, with a
-good capture after each.
+:func:`after_failure` makes one capture of a failing step fail, then captures a good step into the
+same pool and replays it on new data: with ``torch.cuda.graph`` (raw; an *invalidated* capture
+leaves the allocators recording into the pool, measured on an H100 with torch 2.11) or through
+:func:`course.core.capture.graph` (guarded). :func:`freed_during_capture`: a graph left in a dead
+reference cycle, freed by the garbage collector in the middle of another capture
+(:func:`freed_graph_hazard`), and the same code with the collector off (:func:`freed_graph_fixed`).
 """
 from __future__ import annotations
 
-from course.core.capture import _root_cause, recover, require_gpu
-from course.core.isolate import run_isolated
-from course.core.reference import experiment
-from course.core.results import Result
+import gc
+
+import torch
+
+from course.core.capture import graph, recover, require_gpu, warm_up
+from course.core.harness import root_cause
+from course.core.runtime import cuda
 from course.core.text import condense
 
 KINDS = ("host_read", "d2h_copy", "numba_alloc", "rng", "unjoined_stream")
 
 
 def failing_step(kind: str, x, side):
-    """A step that breaks capture in the way ``kind`` names (``side``: a stream for the unjoined fork)."""
-    import torch
-
+    """A step that breaks capture in the way ``kind`` names (``side``: a stream for the unjoined
+    fork)."""
     if kind == "host_read":  # .item() in disguise: the host waits for the device
         return x * float(x.abs().max() > -1)
     if kind == "d2h_copy":  # refused by torch before any CUDA call
         return x.to("cpu").to(x.device) * 2
     if kind == "numba_alloc":  # cuMemAlloc is not permitted while capturing
-        from numba import cuda
-        cuda.device_array(16)
+        cuda().device_array(16)
         return x * 2
     if kind == "rng":  # a random op is recorded (the generator enters capture), then a host read
         y = x + torch.randn_like(x)
@@ -58,16 +45,10 @@ def failing_step(kind: str, x, side):
 
 def good_step(x):
     """A capturable step that allocates new memory in the pool and uses the random generator."""
-    import torch
-
     return torch.relu(x @ (x.T @ x)[:, :8]) + 0 * torch.randn(x.shape[0], 8, device=x.device)
 
 
 def _capture(guarded: bool, fn, pool):
-    import torch
-
-    from course.core.capture import graph
-
     g = torch.cuda.CUDAGraph()
     ctx = graph(g, pool=pool) if guarded else torch.cuda.graph(g, pool=pool)
     with ctx:
@@ -76,12 +57,12 @@ def _capture(guarded: bool, fn, pool):
 
 
 def abandoned_graph_cycle(x):
-    """Capture and replay a small graph, then drop it inside a reference cycle: only the collector frees it.
+    """Capture and replay a small graph, then drop it inside a reference cycle: only the collector
+    frees it.
 
-    This is what a cache that "clears" by dropping entries that point back at the cache leaves behind.
+    This is what a cache that "clears" by dropping entries that point back at the cache leaves
+    behind.
     """
-    import torch
-
     old = torch.cuda.CUDAGraph()
     with torch.cuda.graph(old):
         y = x * 2
@@ -90,15 +71,13 @@ def abandoned_graph_cycle(x):
     cycle["self"] = cycle  # a reference cycle: refcounting alone never frees it
 
 
-def _capture_with_collection(capture, x, by_hand: bool, allocations: int = 2000):
-    """Capture ``good_step(x)`` with ``capture`` while the body makes Python garbage (the collector comes due).
+def capture_with_collection(capture, x, by_hand: bool, allocations: int = 2000):
+    """Capture ``good_step(x)`` with ``capture`` while the body makes Python garbage (the collector
+    comes due).
 
-    ``by_hand``: call ``gc.collect()`` inside the capture instead, so the collection lands there every time.
+    ``by_hand``: call ``gc.collect()`` inside the capture instead, so the collection lands there
+    every time.
     """
-    import gc
-
-    import torch
-
     g = torch.cuda.CUDAGraph()
     with capture(g):
         out = good_step(x)
@@ -111,35 +90,30 @@ def _capture_with_collection(capture, x, by_hand: bool, allocations: int = 2000)
 
 
 def freed_graph_hazard(x, by_hand: bool = False):
-    """The hazard: a graph left in a reference cycle, then a ``torch.cuda.graph`` capture with the collector on."""
-    import torch
-
+    """The hazard: a graph left in a reference cycle, then ``torch.cuda.graph`` with the collector
+    on."""
     abandoned_graph_cycle(x)  # hazard: a graph only the garbage collector will free
-    return _capture_with_collection(torch.cuda.graph, x, by_hand)  # hazard: the collector runs mid-capture
+    return capture_with_collection(torch.cuda.graph, x, by_hand)  # hazard: gc runs mid-capture
 
 
 def freed_graph_fixed(x, by_hand: bool = False):
-    """The fix: the same abandoned graph, captured through :func:`course.core.capture.graph` (collector off)."""
-    from course.core.capture import graph
-
+    """The fix: the same abandoned graph, captured through :func:`course.core.capture.graph`
+    (collector off)."""
     abandoned_graph_cycle(x)
-    return _capture_with_collection(graph, x, by_hand)
+    return capture_with_collection(graph, x, by_hand)
 
 
-def freed_during_capture(guarded: bool, by_hand: bool = False, threshold: int = 500, rows: int = 64) -> dict:
-    """In this process: a graph abandoned in a reference cycle, then a capture while the collector comes due.
+def freed_during_capture(guarded: bool, by_hand: bool = False, threshold: int = 500,
+                         rows: int = 64) -> dict:
+    """In this process: a graph abandoned in a reference cycle, then a capture while the collector
+    comes due.
 
     The cycle is made with the collector off, then the collector goes on with a first-generation
-    ``threshold`` that the capture's body crosses (the few allocations before the capture begins do not):
-    the collection lands inside the capture, as it did by chance after lab 3's caches. ``by_hand``: the
-    body calls ``gc.collect()`` itself. Returns whether the capture worked and its first error line.
+    ``threshold`` that the capture's body crosses (the few allocations before the capture begins do
+    not): the collection lands inside the capture, as it did by chance after lab 3's caches.
+    ``by_hand``: the body calls ``gc.collect()`` itself. Returns whether the capture worked and its
+    first error line.
     """
-    import gc
-
-    import torch
-
-    from course.core.capture import recover, warm_up
-
     require_gpu("the freed-graph hazard")
     x = torch.randn(rows, 32, device="cuda")
     warm_up(lambda: good_step(x), 2)
@@ -164,7 +138,7 @@ def freed_during_capture(guarded: bool, by_hand: bool = False, threshold: int = 
         torch.cuda.synchronize()
         row["replay_right"] = bool(torch.allclose(out, good_step(x), atol=1e-3))
     except Exception as e:  # noqa: BLE001 - the failure is the point
-        row["failure"] = _first_line(_root_cause(e))
+        row["failure"] = _first_line(root_cause(e))
         torch.cuda.set_stream(torch.cuda.default_stream())
         try:
             recover()
@@ -178,28 +152,27 @@ def _first_line(e: BaseException) -> str:
 
 
 def after_failure(kind: str, guarded: bool, rows: int = 64) -> dict:
-    """In this process: a failing capture of ``kind``, then a good capture into the same pool, replayed on new data.
+    """In this process: a failing capture of ``kind``, then a good capture into the same pool,
+    replayed on new data.
 
-    Returns the failure's first line, whether the good capture worked, and whether its replay matched eager.
+    Returns the failure's first line, whether the good capture worked, and whether its replay
+    matched eager.
     """
-    import torch
-
-    from course.core.capture import warm_up
-
     require_gpu("capture recovery")
     pool, side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     x = torch.randn(rows, 32, device="cuda")
-    if kind != "numba_alloc":  # (a Numba allocation runs fine eagerly; warm the others the same way)
+    if kind != "numba_alloc":  # (a Numba allocation runs fine eagerly; warm the others up)
         warm_up(lambda: failing_step(kind, x, side), 1)
     failure = ""
     try:
         _capture(guarded, lambda: failing_step(kind, x, side), pool)
         failure = "(captured: no failure)"
     except Exception as e:  # noqa: BLE001 - the failure is the point
-        failure = _first_line(_root_cause(e))
+        failure = _first_line(root_cause(e))
     finally:
-        torch.cuda.set_stream(torch.cuda.default_stream())  # raw torch.cuda.graph leaves its capture stream current
-    row = {"kind": kind, "capture": "course graph()" if guarded else "torch.cuda.graph", "failure": failure,
+        torch.cuda.set_stream(torch.cuda.default_stream())  # a raw failure leaves its own current
+    row = {"kind": kind, "capture": "course graph()" if guarded else "torch.cuda.graph",
+           "failure": failure,
            "next_capture_ok": False, "replay_right": False, "next_error": ""}
     try:
         recover()  # both ways: the stream drained, the random generator out of capture mode
@@ -217,38 +190,12 @@ def after_failure(kind: str, guarded: bool, rows: int = 64) -> dict:
 
 
 def all_in_a_row(kinds=KINDS) -> dict:
-    """Every kind fails in turn in this process (guarded), each followed by a good capture into one shared pool."""
+    """Every kind fails in turn in this process (guarded), each followed by a good capture into one
+    shared pool."""
     rows = [after_failure(k, True) for k in kinds]
     ok = all(r["next_capture_ok"] and r["replay_right"] for r in rows)
     errors = "; ".join(f"{r['kind']}: {r['next_error']}" for r in rows if r["next_error"])
-    return {"kind": "all five in a row", "capture": "course graph()", "failure": f"{len(rows)} failures",
-            "next_capture_ok": all(r["next_capture_ok"] for r in rows), "replay_right": ok, "next_error": errors}
-
-
-@experiment("capture_recovery", gpu_only=True, quick={"kinds": ("host_read", "d2h_copy")})
-def recovery_experiment(kinds=KINDS, timeout: float = 120.0) -> Result:
-    """Per kind of failed capture: does the next capture into the same pool work, raw and guarded?"""
-    require_gpu("capture recovery")
-    from concurrent.futures import ThreadPoolExecutor
-
-    jobs = [("after_failure", {"kind": k, "guarded": g}) for k in kinds for g in (False, True)]
-    jobs.append(("all_in_a_row", {"kinds": list(kinds)}))
-    jobs += [("freed_during_capture", {"guarded": g, "by_hand": h}) for g in (False, True) for h in (False, True)]
-    with ThreadPoolExecutor(max_workers=4) as pool:  # independent processes: four at a time on one GPU
-        rows = list(pool.map(lambda job: run_isolated(__name__, job[0], timeout=timeout, **job[1]), jobs))
-    res = Result("capture_recovery", "After each kind of failed capture: the next capture into the same pool; "
-                 "and a graph freed by the garbage collector during a capture",
-                 {"kind": "", "capture": "", "failure": "", "next_capture_ok": "", "replay_right": "",
-                  "next_error": ""}, rows, params={"kinds": list(kinds)})
-    freed = {r["capture"]: r for r in rows if r["kind"] == "graph freed during capture"}
-    rows = [r for r in rows if not r["kind"].startswith("graph freed during capture")]
-    guarded = [r for r in rows if r["capture"] == "course graph()"]
-    raw = [r for r in rows if r["capture"] == "torch.cuda.graph"]
-    res.add_summary("captures_after_failure_ok", all(r["next_capture_ok"] and r["replay_right"] for r in guarded))
-    res.add_summary("raw torch.cuda.graph: kinds that poisoned the next capture",
-                    sum(not (r["next_capture_ok"] and r["replay_right"]) for r in raw))
-    res.add_summary("graph freed during capture: torch.cuda.graph captured",
-                    bool(freed["torch.cuda.graph"]["next_capture_ok"]))
-    res.add_summary("graph freed during capture: course graph() captured and replayed right",
-                    bool(freed["course graph()"]["next_capture_ok"] and freed["course graph()"]["replay_right"]))
-    return res
+    return {"kind": "all five in a row", "capture": "course graph()",
+            "failure": f"{len(rows)} failures",
+            "next_capture_ok": all(r["next_capture_ok"] for r in rows), "replay_right": ok,
+            "next_error": errors}

@@ -1,9 +1,7 @@
-"""Three functions with hidden capture hazards: lesson 03's debugging exercises, on code the learner did not write.
-
-Each is ordinary inference code that runs eagerly without a complaint; what capture does to it is for the learner
-to find. :data:`SUSPECTS` gives each one's inputs, the GPU's verdict and the line that causes it (the simulator gives
-the same verdicts; ``tests/test_debugging.py`` runs them on both paths). The source carries no hint: the learner
-reads it.
+"""Three functions with hidden capture hazards: lesson 03's debugging exercises, on code the learner
+did not write. Each runs eagerly without a complaint; :data:`SUSPECTS` gives each one's inputs, the
+GPU's verdict and the line that causes it (the simulator gives the same verdicts). The source
+carries no hint: the learner reads it.
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import torch
 from course.core.runtime import torch_device
 
 
-# --- 1 ------------------------------------------------------------------------------------------------------------
+# --- 1 --------------------------------------------------------------------------------------------
 def _temperature(logits):
     """A softmax temperature that grows with the spread of the logits."""
     spread = logits.std().item()
@@ -28,22 +26,22 @@ def sharpened(logits):
     return torch.softmax(logits / _temperature(logits), dim=-1)
 
 
-# --- 2 ------------------------------------------------------------------------------------------------------------
+# --- 2 --------------------------------------------------------------------------------------------
 def active_rows_mean(x):
     """The mean of the rows of x that are not all zero (padding rows are all zero)."""
     active = x[x.abs().sum(dim=1) > 0]
     return active.mean(dim=0)
 
 
-# --- 3 ------------------------------------------------------------------------------------------------------------
+# --- 3 --------------------------------------------------------------------------------------------
 def rotated(x, step):
-    """The pairs (x[:, 0], x[:, 1]) rotated by the angle of decode step ``step`` (a Python int, as a loop counts)."""
+    """The pairs (x[:, 0], x[:, 1]) rotated by the angle of decode step ``step`` (an int)."""
     angle = 0.1 * step
     c, s = math.cos(angle), math.sin(angle)
     return torch.stack((c * x[:, 0] - s * x[:, 1], s * x[:, 0] + c * x[:, 1]), dim=1)
 
 
-# --- the registry --------------------------------------------------------------------------------------------------
+# --- the registry ---------------------------------------------------------------------------------
 def _logits(g, dev):
     return (torch.randn(4, 10, generator=g).to(dev),)
 
@@ -60,13 +58,13 @@ def _pairs(g, dev):
 
 @dataclasses.dataclass(frozen=True)
 class Suspect:
-    """One function under suspicion: its inputs, what capture does to it, and the line that causes it."""
+    """A function under suspicion: its inputs, what capture does to it, the line that causes it."""
 
     fn: object
     make: object  # make(generator, device) -> args
     where: object  # the function holding the line that causes it (a helper, for sharpened)
     code: str  # that line's code
-    verdict: str  # "fails" or "replays wrong": what capturing fn on args(0) and replaying on args(1) does
+    verdict: str  # "fails" or "replays wrong": capture fn on args(0), replay it on args(1)
     error: str  # the key phrase of the capture's error ("" when it captures)
 
     @property
@@ -88,10 +86,11 @@ class Suspect:
 
 _REFUSED = "operation not permitted when stream is capturing"
 SUSPECTS = (
-    Suspect(sharpened, _logits, _temperature, "spread = logits.std().item()", "fails", _REFUSED),  # a host read
-    Suspect(active_rows_mean, _padded, active_rows_mean, "active = x[x.abs().sum(dim=1) > 0]", "fails",
-            _REFUSED),  # a data-dependent shape
-    Suspect(rotated, _pairs, rotated, "angle = 0.1 * step", "replays wrong", ""),  # a Python number, frozen
+    Suspect(sharpened, _logits, _temperature, "spread = logits.std().item()", "fails",
+            _REFUSED),  # a host read
+    Suspect(active_rows_mean, _padded, active_rows_mean, "active = x[x.abs().sum(dim=1) > 0]",
+            "fails", _REFUSED),  # a data-dependent shape
+    Suspect(rotated, _pairs, rotated, "angle = 0.1 * step", "replays wrong", ""),  # a frozen number
 )
 
 

@@ -1,15 +1,14 @@
 """A zoo of capture hazards, each with its fix: shared by notebook 03, the finder and the tests.
 
-Every entry pairs a *hazard* (a function that syncs with the host, copies between
-host and device, or reads GPU values on the host) with a *fix* that computes the
-same thing and captures cleanly. The functions are ordinary module-level
-functions, so the static finder (:func:`course.lessons.what_breaks.find_static`) can read
-their source and point at exact lines; each hazard line carries a ``# hazard``
-comment so tests can find the line the finder must report.
+Every entry pairs a *hazard* (it syncs with the host, copies between host and device or reads GPU
+values on the host) with a *fix* that computes the same and captures cleanly. They are plain
+functions, so the static finder (:func:`.static.find_static`) reads their source and points at
+exact lines; each hazard line carries a ``# hazard`` comment: the line the finder must report
+(the recorded ``hazards_finder`` holds these line numbers: keep them where they are).
 
-Inputs are small and built by each entry (:meth:`Entry.hazard_args`,
-:meth:`Entry.fixed_args`) on ``course.device()``; on the simulator path they live
-on the CPU, where the fixes (and most hazards) still run eagerly.
+Inputs are small and built by each entry (:meth:`Entry.hazard_args`, :meth:`Entry.fixed_args`) on
+``course.device()``; on the simulator path they live on the CPU, where the fixes (and most hazards)
+still run eagerly. The Numba hazards are in :mod:`.numba_zoo`.
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import io
 import torch
 
 from course.core.runtime import runtime, torch_device
+from course.lessons.what_breaks.static import RULES, find_static
 
 LOG = io.StringIO()  # where print_hazard prints (keeps notebook output readable)
 
@@ -52,7 +52,7 @@ def cpu_fixed(x, w):
 
 # --- 3. .to("cpu"): InfiniCore's old embedding ---------------------------------
 def to_cpu_hazard(ids, weight):
-    """Look up rows of weight, routing the indices through the host (InfiniCore's Embedding::forward before its fix)."""
+    """Rows of weight, the indices routed through the host (InfiniCore's old Embedding::forward)."""
     ids_host = ids.to("cpu")  # hazard: InfiniCore's old indices->to(cpu_device)
     return weight.index_select(0, ids_host.to(weight.device))  # hazard: and back again
 
@@ -169,7 +169,7 @@ def h2d_pageable_fixed(x, dev_scale):
 # --- 12. torch.tensor(..., device=cuda) from host data -----------------------------
 def tensor_ctor_hazard(x):
     """Add constant offsets built from a Python list on every call."""
-    offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], device=x.device)  # hazard: built on the host, copied
+    offsets = torch.tensor([0.0, 1.0, 2.0, 3.0], device=x.device)  # hazard: built on the host
     return x[:, :4] + offsets
 
 
@@ -243,12 +243,12 @@ class Entry:
     hazard: object
     fixed: object
     make: object  # make(generator, device, fixed: bool) -> tuple of args
-    outcome: str  # what capture does to the hazard: "error" (capture fails) or "wrong" (replays, wrong result)
+    outcome: str  # what capture does: "error" (capture fails) or "wrong" (replays, wrong result)
     rules: tuple  # the static finder's rule ids expected on the hazard
     cpu_eager: bool = True  # can the hazard run eagerly on the CPU path?
 
     def args(self, fixed: bool = False, seed: int = 0, device=None) -> tuple:
-        """Fresh inputs for the hazard (or the fix), from ``seed``, on ``device`` (default course.device())."""
+        """Fresh inputs for the hazard (or the fix) from ``seed``, on ``device`` (the course's)."""
         g = torch.Generator().manual_seed(seed)
         return self.make(g, torch.device(device) if device is not None else torch_device(), fixed)
 
@@ -257,7 +257,8 @@ class Entry:
         return self.args(False, seed, device)
 
     def fixed_args(self, seed: int = 0, device=None) -> tuple:
-        """Inputs for :attr:`fixed` (the same data; a static device buffer where the hazard used host memory)."""
+        """Inputs for :attr:`fixed` (the same data; a device buffer where the hazard used host
+        memory)."""
         return self.args(True, seed, device)
 
     def hazard_lines(self) -> list:
@@ -294,23 +295,24 @@ def _mk_pinned(g, d, fixed):
 ENTRIES = (
     Entry("item", ".item()", item_hazard, item_fixed, _mk_x, "error", ("item",)),
     Entry("cpu", ".cpu()", cpu_hazard, cpu_fixed, _mk_xw, "error", ("cpu",)),
-    Entry("to_cpu", '.to("cpu") (InfiniCore\'s old embedding)', to_cpu_hazard, to_cpu_fixed, _mk_ids_weight, "error",
-          ("to_cpu", "h2d")),
+    Entry("to_cpu", '.to("cpu") (InfiniCore\'s old embedding)', to_cpu_hazard, to_cpu_fixed,
+          _mk_ids_weight, "error", ("to_cpu", "h2d")),
     Entry("tolist", ".tolist()", tolist_hazard, tolist_fixed, _mk_x_ids, "error", ("tolist",)),
     Entry("print", "print(tensor)", print_hazard, print_fixed, _mk_xw, "error", ("print",)),
-    Entry("if_tensor", "if tensor:", if_tensor_hazard, if_tensor_fixed, _mk_x, "error", ("host_bool",)),
-    Entry("nonzero", "nonzero (data-dependent shape)", nonzero_hazard, nonzero_fixed, _mk_x, "error",
-          ("data_dependent",)),
-    Entry("masked_select", "masked_select (data-dependent shape)", masked_select_hazard, masked_select_fixed,
-          _mk_x, "error", ("data_dependent",)),
-    Entry("unique", "unique (data-dependent shape)", unique_hazard, unique_fixed, _mk_ids_weight, "error",
-          ("data_dependent",)),
-    Entry("synchronize", "torch.cuda.synchronize()", synchronize_hazard, synchronize_fixed, _mk_xw, "error",
-          ("cuda_synchronize",), cpu_eager=False),
-    Entry("h2d_pageable", "pageable host-to-device copy", h2d_pageable_hazard, h2d_pageable_fixed, _mk_h2d,
-          "error", ("h2d",)),
-    Entry("tensor_ctor", "torch.tensor(..., device=cuda)", tensor_ctor_hazard, tensor_ctor_fixed, _mk_x,
-          "error", ("tensor_ctor",)),
+    Entry("if_tensor", "if tensor:", if_tensor_hazard, if_tensor_fixed, _mk_x, "error",
+          ("host_bool",)),
+    Entry("nonzero", "nonzero (data-dependent shape)", nonzero_hazard, nonzero_fixed, _mk_x,
+          "error", ("data_dependent",)),
+    Entry("masked_select", "masked_select (data-dependent shape)", masked_select_hazard,
+          masked_select_fixed, _mk_x, "error", ("data_dependent",)),
+    Entry("unique", "unique (data-dependent shape)", unique_hazard, unique_fixed, _mk_ids_weight,
+          "error", ("data_dependent",)),
+    Entry("synchronize", "torch.cuda.synchronize()", synchronize_hazard, synchronize_fixed, _mk_xw,
+          "error", ("cuda_synchronize",), cpu_eager=False),
+    Entry("h2d_pageable", "pageable host-to-device copy", h2d_pageable_hazard, h2d_pageable_fixed,
+          _mk_h2d, "error", ("h2d",)),
+    Entry("tensor_ctor", "torch.tensor(..., device=cuda)", tensor_ctor_hazard, tensor_ctor_fixed,
+          _mk_x, "error", ("tensor_ctor",)),
     Entry("pinned_frozen", "pinned device-to-host copy (frozen values)", pinned_frozen_hazard,
           pinned_frozen_fixed, _mk_pinned, "wrong", ("capture_branch", "synchronize", "tolist"),
           cpu_eager=False),
@@ -337,7 +339,7 @@ def get(name: str) -> Entry:
 
 
 def safe_functions(seed: int = 0, device=None) -> list:
-    """(name, fn, args) for every function that must capture cleanly: the safe ones and every fix."""
+    """(name, fn, args) of every function that must capture cleanly: the safe ones, every fix."""
     dev = torch.device(device) if device is not None else torch_device()
     out = []
     for name, fn, make in SAFE:
@@ -359,14 +361,11 @@ def source(fn, mark: dict | None = None) -> str:
     return "\n".join(out)
 
 
-def describe(name: str, row: dict | None = None, fixed_row: dict | None = None) -> str:
-    """One zoo entry as text: the hazard's source marked by the static finder, what capture did, then the fix.
-
-    ``row`` / ``fixed_row`` are rows of the ``hazards_finder`` result for the hazard and
-    the fix (live on a GPU, reference data otherwise); without them only the sources show.
-    """
-    from course.lessons.what_breaks import RULES, find_static
-
+def describe(name: str, row: dict | None = None, fixed_row: dict | None = None,
+             sources: bool = True) -> str:
+    """One zoo entry as text: the hazard (its source marked by the static finder, or with
+    ``sources=False`` the finder's lines alone), what capture did (``row``, ``fixed_row``: rows of
+    ``hazards_finder``), then the fix."""
     e = get(name)
 
     def outcome(r):
@@ -377,10 +376,13 @@ def describe(name: str, row: dict | None = None, fixed_row: dict | None = None) 
         if r.get("replay") not in (None, "", "-"):
             out += f"\n  replay with new inputs: {r['replay']}"
         if r.get("blocked") is not None:
-            out += f"\n  host waits for the GPU when called eagerly: {'yes' if r['blocked'] else 'no'}"
+            waits = "yes" if r["blocked"] else "no"
+            out += f"\n  host waits for the GPU when called eagerly: {waits}"
         return out
 
     marks = {f.line: RULES[f.rule].what for f in find_static(e.hazard)}
-    parts = [f"== {e.title} ==", f"hazard: {e.hazard.__name__}", source(e.hazard, marks), outcome(row),
-             f"fix: {e.fixed.__name__}", source(e.fixed), outcome(fixed_row)]
+    found = "\n".join(f"  the finder: line {n}: {what}" for n, what in sorted(marks.items()))
+    parts = [f"== {e.title} ==", f"hazard: {e.hazard.__name__}",
+             source(e.hazard, marks) if sources else found, outcome(row),
+             f"fix: {e.fixed.__name__}", source(e.fixed) if sources else "", outcome(fixed_row)]
     return "\n".join(p for p in parts if p)

@@ -1,15 +1,9 @@
-"""torch.compile(mode="reduce-overhead"): the CUDA graphs torch.compile records for you (02 §7, 03 §5).
-
-- :class:`CompileNet`: a small MLP whose forward carries one capture hazard (or none).
-- ``compile_skip_reasons`` (its code stands in lesson 03's cell, :mod:`course.core.cells`): compiled vs eager with
-  each hazard, and the reason torch logs when it skips cudagraphs. Here: a row (:func:`compile_skip_row`) and the
-  table (:func:`compile_skip_result`).
-- ``compile_new_shapes`` (its code stands in lesson 02's cell, :mod:`course.core.cells`): what a new input shape
-  costs under reduce-overhead; this module keeps its bookkeeping (:func:`shape_call_row`, :func:`new_shapes_result`).
-
-GPU only; on the simulator path notebooks load the reference results.
-"""
+"""torch.compile(mode="reduce-overhead"): the CUDA graphs torch.compile records for you (lesson 02,
+section 7; lesson 03, section 5): the model it compiles, with one capture hazard or none, and the
+tables of ``compile_new_shapes`` and ``compile_skip_reasons`` (their code stands in the cells)."""
 from __future__ import annotations
+
+import torch
 
 from course.core.compiled import compile_counters
 from course.core.results import Result
@@ -24,16 +18,16 @@ class CompileNet:
 
     @staticmethod
     def build(hazard: str = "none", width: int = 256, depth: int = 6):
-        """An MLP of ``depth`` Linear+ReLU layers whose forward carries ``hazard`` (one of :attr:`HAZARDS`)."""
-        import torch
-
+        """An MLP of ``depth`` Linear+ReLU layers whose forward carries ``hazard`` (one of
+        :attr:`HAZARDS`)."""
         if hazard not in CompileNet.HAZARDS:
             raise ValueError(f"hazard must be one of {CompileNet.HAZARDS}")
 
         class Net(torch.nn.Module):
             def __init__(self):
                 super().__init__()
-                self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+                self.layers = torch.nn.ModuleList(torch.nn.Linear(width,
+                                                                  width) for _ in range(depth))
 
             def forward(self, x):
                 if hazard == "mutates_input":
@@ -51,7 +45,8 @@ class CompileNet:
 
 
 def why_slower(row: dict) -> str:
-    """A one-line reason, read off the row's own measurements, for compiled being slower than eager (or '')."""
+    """A one-line reason, read off the row's own measurements, for compiled being slower than eager
+    (or '')."""
     if row["compiled_us"] <= row["eager_us"]:
         return ""
     if not row["graph_launches"]:
@@ -60,23 +55,28 @@ def why_slower(row: dict) -> str:
             why += ", and torch.compile's wrapper (guards, input checks) adds host time on top"
         return why
     if row["graph_breaks"]:
-        return (f"{row['graph_breaks']} graph break(s): the model runs as several pieces with Python between them, "
+        return (f"{row['graph_breaks']} graph break(s): the model runs as several pieces with "
+                "Python between them, "
                 "each piece its own graph or kernels")
-    return "a graph is replayed, but the host work around it (guards, copies into static inputs) costs more here"
+    return ("a graph is replayed, but the host work around it (guards, copies into static inputs) "
+            "costs more here")
 
 
 def _recompile_reason(message: str) -> str:
     """'recompiled: tensor 'x' size mismatch ...' from dynamo's recompile message."""
-    reasons = [l.strip().lstrip("- ").split(": ", 1)[-1] for l in message.splitlines() if l.strip().startswith("- ")]
+    reasons = [line.strip().lstrip("- ").split(": ", 1)[-1] for line in message.splitlines()
+               if line.strip().startswith("- ")]
     return "recompiled: " + "; ".join(reasons) if reasons else "recompiled"
 
 
 def compile_skip_row(hazard: str, first_s: float, counts: dict, timings: dict, msgs: list) -> dict:
-    """One ``compile_skip_reasons`` row, from the cell's measurements of one hazard's model, and torch's compile
-    counters read now (:func:`course.core.compiled.compile_counters`, so call it right after the measurements).
+    """One ``compile_skip_reasons`` row, from the cell's measurements of one hazard's model, and
+    torch's compile counters read now (:func:`course.core.compiled.compile_counters`, so call it
+    right after the measurements).
 
-    ``first_s``: the first call's seconds; ``counts``: :func:`course.core.profiling.launch_counts` of a steady call;
-    ``timings``: ``{"compiled": Timing, "eager": Timing}`` (interleaved); ``msgs``: torch's log messages meanwhile.
+    ``first_s``: the first call's seconds; ``counts``: :func:`course.core.profiling.launch_counts`
+    of a steady call; ``timings``: ``{"compiled": Timing, "eager": Timing}`` (interleaved);
+    ``msgs``: torch's log messages meanwhile.
     """
     c, e = timings["compiled"], timings["eager"]
     k = compile_counters()
@@ -86,40 +86,50 @@ def compile_skip_row(hazard: str, first_s: float, counts: dict, timings: dict, m
     row = {"hazard": hazard, "first_call_s": first_s, "compiled_us": c.us,
            "compiled_q1_us": c.q1 * 1e6, "compiled_q3_us": c.q3 * 1e6, "eager_us": e.us,
            "eager_q1_us": e.q1 * 1e6, "eager_q3_us": e.q3 * 1e6,
-           "graph_launches": int(counts["graph_launches"]), "kernel_launches": int(counts["kernel_launches"]),
-           "cudagraph_skips": k["cudagraph_skips"], "graph_breaks": max(k["graph_breaks"], len(breaks)),
-           "skip_reason": skips[0] if skips else "", "graph_break_reason": breaks[0] if breaks else "",
+           "graph_launches": int(counts["graph_launches"]),
+           "kernel_launches": int(counts["kernel_launches"]),
+           "cudagraph_skips": k["cudagraph_skips"],
+           "graph_breaks": max(k["graph_breaks"], len(breaks)),
+           "skip_reason": skips[0] if skips else "",
+           "graph_break_reason": breaks[0] if breaks else "",
            "partitions": " | ".join(parts)}
     row["difference_is_noise"] = speedup("eager", e, "compiled", c).noise
     row["why_slower"] = "" if row["difference_is_noise"] else why_slower(row)
     return row
 
 
-def compile_skip_result(rows: list, hazards, width: int, depth: int, batch: int, repeats: int) -> Result:
-    """The ``compile_skip_reasons`` table from its rows (:func:`compile_skip_row`), with the experiment's parameters
-    and torch's version; the clean model's eager / compiled ratio when the ``none`` row is there."""
-    import torch
-
-    res = Result("compile_skip_reasons", 'torch.compile(mode="reduce-overhead"): what a hazard does to cudagraphs',
+def compile_skip_result(rows: list, hazards, width: int, depth: int, batch: int,
+                        repeats: int) -> Result:
+    """The ``compile_skip_reasons`` table from its rows (:func:`compile_skip_row`), with the
+    experiment's parameters and torch's version; the clean model's eager / compiled ratio when the
+    ``none`` row is there."""
+    res = Result("compile_skip_reasons", 'torch.compile(mode="reduce-overhead"): what a hazard '
+                                         'does to cudagraphs',
                  {"hazard": "", "first_call_s": "s", "compiled_us": "us", "compiled_q1_us": "us",
-                  "compiled_q3_us": "us", "eager_us": "us", "eager_q1_us": "us", "eager_q3_us": "us",
+                  "compiled_q3_us": "us", "eager_us": "us", "eager_q1_us": "us",
+                  "eager_q3_us": "us",
                   "graph_launches": "count", "kernel_launches": "count", "cudagraph_skips": "count",
-                  "graph_breaks": "count", "skip_reason": "", "graph_break_reason": "", "partitions": "",
+                  "graph_breaks": "count", "skip_reason": "", "graph_break_reason": "",
+                  "partitions": "",
                   "difference_is_noise": "", "why_slower": ""}, rows,
-                 params={"hazards": list(hazards), "width": width, "depth": depth, "batch": batch, "repeats": repeats,
+                 params={"hazards": list(hazards), "width": width, "depth": depth, "batch": batch,
+                         "repeats": repeats,
                          "torch": torch.__version__})
     clean = [r for r in rows if r["hazard"] == "none"]
     if clean:
-        res.add_summary("clean model: eager / compiled", clean[0]["eager_us"] / clean[0]["compiled_us"], "x")
+        res.add_summary("clean model: eager / "
+                        "compiled", clean[0]["eager_us"] / clean[0]["compiled_us"], "x")
     return res
 
 
-def shape_call_row(call: int, batch: int, new_shape: bool, seconds: float, before: dict, after: dict,
+def shape_call_row(call: int, batch: int, new_shape: bool, seconds: float, before: dict,
+                   after: dict,
                    messages: list) -> dict:
-    """One ``compile_new_shapes`` row: a call of the compiled model, its time, and what it compiled and recorded.
+    """One ``compile_new_shapes`` row: a call of the compiled model, its time, and what it compiled
+    and recorded.
 
-    ``before``/``after``: :func:`course.core.compiled.compile_counters` around the call; ``messages``: what torch
-    logged during it (recompiles, cudagraphs).
+    ``before``/``after``: :func:`course.core.compiled.compile_counters` around the call;
+    ``messages``: what torch logged during it (recompiles, cudagraphs).
     """
     log = [_recompile_reason(m) for m in messages if m.startswith("Recompiling")]
     recorded = sum("Recording function" in m for m in messages)
@@ -134,24 +144,29 @@ def shape_call_row(call: int, batch: int, new_shape: bool, seconds: float, befor
 
 
 def new_shapes_result(rows: list, batches, calls_per_shape: int, width: int) -> Result:
-    """The ``compile_new_shapes`` table from :func:`shape_call_row` rows: first calls, steady state, totals."""
-    import torch
-
-    res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new input shapes',
-                 {"call": "count", "batch": "count", "new_shape": "", "call_ms": "ms", "graphs_compiled": "count",
+    """The ``compile_new_shapes`` table from :func:`shape_call_row` rows: first calls, steady state,
+    totals."""
+    res = Result("compile_new_shapes", 'torch.compile(mode="reduce-overhead"): calling at new '
+                                       'input shapes',
+                 {"call": "count", "batch": "count", "new_shape": "", "call_ms": "ms",
+                  "graphs_compiled": "count",
                   "graphs_recorded": "count", "log": ""}, rows,
-                 params={"batches": list(batches), "calls_per_shape": calls_per_shape, "width": width,
+                 params={"batches": list(batches), "calls_per_shape": calls_per_shape,
+                         "width": width,
                          "torch": torch.__version__})
     firsts = [r for r in rows if r["new_shape"]]
-    steady = [r["call_ms"] for r in rows if not r["new_shape"] and r["call"] % calls_per_shape == calls_per_shape - 1]
+    steady = [r["call_ms"] for r in rows
+              if not r["new_shape"] and r["call"] % calls_per_shape == calls_per_shape - 1]
     res.add_summary("first call ever (compile + warm-up)", firsts[0]["call_ms"], "ms")
     if len(firsts) > 1:
         res.add_summary("first call at the second shape", firsts[1]["call_ms"], "ms")
     if len(firsts) > 2:
         res.add_summary("first call at the third shape", firsts[2]["call_ms"], "ms")
     if steady:
-        res.add_summary("a steady-state call (last at each shape, median)", sorted(steady)[len(steady) // 2], "ms")
+        res.add_summary("a steady-state call (last at each shape, "
+                        "median)", sorted(steady)[len(steady) // 2], "ms")
     res.add_summary("dynamo compiles in total", sum(r["graphs_compiled"] for r in rows), "count")
-    res.add_summary("CUDA graphs recorded in total", sum(r["graphs_recorded"] for r in rows), "count")
+    res.add_summary("CUDA graphs recorded in "
+                    "total", sum(r["graphs_recorded"] for r in rows), "count")
     res.add_summary("distinct batch sizes", len(set(batches)), "count")
     return res
