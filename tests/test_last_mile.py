@@ -202,8 +202,9 @@ for early in (False, True):
 @needs_triton
 def test_new_kernels_compile_for_hopper_without_a_gpu():
     """Triton's compiler (no GPU needed) builds the split kernels, the packed product and issue 43's variants for
-    sm_90: 16-byte loads, one atomic ticket in each split kernel, PDL's two instructions in each; attention ahead and
-    q/k/v with ``EARLY`` issue more loads before the PDL wait than before (the past; the position, cos, sin, norm)."""
+    sm_90: 16-byte loads, one atomic ticket in each split kernel, PDL's two instructions in each; attention with
+    ``AHEAD`` (``attention_ahead``) and q/k/v with ``EARLY`` issue more loads before the PDL wait than before (the
+    past; the position, cos, sin, norm)."""
     import subprocess
 
     pytest.importorskip("triton.backends.nvidia")

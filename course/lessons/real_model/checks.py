@@ -678,6 +678,7 @@ class Writes:
         return self.written == list(range(first, first + self.n))
 
     def frozen(self) -> str:
+        """Why every replay decoded at the same position ('' when it did not)."""
         if self.n < 2 or self.written != [self.start]:
             return ""
         if self.from_buffer is False:
