@@ -6,7 +6,7 @@ import torch
 import course
 from course.lessons.real_model import StaticDecoder, build_model
 from course.lessons.real_model import gemv as G
-from course.lessons.real_model.bench import (IMPLS, L2_FACTOR, copies_for_l2, gemv_result, gemv_row,
+from course.lessons.real_model.bench_sweep import (IMPLS, L2_FACTOR, copies_for_l2, gemv_result, gemv_row,
                                                   graph_of_calls, shapes_of)
 from course.lessons.real_model.projections import fuse_projections, gemv_model
 

@@ -1,5 +1,5 @@
 """Lab 4, step 6 on the laptop path: a captured loop goes on from a prompt prefilled into the
-decoder's KV cache, and the check (course.lessons.real_model.checks.check_chat) names what the cache
+decoder's KV cache, and the check (course.lessons.real_model.lab_checks.check_chat) names what the cache
 positions it wrote show. The loops are the course's GraphedDecode and wrong versions of it, on the
 tiny Llama (a random prompt: no tokenizer); the shipped SmolLM2 answers in
 tests/test_trained_model.py and in `course check --answers` of the lab."""
@@ -11,7 +11,7 @@ import torch
 from course.core import checks
 from course.core.harness import judge
 from course.lessons.real_model import build_model, chat
-from course.lessons.real_model import checks as C
+from course.lessons.real_model import lab_checks as C
 from course.lessons.real_model.checkpoint import quiet_tokenizer
 from course.lessons.real_model.decode import StaticDecoder
 from course.lessons.real_model.handgraph import GraphedDecode

@@ -242,13 +242,16 @@ def test_obs4_unwritten_column_and_uncounted_ids_are_named():
 
 # ----------------------------------------------------------------------- observation 5: answers not in lessons
 
+def _functions(source: str):
+    """(qualified name, node) of every function in a cell: ``Class.method`` inside a class."""
+    tree = ast.parse(source)
+    owner = {f: f"{c.name}." for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body}
+    return [(owner.get(n, "") + n.name, n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+
+
 def _solution_functions(nb) -> set:
-    names = set()
-    for c in nb.cells:
-        if c.cell_type == "code" and L.BEGIN in c.source:
-            names |= {n.name for n in ast.walk(ast.parse(c.source)) if isinstance(n, ast.FunctionDef)
-                      and L.BEGIN in ast.get_source_segment(c.source, n)}
-    return names
+    return {name for c in nb.cells if c.cell_type == "code" and L.BEGIN in c.source
+            for name, n in _functions(c.source) if L.BEGIN in ast.get_source_segment(c.source, n)}
 
 
 @pytest.mark.parametrize("sol", sorted((ROOT / "solutions").glob("*.ipynb")), ids=lambda p: p.name)
@@ -261,11 +264,16 @@ def test_obs5_learner_versions_hold_no_answers(sol):
     for c in nb.cells:
         if c.cell_type != "code":
             continue
-        for node in ast.walk(ast.parse(c.source)):
-            if isinstance(node, ast.FunctionDef) and node.name in names:
+        for name, node in _functions(c.source):
+            if name in names:
                 raises = [n for n in ast.walk(node) if isinstance(n, ast.Raise)
                           and "NotImplementedError" in ast.unparse(n)]
-                assert raises, f"{learner.name}: {node.name}() is answered in the learner version"
+                assert raises, f"{learner.name}: {name}() is answered in the learner version"
+
+
+def test_obs5_a_method_is_judged_by_its_class():
+    cell = "class A:\n    def __init__(self):\n        pass\nclass B:\n    def __init__(self):\n        pass\n"
+    assert [n for n, _ in _functions(cell)] == ["A.__init__", "B.__init__"]
 
 
 def test_lessons_and_labs_are_generated_in_sync(capsys):

@@ -4,7 +4,7 @@ import pytest
 
 from cellrun import _fresh_checks  # noqa: F401 - autouse: every test starts with no outcome
 from cellrun import expect_caught, one as _one, run_notebook_checks
-from course.lessons.real_model import checks as C
+from course.lessons.real_model import hand_check as H, lab_checks as C
 
 LAB4 = "lab4_real_model.ipynb"
 L1, L2, L3, L4, L5 = C.CAPTURABLE, C.WRAPPED, C.PREDICT, C.GAP, C.HAND
@@ -114,10 +114,10 @@ LAB4_MUTANTS = [
      ["mask", "own position"]),
     ("mask hard-coded to 128 positions",
      _one(_MASK, "mask = (torch.arange(128, device=pos.device) <= pos).view(1, 1, 1, -1)"), L5,
-     "mask_length", ["mask covers 128 positions", f"holds {C.MAX_LEN}"]),
+     "mask_length", ["mask covers 128 positions", f"holds {H.MAX_LEN}"]),
     ("mask hard-coded to the check's length",
-     _one(_MASK, f"mask = (torch.arange({C.MAX_LEN}, device=pos.device) <= pos).view(1, 1, 1, -1)"),
-     L5, "mask_length", [f"mask covers {C.MAX_LEN} positions", f"holds {C.PROMPT_LEN}"]),
+     _one(_MASK, f"mask = (torch.arange({H.MAX_LEN}, device=pos.device) <= pos).view(1, 1, 1, -1)"),
+     L5, "mask_length", [f"mask covers {H.MAX_LEN} positions", f"holds {H.PROMPT_LEN}"]),
     ("position set one past start", _one(_START, "self.pos.fill_(start + 1)  # 0"), L5, "one_late",
      ["one position late"]),
     ("position advanced before the replay",

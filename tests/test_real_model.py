@@ -18,8 +18,8 @@ from course.lessons.real_model import (SIZES, NaiveDecoder, StaticDecoder, asser
                                        floor_us, forced_logits, graph_cached, greedy, model_backend,
                                        split, tokens_per_s, weight_bytes)
 from course.lessons.graph_cache.backends import RecordingBackend
-from course.lessons.real_model import bench as E
-from course.lessons.real_model import checks as lab
+from course.lessons.real_model import bench as E, bench_sweep as S
+from course.lessons.real_model import checks as C06, lab_checks as lab
 from course.lessons.real_model import lesson
 from course.lessons.real_model.generate import TOLERANCE, compare, tolerance
 from course.lessons.real_model.model import Size, kv_bytes_per_position, llama_config, size_of
@@ -270,17 +270,17 @@ def test_lesson_06_checks_pass_right_answers_and_name_wrong_ones(model, capsys):
         ("q_proj, o_proj", 5.0), ("k_proj, v_proj", 2.0), ("gate_proj, up_proj", 9.0),
         ("stacked q/k/v", 6.0), ("stacked gate/up", 15.0))])
     checks.reset()
-    lab.check_statistics(lambda: {"cache_misses": 2, "cache_hits": 8, "padded_rows": 5})
-    lab.check_floor(lambda m, bw, batch: bytes_per_token(m, batch) / (bw * 1e9) * 1e6, model)
-    lab.check_saving(lambda t: 5.0 + 2 * 2.0 + 2 * 9.0 - 6.0 - 15.0, table)
+    C06.check_statistics(lambda: {"cache_misses": 2, "cache_hits": 8, "padded_rows": 5})
+    C06.check_floor(lambda m, bw, batch: bytes_per_token(m, batch) / (bw * 1e9) * 1e6, model)
+    C06.check_saving(lambda t: 5.0 + 2 * 2.0 + 2 * 9.0 - 6.0 - 15.0, table)
     assert all(v == "pass" for v in checks.progress().values()), capsys.readouterr().out
-    lab.check_statistics(lambda: {"cache_misses": 2, "cache_hits": 10, "padded_rows": 5})
+    C06.check_statistics(lambda: {"cache_misses": 2, "cache_hits": 10, "padded_rows": 5})
     assert "cache_hits: you said 10, the cache counted 8" in capsys.readouterr().out
-    lab.check_statistics(lambda: [2, 8, 5])
+    C06.check_statistics(lambda: [2, 8, 5])
     assert "should return a dict" in capsys.readouterr().out
-    lab.check_floor(lambda m, bw, batch: bytes_per_token(m, batch) / bw, model)
+    C06.check_floor(lambda m, bw, batch: bytes_per_token(m, batch) / bw, model)
     assert "the floor is" in capsys.readouterr().out
-    lab.check_saving(lambda t: 7.0, table)
+    C06.check_saving(lambda t: 7.0, table)
     assert "you said 7.0, the table gives 6.00 us" in capsys.readouterr().out
     assert all(v == "fail" for v in checks.progress().values()), checks.progress()
     checks.reset()
@@ -312,18 +312,18 @@ def test_experiment_quick_run_on_gpu(name):
 def test_sweep_helpers_build_rows_the_cell_measures(model):
     from course.core.timing import Timing
 
-    assert E.sweep_batches((4, 1, 2, 4)) == [1, 2, 4]
+    assert S.sweep_batches((4, 1, 2, 4)) == [1, 2, 4]
     for bad in ((), (0, 1)):
         with pytest.raises(ValueError, match="positive ints"):
-            E.sweep_batches(bad)
+            S.sweep_batches(bad)
     def no_triton():
         raise RuntimeError("no Triton here")
 
-    eager_dec, variants = E.sweep_variants(model, [1, 2], [], 16, no_triton)
+    eager_dec, variants = S.sweep_variants(model, [1, 2], [], 16, no_triton)
     assert list(variants) == ["eager", "graph-cached", E.TRITON]
     with pytest.raises(RuntimeError, match="no Triton here"):  # its row will say why
         variants[E.TRITON]()
-    na = E.na_row(4, E.TRITON, E.BATCH1_ONLY[E.TRITON])
+    na = S.na_row(4, E.TRITON, S.BATCH1_ONLY[E.TRITON])
     assert na["status"].startswith("n/a: ") and na["us"] != na["us"] and na["batch"] == 4
     args = eager_dec.example_args(2, 3, seed=2)
     with torch.no_grad():
@@ -331,15 +331,15 @@ def test_sweep_helpers_build_rows_the_cell_measures(model):
     assert (torch.allclose(got, want, atol=1e-5)
             and variants["graph-cached"].get_stats()["recordings"] == 1)
     t = Timing(2e-3, 1.9e-3, 2.2e-3, 1.8e-3, 2.4e-3, 3, 3, "cuda-events")
-    row = E.sweep_row(2, "graph-cached", variants["graph-cached"], 0.5, t)
+    row = S.sweep_row(2, "graph-cached", variants["graph-cached"], 0.5, t)
     assert (row["status"] == "ok" and row["tokens_per_s"] == pytest.approx(1000.0)
             and row["q3_us"] == pytest.approx(2200.0))
-    bad = E.failed_row(4, "fused", RuntimeError("no compiler"))
+    bad = S.failed_row(4, "fused", RuntimeError("no compiler"))
     assert bad["status"].startswith("FAILED: RuntimeError: no compiler") and bad["us"] != bad["us"]
-    fl = E.floor_row(model, 2, 3, 100.0)
+    fl = S.floor_row(model, 2, 3, 100.0)
     assert (fl["us"] == pytest.approx(floor_us(bytes_per_token(model, 2, 3), 100.0))
             and fl["variant"] == "floor")
-    res = E.batch_sweep_result([row, bad, fl], model, 100.0, size="tiny", position=3)
+    res = S.batch_sweep_result([row, bad, fl], model, 100.0, size="tiny", position=3)
     assert res.name == "real_model_batch_sweep" and "position 3" in res.title
     assert (res.value("best_at") == "graph-cached, batch 2"
             and res.value("copy_bandwidth_GBps") == 100.0)

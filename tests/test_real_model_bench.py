@@ -7,7 +7,7 @@ import torch
 
 from course.core.runtime import runtime
 from course.lessons.real_model import bench as E
-from course.lessons.real_model.checks import prompt_zeroed
+from course.lessons.real_model.hand_check import prompt_zeroed
 from course.lessons.real_model.model import build_model
 
 

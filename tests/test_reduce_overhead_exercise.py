@@ -27,7 +27,7 @@ from cellrun import apply_edits, run_cells
 from course.core import checks
 from course.core.runtime import runtime
 from course.lessons.real_model import build_model
-from course.lessons.real_model import checks as rc
+from course.lessons.real_model import reduce_check as rc
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "solutions" / "06_real_model.ipynb"

@@ -18,7 +18,7 @@ from course.core.timing import Timing
 from course.lessons.real_model import (StaticDecoder, assert_correct, build_model, check_variants,
                                        greedy, lesson)
 from course.lessons.real_model import bench as reduce_bench
-from course.lessons.real_model import checks as lab_checks
+from course.lessons.real_model import hand_check as lab_checks
 from course.lessons.real_model.handgraph import GraphedDecode
 from course.lessons.real_model.reduce_fixed import (ReduceOverheadStep, cache_sources,
                                                     describe_sources, mark_static,

@@ -370,7 +370,7 @@ def test_gpu_one_rank_probe_rows_and_tp1_reference():
 
 
 def test_the_partial_sum_kernel_compiles_for_hopper_without_a_gpu():
-    """proj_residual with RESIDUAL=False (x not read, the partial written) compiles for sm_90 with PDL."""
+    """proj_residual compiles for sm_90 with PDL: RESIDUAL=False drops x's load, EARLY=True moves it."""
     import subprocess
     import sys
 
@@ -384,9 +384,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from course.lessons.last_mile import kernels as K
 out = []
-for res in (True, False):
+for res, early in ((True, False), (False, False), (True, True)):
     sig = dict(a_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", N="i32")
-    consts = dict(K=4096, PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=0, RESIDUAL=res)
+    consts = dict(K=4096, PDL=True, DEPTH=2, BLOCK_N=2, BLOCK_K=1024, VEC=0, RESIDUAL=res, EARLY=early)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
     ptx = triton.compile(ASTSource(fn=K.proj_residual, signature={**sig, **{k: "constexpr" for k in consts}},
                                    constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -397,5 +397,6 @@ print(*out)
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    with_x, without = map(int, out.stdout.split())
+    with_x, without, early = map(int, out.stdout.split())
     assert without < with_x  # the residual's load is gone
+    assert early == with_x  # the residual read before the wait: the same loads, moved

@@ -101,7 +101,7 @@ def config_for(model, *, early: bool = False, ahead: bool = False, split_k: bool
     ``early``: every kernel's loads of what no earlier kernel writes (the position, cos/sin, the norms' weights of
     a row in one chunk) before its PDL wait, the residual loaded with the product's input, x read once per norm;
     ``ahead``: the unsplit attention reads the position and the past keys and values of its first two blocks before
-    its wait (:func:`~.kernels.attention_ahead`). Both keep every sum's order (compiled, logits move at rounding level);
+    its wait (:func:`~.attention.attention_ahead`). Both keep every sum's order (compiled, logits move at rounding level);
     ``split_k``: down_proj's columns split so that a program holds at most ``depth`` chunks (all loaded before its
     PDL wait); ``packed``: every product's weights repacked (:func:`pack`); ``split_kv``: attention in pieces of 256
     positions (4 x ``block_t``); ``split_kv="auto"``: split only for a step serving ``position`` at

@@ -28,8 +28,9 @@ the kernel runs under :mod:`.coop`, whose programs co-operate as threads.
 from __future__ import annotations
 
 from course.core.triton_path import triton
-from course.lessons.last_mile.kernels import (attention_tile, embed_tile, gate_up_pre, gate_up_run,
-                                              lm_head_run, proj_run, qkv_pre, qkv_run, rows_pre)
+from course.lessons.last_mile.attention import attention_tile
+from course.lessons.last_mile.kernels import (embed_tile, gate_up_pre, gate_up_run, lm_head_run, proj_run,
+                                              qkv_pre, qkv_run, rows_pre)
 
 tr = triton()
 import triton.language as tl  # noqa: E402  (after the interpret decision, on purpose)

@@ -20,7 +20,8 @@ summed in float32, then added to the residual stream and rounded again, as trans
 from __future__ import annotations
 
 from course.core.triton_path import triton
-from course.lessons.last_mile.kernels import _attend, _gemv, _prefetch, _softmax_start
+from course.lessons.last_mile.attention import _attend, _softmax_start
+from course.lessons.last_mile.kernels import _gemv, _prefetch
 
 tr = triton()
 import triton.language as tl  # noqa: E402  (after the interpret decision, on purpose)
