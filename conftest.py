@@ -16,7 +16,10 @@
   ``course`` even where it is not installed (the GPU lane); nbconvert's templates are put on
   ``JUPYTER_PATH`` when nbconvert was installed with ``pip --target`` (not under sys.prefix), by the
   same function ``course run`` uses (:func:`course.tools.render.expose_nbconvert_templates`).
+- Every test module starts with graphs left in dead cycles collected (one freed by the collector inside a later
+  capture breaks it), and a test that leaves a simulated capture under way fails itself, not the next test.
 """
+import gc
 import os
 from pathlib import Path
 
@@ -69,3 +72,22 @@ def pytest_collection_modifyitems(session, config, items):
             collected.add(path.resolve())
     config._course_nbval_active = _nbval_active(config)
     config._course_notebooks_collected = collected
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_garbage_graphs():
+    """Graphs that earlier test files left in reference cycles are freed now, not inside a capture."""
+    gc.collect()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def no_capture_left_behind():
+    """After each test on the simulator: no capture under way, the default stream current again."""
+    yield
+    from course.core.runtime import runtime
+    if not runtime().on_gpu:
+        from course.sim import graph as simgraph, stream as simstream  # the simulator's path only
+        left = bool(simstream._ACTIVE) or simstream.current_stream() is not simstream.default_stream()
+        simgraph.end_all_captures()
+        assert not left, "the test left a capture under way or a capture stream current"

@@ -1,9 +1,8 @@
-"""Fixtures shared by the test files that capture on either path: no capture left under way after a test, and no
-graph from an earlier file freed by the collector in the middle of one of this file's captures.
+"""Helpers shared by the test files that capture on either path (the suite's conftest.py sees that no
+capture is left under way after a test, and no earlier file's graph is freed inside a capture).
 
 :func:`verdict` runs one of :mod:`course.parity.torch_behaviours`'s failing captures on the path this machine has.
 
-A test file uses them with ``from simguard import no_capture_left_behind, no_garbage_graphs  # noqa: F401``.
 :func:`one_rank` (and the fixture :func:`one_rank_group`) is a process group of this one process.
 """
 from __future__ import annotations
@@ -19,24 +18,6 @@ import torch.distributed as dist
 
 from course.core.runtime import runtime
 from course.parity import torch_behaviours as parity_torch
-from course.sim import graph as simgraph, stream as simstream
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_garbage_graphs():
-    """Graphs that earlier test files left in reference cycles are freed now, not inside one of these captures."""
-    gc.collect()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def no_capture_left_behind():
-    """After each test on the simulator: no capture under way, the default stream current again."""
-    yield
-    if not runtime().on_gpu:
-        left = bool(simstream._ACTIVE) or simstream.current_stream() is not simstream.default_stream()
-        simgraph.end_all_captures()
-        assert not left, "the test left a capture under way or a capture stream current"
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@ decoder's KV cache, and the check (course.lessons.real_model.lab_checks.check_ch
 positions it wrote show. The loops are the course's GraphedDecode and wrong versions of it, on the
 tiny Llama (a random prompt: no tokenizer); the shipped SmolLM2 answers in
 tests/test_trained_model.py and in `course check --answers` of the lab."""
+import gc
 import types
 
 import pytest
 import torch
 
+import course
 from course.core import checks
 from course.core.harness import judge
 from course.lessons.real_model import build_model, chat
@@ -166,3 +168,23 @@ def test_quiet_tokenizer_turns_the_clean_up_off_for_bpe_only():
     assert quiet_tokenizer(_tokenizer_of("BPE")).clean_up_tokenization_spaces is False
     assert quiet_tokenizer(_tokenizer_of("WordPiece")).clean_up_tokenization_spaces is True
     assert quiet_tokenizer(None) is None
+
+
+def test_a_graph_left_in_a_dead_cycle_does_not_break_the_loops_capture(capsys, monkeypatch):
+    """An earlier captured loop in a reference cycle, freed by the collector inside this capture,
+    would break it: the check collects garbage first and keeps the collector off meanwhile."""
+    cg = course.graphs()
+    begin = cg.CUDAGraph.capture_begin
+
+    def begin_then_collect(self, *args, **kwargs):  # the collector runs now, if it is on
+        begin(self, *args, **kwargs)
+        if gc.isenabled():
+            gc.collect()
+
+    model = C.lab_model()
+    old = GraphedDecode(StaticDecoder(model, 16))
+    old.me = old  # a cycle: only the collector frees it
+    del old
+    monkeypatch.setattr(cg.CUDAGraph, "capture_begin", begin_then_collect)
+    status, _, result = _verdict(GraphedDecode, capsys, model)
+    assert status == "pass" and result["agree"] == result["compared"] == N

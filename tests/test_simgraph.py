@@ -59,7 +59,6 @@ EXPECTED = {
 }
 
 
-from simguard import no_capture_left_behind  # noqa: F401 - an autouse fixture
 
 
 # ----------------------------------------------------------------------------- parity (both paths)

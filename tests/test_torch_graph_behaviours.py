@@ -43,7 +43,7 @@ cg = course.graphs()
 DEV = course.device()
 
 
-from simguard import no_capture_left_behind, no_garbage_graphs, verdict  # noqa: F401 - autouse fixtures
+from simguard import verdict
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ cg = course.graphs()
 DEV = course.device()
 
 
-from simguard import no_capture_left_behind, no_garbage_graphs, verdict  # noqa: F401 - autouse fixtures
+from simguard import verdict
 
 
 def warm_up(fn, n: int = 3) -> None:

@@ -8,7 +8,7 @@ import functools
 import torch
 
 from course.core.checks import exercise
-from course.core.harness import Rule, check
+from course.core.harness import Rule, check, restored
 from course.lessons.graph_cache.cache import GraphCache
 from course.lessons.real_model import chat
 from course.lessons.real_model.decode import StaticDecoder, model_backend
@@ -281,7 +281,8 @@ def check_chat(cls=None, model=None, tokenizer=None, prompt=None, n: int = N_CHA
         prompt = chat.chat_ids(tokenizer, chat.QUESTION,
                                device=model.device) if prompt is None else prompt
         dec = StaticDecoder(model, prompt.shape[1] + n)
-        result = chat.answer(cls(dec), dec, prompt, n)
+        with restored():  # no graph freed by the collector inside the loop's capture
+            result = chat.answer(cls(dec), dec, prompt, n)
         start = result["start"]
         writes = Writes(result["written"], start, n, zeroed=prompt_zeroed(dec.cache_for(1), start))
         title = f"after the prompt (positions 0..{start - 1} prefilled)"
