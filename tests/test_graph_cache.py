@@ -255,6 +255,26 @@ def test_fusion_falls_back_when_the_compiled_forward_fails():
         _cache(broken)(torch.ones(2, device=DEV))  # a broken forward is the caller's error, not a fallback
 
 
+def test_fusion_warms_up_twice_so_a_recompile_on_the_second_call_is_not_captured():
+    """torch.compile recompiles on its second call when the first changed what its guards read (a
+    decoder's KV cache made on first use); a recompile inside a capture fails, so fusion warms up
+    twice. The stand-in does host work (refused in a capture) on its second call only."""
+    calls = []
+
+    def compiled(x):
+        calls.append(1)
+        if len(calls) == 2:
+            x.sum().item()  # the "recompile": host work a capture refuses
+        return x + 1
+
+    c = _cache(lambda x: x + 1, fusion=True, fused=compiled)
+    assert c(torch.ones(2, device=DEV)).tolist() == [2.0, 2.0]
+    s = c.get_stats()
+    assert (s["fusion_successes"], s["fusion_fallbacks"]) == (1, 0), s["fallback_reasons"]
+    assert len(calls) == 3, "two warm-ups, then the capture"
+    assert c(torch.full((2,), 3.0, device=DEV)).tolist() == [4.0, 4.0]
+
+
 def test_warmup_records_largest_first():
     order = []
     c = _cache(lambda x: (order.append(x.shape[0]), x + 1)[1], buckets=[1, 2, 4, 8])

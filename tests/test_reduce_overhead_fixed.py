@@ -55,6 +55,20 @@ def test_graphed_decode_replays_eager_tokens_and_logits(model):
         assert "aten.argmax.default" in hand.graph.recorded_ops()
 
 
+def test_a_right_loop_that_writes_token_0_s_zero_row_is_seen_writing_it():
+    """A pad row of zeros (token 0's embedding) gives zero keys and values at its position, which
+    lab 4.5's check cannot tell from no write: on a GPU a mask that leaves out the token's own
+    position gives NaN logits, whose argmax is token 0, and the ✗ named the positions, not the
+    mask. The checks' model has no zero row."""
+    model = lab_checks.lab_model()
+    assert model.model.embed_tokens.weight[0].any()
+    assert not build_model("tiny").model.embed_tokens.weight[0].any(), "the pad row, as built"
+    with lab_checks._built(GraphedDecode, StaticDecoder(model, lab_checks.MAX_LEN)) as b:
+        run = lab_checks._Run(b, 0, 8)
+        assert run.writes.written == list(range(8))
+        assert not any(r.test(run) for r in lab_checks.RUN_RULES)
+
+
 def test_lab_hand_capture_check_passes_the_course_class_and_names_a_kept_output(capsys):
     checks.reset()
     lab_checks.check_hand_capture(GraphedDecode)

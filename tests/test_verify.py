@@ -1,5 +1,6 @@
 """`python -m course verify-embedding`: the report, its exit codes, never a traceback."""
 import pytest
+import torch
 
 from course.embedding import verify as V
 from course.tools.cli import main as cli
@@ -18,6 +19,20 @@ def test_simulator_says_capture_needs_a_gpu_and_exits_2(impl, capsys):
     assert "✓ the" in out.out and "matches F.embedding on the Numba CUDA simulator" in out.out
     assert "need a real GPU" in out.out and runtime().reason in out.out
     assert "Traceback" not in out.out + out.err
+
+
+@SIM
+def test_the_report_judges_its_own_forward_not_an_earlier_lookups_error(capsys):
+    """An earlier lookup's out-of-range id left in the error flag (a -1 in a 512-row table, from
+    another test in the same process) is not this report's."""
+    from course.embedding.lookup import error_flag, reset_errors
+
+    flag = error_flag()
+    flag.copy_(torch.tensor([1, 3, -1, 512]))
+    try:
+        assert V.main("cpu-copy") == 2, capsys.readouterr().out
+    finally:
+        reset_errors()
 
 
 @SIM

@@ -180,6 +180,7 @@ def _simulator_report(impl: str, log=print) -> int:
     log("1. Input")
     log(f"   - shape: {list(ids.shape)}   device: {ids.device}   dtype: "
         f"{ids.dtype} (tiny: the simulator runs every thread in Python)")
+    E.reset_errors()  # this forward's errors only, not what an earlier lookup left in the flag
     right = torch.equal(emb(ids), F.embedding(ids, emb.weight))
     E.check_errors()
     log(f"   {_mark(right)} the {impl} forward matches F.embedding on the Numba CUDA simulator")

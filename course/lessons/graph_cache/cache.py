@@ -192,8 +192,12 @@ class CacheBase:
         for mode in modes:
             fn = self._fused_fn() if mode == "fusion" else self.fn
             self.fusion_attempts += mode == "fusion"
+            # a compiled forward recompiles on its second call when its first changed what its
+            # guards read (a decoder's KV cache made on first use): inside a capture that fails
+            # ("operation not permitted when stream is capturing"), so fusion warms up twice
+            warm = max(self.warmup_iters, 2) if mode == "fusion" else self.warmup_iters
             try:
-                rec = self.backend.capture(fn, static, warmup=self.warmup_iters)
+                rec = self.backend.capture(fn, static, warmup=warm)
             except CaptureFailed as e:
                 reason = e.reason
                 self.fusion_fallbacks += mode == "fusion"

@@ -24,9 +24,15 @@ _MODEL: dict = {}
 
 
 def lab_model():
-    """The tiny Llama every check uses (built once per session, seed 0)."""
+    """The tiny Llama every check uses (built once per session, seed 0), token 0's embedding not
+    zero: the pad row's zeros give zero keys and values, which no check tells from no write."""
     if "m" not in _MODEL:
-        _MODEL["m"] = build_model("tiny")
+        m = build_model("tiny")
+        emb = m.model.embed_tokens.weight
+        with torch.no_grad():
+            row = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
+            emb[0].copy_(row.to(emb.device, emb.dtype) * emb[1:].std())
+        _MODEL["m"] = m
     return _MODEL["m"]
 
 
