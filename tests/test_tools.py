@@ -121,6 +121,11 @@ def test_run_executes_two_notebooks_at_once_and_lists_them_in_the_courses_order(
     assert executed.cells[0].outputs[0]["text"].strip() == "slow"
 
 
+def test_side_by_side_notebooks_share_the_cpus_threads():
+    assert render.thread_share(2, cpus=2) == 1 and render.thread_share(2, cpus=16) == 8
+    assert render.thread_share(4, cpus=2) == 1 and render.thread_share(1, cpus=None) >= 1
+
+
 def test_default_jobs_is_one_on_a_gpu_and_two_on_two_cpus():
     assert render.default_jobs(on_gpu=True, cpus=64) == 1
     assert render.default_jobs(on_gpu=False, cpus=2) == 2 and render.default_jobs(on_gpu=False, cpus=16) == 2
