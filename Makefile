@@ -26,10 +26,7 @@ NBVAL := --nbval-lax --nbval-cell-timeout=900
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0,)
 # Side by side, each worker (and its notebook kernels) gets its share of the CPUs for torch's threads
-# (OMP_NUM_THREADS, unless set): two processes each threading over every core of a 2-core machine ran
-# lesson 06's two notebooks in 225 s, against 30 s with one thread each.
-THREADS := $(shell n=$$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2); w=$(TEST_WORKERS); \
-	[ "$$w" -gt 0 ] 2>/dev/null && echo $$(( n / w > 0 ? n / w : 1 )) || echo $$n)
+# (OMP_NUM_THREADS, unless set; course.tools.render.thread_share, as `course run` does).
 
 ifeq ($(USE_VENV),)
 CONDA_ENV := $(filter-out base,$(and $(CONDA_PREFIX),$(CONDA_DEFAULT_ENV)))
@@ -67,7 +64,8 @@ course: setup  ## set up, check the environment, execute the lessons and labs in
 	$(PY) -m course run
 
 test: setup  ## set up, then run the unit tests and every notebook, lab and solution under nbval
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(THREADS)} $(PY) -m pytest -p no:cacheprovider $(XDIST) $(TEST_PATHS) $(NBVAL)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$($(PY) -c 'from course.tools.render import thread_share; \
+	print(thread_share($(TEST_WORKERS)))')} $(PY) -m pytest -p no:cacheprovider $(XDIST) $(TEST_PATHS) $(NBVAL)
 
 doctor: setup
 	COURSE_FROM_MAKE=doctor $(PY) -m course doctor

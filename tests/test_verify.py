@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from course.embedding import verify as V
+from course.embedding.lookup import error_flag, reset_errors
 from course.tools.cli import main as cli
 from course.core.runtime import runtime
 
@@ -25,8 +26,6 @@ def test_simulator_says_capture_needs_a_gpu_and_exits_2(impl, capsys):
 def test_the_report_judges_its_own_forward_not_an_earlier_lookups_error(capsys):
     """An earlier lookup's out-of-range id left in the error flag (a -1 in a 512-row table, from
     another test in the same process) is not this report's."""
-    from course.embedding.lookup import error_flag, reset_errors
-
     flag = error_flag()
     flag.copy_(torch.tensor([1, 3, -1, 512]))
     try:
